@@ -1,0 +1,49 @@
+"""Array-module dispatch: the same numerics run on NumPy (CPU) and CuPy (GPU) arrays.
+
+CuPy is imported lazily and only when an array is not a NumPy array, so that
+``import nnunet_triton`` works on machines without CuPy or a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+__all__ = ["get_array_module", "get_ndimage", "is_cupy_array", "to_numpy"]
+
+
+def is_cupy_array(array: Any) -> bool:
+    """True if ``array`` is a CuPy array (without importing CuPy when it is not loaded)."""
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(array, cupy.ndarray)
+
+
+def get_array_module(*arrays: Any) -> ModuleType:
+    """Return ``cupy`` if any argument is a CuPy array, else ``numpy``."""
+    for array in arrays:
+        if is_cupy_array(array):
+            import cupy
+
+            return cupy
+    return np
+
+
+def get_ndimage(xp: ModuleType) -> ModuleType:
+    """Return the ``scipy.ndimage`` implementation matching the array module ``xp``."""
+    if xp is np:
+        import scipy.ndimage
+
+        return scipy.ndimage
+    import cupyx.scipy.ndimage
+
+    return cupyx.scipy.ndimage
+
+
+def to_numpy(array: Any) -> np.ndarray:
+    """Copy a CuPy array to the host; NumPy arrays are returned unchanged."""
+    if is_cupy_array(array):
+        return array.get()
+    return np.asarray(array)

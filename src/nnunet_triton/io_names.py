@@ -1,0 +1,36 @@
+"""Tensor and model names shared by the config generator, the model.py adapters and the clients.
+
+Every name is defined once here. Python models use UPPER_SNAKE names; TorchScript fold models follow the
+PyTorch backend's ``<name>__<index>`` rule.
+"""
+
+from __future__ import annotations
+
+# --- public endpoint -------------------------------------------------------------------------------
+ENDPOINT_MODEL = "nnunet"
+IMAGE = "IMAGE"  # [C, *spatial] in the training reader's axis order (SimpleITK: z, y, x)
+SPACING = "SPACING"  # [n_spatial] float64, same axis order as IMAGE
+SEGMENTATION = "SEGMENTATION"  # [*spatial] uint8/uint16, geometry of IMAGE
+PROBABILITIES = "PROBABILITIES"  # [K, *spatial] float32, only when requested
+
+# --- composing models ------------------------------------------------------------------------------
+PREPROCESS_MODEL = "preprocess_model"
+ORCHESTRATOR_MODEL = "orchestrator_model"
+STITCH_MODEL = "stitch_model"
+
+
+def fold_model_name(fold: int | str) -> str:
+    """Name of the Triton model serving one fold's network (``fold_0`` ... ``fold_all``)."""
+    return f"fold_{fold}"
+
+
+# preprocess -> orchestrator / stitch
+PREPROCESSED = "PREPROCESSED"  # [C_in, *resampled spatial] float32, transposed axis order
+CASE_PROPERTIES = "CASE_PROPERTIES"  # int64 vector, CaseProperties.as_array()
+
+# orchestrator -> stitch
+LOGITS = "LOGITS"  # [K, *resampled spatial] float16, fold-averaged
+
+# fold models (TorchScript naming convention of the PyTorch backend)
+FOLD_INPUT = "INPUT__0"  # [N, C_in, *patch] float32
+FOLD_OUTPUT = "OUTPUT__0"  # [N, K, *patch] float32 (float16 with fp16 export)
