@@ -16,6 +16,8 @@ __all__ = [
     "ResourceExhaustedError",
     "ExportError",
     "ServerError",
+    "NumericalError",
+    "ClientError",
 ]
 
 
@@ -65,3 +67,23 @@ class ServerError(NnunetTritonError):
     """The embedded tritonserver failed to start, died, or did not become ready."""
 
     triton_code = "UNAVAILABLE"
+
+
+class NumericalError(NnunetTritonError):
+    """A numerical result is unusable, e.g. ``inf`` in the stitched fp16 logits (nnU-Net raises too)."""
+
+    triton_code = "INTERNAL"
+
+
+class ClientError(NnunetTritonError):
+    """A client call failed: server unreachable or not ready, or the server answered with an error.
+
+    ``status`` is the server's status (HTTP code or gRPC status name) when it answered, else None;
+    the message carries the server's own message.
+    """
+
+    triton_code = "UNAVAILABLE"
+
+    def __init__(self, message: str, *, status: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status

@@ -1,0 +1,57 @@
+"""Importing nnunet_triton and each of its modules must not load torch, cupy or Triton client/stub packages.
+
+Runs in a fresh interpreter (this test process already imported torch through other tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+FORBIDDEN = ("torch", "cupy", "cupyx", "tritonclient", "triton_python_backend_utils")
+
+CHILD = """
+import importlib, json, pkgutil, sys
+forbidden = {forbidden!r}
+def loaded():
+    return sorted(n for n in sys.modules if n.split(".")[0] in forbidden)
+report = {{}}
+import nnunet_triton
+report["nnunet_triton"] = loaded()
+for info in pkgutil.walk_packages(nnunet_triton.__path__, "nnunet_triton."):
+    before = set(loaded())
+    importlib.import_module(info.name)
+    report[info.name] = sorted(set(loaded()) - before)
+print(json.dumps(report))
+"""
+
+
+def test_importing_every_library_module_loads_no_heavy_dependency_when_fresh_interpreter():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD.format(forbidden=FORBIDDEN)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = {
+        "nnunet_triton.tiling",
+        "nnunet_triton.gaussian",
+        "nnunet_triton.sliding_window",
+        "nnunet_triton.export",
+        "nnunet_triton.resampling",
+        "nnunet_triton.cropping",
+        "nnunet_triton.normalization",
+        "nnunet_triton.preprocess",
+        "nnunet_triton.plans",
+    }
+    assert expected <= set(report)
+    assert {name: mods for name, mods in report.items() if mods} == {}
