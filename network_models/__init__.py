@@ -1,0 +1,1 @@
+"""Fold network export (TorchScript) and the Python-backend fold runner."""

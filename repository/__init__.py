@@ -1,0 +1,1 @@
+"""Model repository builder and the BLS orchestrator model."""

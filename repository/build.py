@@ -1,0 +1,327 @@
+"""Build a Triton model repository from a trained nnU-Net v2 results folder.
+
+    python -m repository.build --model <Dataset.../Trainer__Plans__Config> [--folds 0 1]
+        [--out build/model_repository] [--target cpu|gpu] [--tile-batch-size 4] [--force]
+
+What it writes (``<out>``)::
+
+    repository_metadata.json            versions, plans sha256, folds, target, export checks, input hash
+    nnunet/config.pbtxt, 1/             the ensemble endpoint
+    preprocess_model/  orchestrator_model/  stitch_model/
+        config.pbtxt, 1/model.py, 1/inference_config.json
+    fold_<k>/config.pbtxt, 1/model.pt   (+ 1/model.py, 1/inference_config.json for the Python runner)
+
+Every config.pbtxt comes from ``nnunet_triton.model_specs``; every ``model.pt`` from
+``network_models.export`` (reloaded and compared with the eager network before it is kept).
+
+The build happens in a temporary sibling directory that replaces ``<out>`` only when complete, so a
+failure leaves the previous repository (or nothing) in place. ``input_hash`` covers the plans,
+dataset.json, the checkpoints, the build options, the adapters and the generating code; a re-run
+with the same inputs is a no-op, any change rebuilds. Triton ignores plain files at the repository
+root (verified with the embedded 2.51 server), so the metadata file can live there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `python repository/build.py` puts only repository/ on the path
+    sys.path.insert(0, str(REPO_ROOT))
+
+from network_models import export  # noqa: E402
+from nnunet_triton import __version__ as NNUNET_TRITON_VERSION  # noqa: E402
+from nnunet_triton import config_gen, io_names, model_specs  # noqa: E402
+from nnunet_triton.errors import NnunetTritonError, PlansError  # noqa: E402
+from nnunet_triton.model_specs import BuildOptions, FoldRunner, Target  # noqa: E402
+from nnunet_triton.plans import CHECKPOINT_NAME, InferenceConfig, read_model_folder  # noqa: E402
+
+__all__ = ["ADAPTERS", "BuildResult", "build_repository", "compute_input_hash", "main"]
+
+LOGGER = logging.getLogger(__name__)
+
+METADATA_FILE = "repository_metadata.json"
+CONFIG_FILE = "inference_config.json"
+VERSION_DIR = "1"
+# model name -> its model.py adapter, relative to the source tree root
+ADAPTERS = {
+    io_names.PREPROCESS_MODEL: Path("preprocess_model/model.py"),
+    io_names.ORCHESTRATOR_MODEL: Path("repository/orchestrator/model.py"),
+    io_names.STITCH_MODEL: Path("stitch_model/model.py"),
+}
+FOLD_RUNNER_ADAPTER = Path("network_models/python_runner/model.py")
+# code whose change changes the built repository (hashed into input_hash)
+GENERATING_CODE = (
+    Path("repository/build.py"),
+    Path("network_models/export.py"),
+    Path("src/nnunet_triton/model_specs.py"),
+    Path("src/nnunet_triton/config_gen.py"),
+    Path("src/nnunet_triton/plans.py"),
+    Path("src/nnunet_triton/io_names.py"),
+)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """Outcome of :func:`build_repository`."""
+
+    out: Path
+    rebuilt: bool  # False when the existing repository already matched the inputs
+    input_hash: str
+    seconds: float
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _adapters_needed(options: BuildOptions, folds_only: bool) -> dict[str, Path]:
+    adapters = {} if folds_only else dict(ADAPTERS)
+    if options.runner is FoldRunner.PYTHON:
+        adapters["fold runner"] = FOLD_RUNNER_ADAPTER
+    missing = {name: str(path) for name, path in adapters.items() if not (REPO_ROOT / path).is_file()}
+    if missing:
+        raise PlansError(
+            f"cannot build the repository: model.py adapters are missing from the source tree: {missing}."
+        )
+    return {name: REPO_ROOT / path for name, path in adapters.items()}
+
+
+def compute_input_hash(model_dir: Path, config: InferenceConfig, options: BuildOptions, *, folds_only: bool,
+                       export_options: export.ExportOptions, checkpoint_name: str = CHECKPOINT_NAME) -> str:
+    """sha256 over everything the built repository depends on (inputs, options, adapters, code)."""
+    digest = hashlib.sha256()
+
+    def add(label: str, value: str) -> None:
+        digest.update(f"{label}={value}\n".encode())
+
+    add("nnunet_triton", NNUNET_TRITON_VERSION)
+    add("torch", _torch_version())
+    add("nnunetv2", importlib.metadata.version("nnunetv2"))
+    add("options", json.dumps(asdict(options), sort_keys=True, default=str))
+    add("export", json.dumps(asdict(export_options), sort_keys=True, default=str))
+    add("folds_only", str(folds_only))
+    add("config", config.to_json())
+    for name in ("plans.json", "dataset.json"):
+        add(name, _sha256_file(model_dir / name))
+    for fold in config.folds:
+        add(f"fold_{fold}", _sha256_file(model_dir / f"fold_{fold}" / checkpoint_name))
+    for name, path in sorted(_adapters_needed(options, folds_only).items()):
+        add(f"adapter:{name}", _sha256_file(path))
+    for path in GENERATING_CODE:
+        add(f"code:{path}", _sha256_file(REPO_ROOT / path))
+    return digest.hexdigest()
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _existing_hash(out: Path) -> str | None:
+    try:
+        return json.loads((out / METADATA_FILE).read_text()).get("input_hash")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _write_python_model(model_dir: Path, adapter: Path, config: InferenceConfig) -> None:
+    version = model_dir / VERSION_DIR
+    version.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(adapter, version / "model.py")
+    (version / CONFIG_FILE).write_text(config.to_json())
+
+
+def _export_options(options: BuildOptions, export_device: str | None) -> export.ExportOptions:
+    device = export_device or ("cuda" if options.fold_precision == "fp16" else "cpu")
+    return export.ExportOptions(precision=options.fold_precision, device=device)
+
+
+def _build_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: BuildOptions, *,
+                folds_only: bool, export_options: export.ExportOptions) -> list[dict[str, Any]]:
+    adapters = _adapters_needed(options, folds_only)
+    exports = []
+    for spec in model_specs.repository_specs(config, options, folds_only=folds_only):
+        config_gen.write_config(spec, tmp / spec.name)
+        (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)  # Triton needs a version dir, ensembles too
+        if spec.name in adapters:
+            _write_python_model(tmp / spec.name, adapters[spec.name], config)
+    for fold in config.folds:
+        fold_dir = tmp / io_names.fold_model_name(fold) / VERSION_DIR
+        result = export.export_fold(model_dir, fold, fold_dir / "model.pt", options=export_options)
+        exports.append({**result.to_dict(), "path": str(Path(fold_dir.relative_to(tmp)) / "model.pt")})
+        if options.runner is FoldRunner.PYTHON:
+            _write_python_model(fold_dir.parent, adapters["fold runner"], config)
+    return exports
+
+
+def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, input_hash: str,
+              exports: list[dict[str, Any]], *, folds_only: bool, seconds: float) -> dict[str, Any]:
+    return {
+        "input_hash": input_hash,
+        "nnunet_triton_version": NNUNET_TRITON_VERSION,
+        "nnunetv2_version": importlib.metadata.version("nnunetv2"),
+        "torch_version": _torch_version(),
+        "model_folder": model_dir.name,
+        "dataset_name": config.dataset_name,
+        "plans_name": config.plans_name,
+        "configuration": config.configuration,
+        "trainer_name": config.network.trainer_name,
+        "plans_sha256": _sha256_file(model_dir / "plans.json"),
+        "dataset_json_sha256": _sha256_file(model_dir / "dataset.json"),
+        "folds": list(config.folds),
+        "target": str(options.target),
+        "fold_runner": str(options.runner),
+        "fold_precision": options.fold_precision,
+        "tile_batch_size": options.tile_batch_size,
+        "build_options": json.loads(json.dumps(asdict(options), default=str)),
+        "models": sorted(
+            spec.name for spec in model_specs.repository_specs(config, options, folds_only=folds_only)
+        ),
+        "exports": exports,
+        "build_seconds": round(seconds, 3),
+    }
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Swap the finished ``tmp`` into ``out`` (renames within one directory, old copy removed last)."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{time.time_ns()}")
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def build_repository(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    options: BuildOptions | None = None,
+    folds: Sequence[int | str] | None = None,
+    configuration: str | None = None,
+    force: bool = False,
+    folds_only: bool = False,
+    export_device: str | None = None,
+) -> BuildResult:
+    """Build (or keep, when up to date) the model repository ``out`` for the results folder ``model_dir``.
+
+    Args:
+        configuration: if given, must equal the configuration the checkpoints were trained with.
+        force: rebuild even when up to date, and replace an ``out`` that is not a built repository.
+        folds_only: only the fold models (testing the runners without the pipeline adapters).
+        export_device: device to trace on (default cpu; cuda for fp16).
+
+    Raises:
+        PlansError / UnsupportedModelError / ExportError: see ``read_model_folder`` and ``export_fold``;
+        ``out`` is left untouched.
+    """
+    start = time.perf_counter()
+    model_dir, out = Path(model_dir), Path(out)
+    options = options or BuildOptions()
+    config = read_model_folder(model_dir, folds=folds)
+    if configuration is not None and configuration != config.configuration:
+        raise PlansError(
+            f"--configuration {configuration!r} does not match the configuration {config.configuration!r} "
+            f"the checkpoints in {str(model_dir)!r} were trained with."
+        )
+    export_options = _export_options(options, export_device)
+    input_hash = compute_input_hash(model_dir, config, options, folds_only=folds_only,
+                                    export_options=export_options)
+    existing = _existing_hash(out) if out.exists() else None
+    if out.exists() and existing is None and not force:
+        raise PlansError(
+            f"output {str(out)!r} exists but has no {METADATA_FILE}; refusing to replace it (use --force)."
+        )
+    if existing == input_hash and not force:
+        LOGGER.info("%s is up to date (input hash %s)", out, input_hash[:12])
+        return BuildResult(out=out, rebuilt=False, input_hash=input_hash, seconds=time.perf_counter() - start)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+    try:
+        exports = _build_into(tmp, model_dir, config, options, folds_only=folds_only,
+                              export_options=export_options)
+        metadata = _metadata(model_dir, config, options, input_hash, exports, folds_only=folds_only,
+                             seconds=time.perf_counter() - start)
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - start
+    LOGGER.info("built %s in %.1f s (folds %s, target %s)", out, seconds, list(config.folds), options.target)
+    return BuildResult(out=out, rebuilt=True, input_hash=input_hash, seconds=seconds)
+
+
+def _parse_fold(text: str) -> int | str:
+    return "all" if text == "all" else int(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Build a Triton model repository from an nnU-Net results folder.")
+    p.add_argument("--model", required=True, type=Path,
+                   help="results folder with plans.json, dataset.json and fold_<k>/checkpoint_final.pth")
+    p.add_argument("--configuration", default=None, help="check that the checkpoints use this configuration")
+    p.add_argument("--folds", nargs="+", type=_parse_fold, default=None, help="default: all fold_<k> found")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "model_repository")
+    p.add_argument("--target", choices=[t.value for t in Target], default=Target.CPU.value)
+    p.add_argument("--tile-batch-size", type=int, default=BuildOptions.tile_batch_size,
+                   help="tiles per fold request = fold models' max_batch_size")
+    p.add_argument("--fold-runner", choices=[r.value for r in FoldRunner], default=None,
+                   help="default: python on cpu, libtorch on gpu")
+    p.add_argument("--precision", choices=export.PRECISIONS, default="fp32", help="fold networks (fp16: gpu)")
+    p.add_argument("--export-device", default=None, help="device to trace on (default cpu; cuda for fp16)")
+    p.add_argument("--torch-threads", type=int, default=0, help="Python runner threads (0: torch default)")
+    p.add_argument("--per-sample-forward", choices=("true", "false"), default=None,
+                   help="Python runner: one batch-1 forward per tile like nnU-Net (bit-identical on CPU); "
+                        "default true on cpu, false on gpu")
+    p.add_argument("--fold-instances", type=int, default=1)
+    p.add_argument("--orchestrator-instances", type=int, default=1)
+    p.add_argument("--max-inflight", type=int, default=BuildOptions.max_inflight)
+    p.add_argument("--folds-only", action="store_true", help="only the fold models")
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns 0 on success (built or up to date), 1 on a reported error."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        options = BuildOptions(
+            target=Target(args.target), tile_batch_size=args.tile_batch_size, fold_runner=args.fold_runner,
+            fold_precision=args.precision, torch_threads=args.torch_threads,
+            per_sample_forward=None if args.per_sample_forward is None else args.per_sample_forward == "true",
+            fold_instances=args.fold_instances,
+            orchestrator_instances=args.orchestrator_instances, max_inflight=args.max_inflight,
+        )
+        result = build_repository(args.model, args.out, options=options, folds=args.folds,
+                                  configuration=args.configuration, force=args.force,
+                                  folds_only=args.folds_only, export_device=args.export_device)
+    except (NnunetTritonError, ValueError) as exc:
+        LOGGER.error("%s", exc)
+        return 1
+    print(f"{'built' if result.rebuilt else 'up to date'}: {result.out} ({result.seconds:.1f} s)")  # noqa: T201
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""Typed specs of every model in the built repository (rendered to config.pbtxt by ``config_gen``).
+
+One function per model; :func:`repository_specs` returns them all for an :class:`InferenceConfig`
+and :class:`BuildOptions`. Tensor and model names come from ``io_names`` only.
+
+Layout (see ``repository/build.py``)::
+
+    nnunet (ensemble): IMAGE, SPACING -> preprocess_model -> orchestrator_model -> stitch_model
+                       -> SEGMENTATION, PROBABILITIES (only when the request parameter asks for it)
+    fold_<k>: INPUT__0 [N, C_in, *patch] -> OUTPUT__0 [N, K, *patch], dynamic batching; either the
+              ``pytorch_libtorch`` backend (target gpu) or the Python TorchScript runner (target cpu).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from nnunet_triton import io_names
+from nnunet_triton.config_gen import (
+    DynamicBatching,
+    EnsembleStep,
+    InstanceGroup,
+    ModelSpec,
+    ModelWarmup,
+    TensorSpec,
+    WarmupInput,
+)
+from nnunet_triton.plans import InferenceConfig
+
+__all__ = [
+    "Target",
+    "FoldRunner",
+    "BuildOptions",
+    "N_IMAGE_SPATIAL_DIMS",
+    "segmentation_dtype",
+    "preprocess_spec",
+    "orchestrator_spec",
+    "stitch_spec",
+    "fold_spec",
+    "libtorch_fold_spec",
+    "python_fold_spec",
+    "ensemble_spec",
+    "repository_specs",
+]
+
+# Images always have 3 spatial axes on the wire: nnU-Net's readers return (C, z, y, x) even for 2D
+# data (NaturalImage2DIO gives (C, 1, X, Y)); 2D configurations predict slice by slice.
+N_IMAGE_SPATIAL_DIMS = 3
+_VARIABLE = -1
+
+
+class Target(StrEnum):
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+class FoldRunner(StrEnum):
+    PYTHON = "python"  # torch.jit.load in a Python-backend stub (CPU-only CI, the embedded server)
+    LIBTORCH = "libtorch"  # Triton's pytorch_libtorch backend (NGC tritonserver container)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Deployment knobs that are not in the nnU-Net model.
+
+    Attributes:
+        target: ``cpu`` (Python models on KIND_CPU, inputs forced to host) or ``gpu``.
+        tile_batch_size: tiles per fold request from the orchestrator; also the fold models'
+            ``max_batch_size`` (the dynamic batcher never builds a larger batch).
+        fold_runner: defaults to ``python`` on cpu and ``libtorch`` on gpu.
+        fold_precision: ``fp32``, or ``fp16`` (autocast export, FP16 OUTPUT__0; gpu only).
+        fold_queue_delay_us: dynamic batcher ``max_queue_delay_microseconds`` of the fold models.
+        torch_threads: Python runner ``torch.set_num_threads``; 0 keeps torch's default (one thread per
+            core), which is right for a single fold instance on a dedicated machine and matches an
+            nnU-Net process on the same machine (oneDNN's rounding depends on the thread count).
+        per_sample_forward: Python runner: run every tile of a dynamic batch as its own batch-1
+            forward, as nnU-Net does, which is bit-identical to nnU-Net on CPU (oneDNN picks other
+            convolution kernels for other batch sizes, ~5e-6 apart); ``False`` runs each dynamic
+            batch as one forward. Default (None): True on target cpu, False on gpu.
+        max_forward_batch: legacy alias of ``per_sample_forward`` (1 = True, 0 = False).
+        max_inflight: orchestrator's in-flight BLS batches per instance (< python thread-pool-size 32).
+    """
+
+    target: Target = Target.CPU
+    tile_batch_size: int = 4
+    fold_runner: FoldRunner | None = None
+    fold_precision: str = "fp32"
+    fold_queue_delay_us: int = 2000
+    fold_instances: int = 1
+    torch_threads: int = 0
+    per_sample_forward: bool | None = None
+    max_forward_batch: int | None = None
+    preprocess_instances: int = 1
+    orchestrator_instances: int = 1
+    stitch_instances: int = 1
+    max_inflight: int = 4
+    gpus: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target", Target(self.target))
+        if self.fold_runner is not None:
+            object.__setattr__(self, "fold_runner", FoldRunner(self.fold_runner))
+        counts = {name: getattr(self, name) for name in (
+            "tile_batch_size", "fold_instances", "preprocess_instances", "orchestrator_instances",
+            "stitch_instances", "max_inflight")}
+        bad = {name: value for name, value in counts.items() if value < 1}
+        if bad:
+            raise ValueError(f"build options must be >= 1, got {bad}.")
+        if self.torch_threads < 0 or self.fold_queue_delay_us < 0:
+            raise ValueError(
+                f"torch_threads and fold_queue_delay_us must be >= 0, got "
+                f"{self.torch_threads} and {self.fold_queue_delay_us}."
+            )
+        self._resolve_per_sample_forward()
+        if self.fold_precision not in ("fp32", "fp16"):
+            raise ValueError(f"fold_precision must be 'fp32' or 'fp16', got {self.fold_precision!r}.")
+        if self.fold_precision == "fp16" and self.target is not Target.GPU:
+            raise ValueError("fold_precision 'fp16' needs target 'gpu' (CUDA autocast export).")
+
+    def _resolve_per_sample_forward(self) -> None:
+        alias = self.max_forward_batch
+        if alias is not None:
+            if alias not in (0, 1):
+                raise ValueError(
+                    f"max_forward_batch must be 0 or 1 (alias of per_sample_forward), got {alias}."
+                )
+            if self.per_sample_forward is not None and self.per_sample_forward != bool(alias):
+                raise ValueError(
+                    f"per_sample_forward={self.per_sample_forward} contradicts max_forward_batch={alias}."
+                )
+            object.__setattr__(self, "per_sample_forward", bool(alias))
+        if self.per_sample_forward is None:
+            object.__setattr__(self, "per_sample_forward", self.target is Target.CPU)
+        object.__setattr__(self, "max_forward_batch", None)
+
+    @property
+    def runner(self) -> FoldRunner:
+        if self.fold_runner is not None:
+            return self.fold_runner
+        return FoldRunner.LIBTORCH if self.target is Target.GPU else FoldRunner.PYTHON
+
+    @property
+    def instance_kind(self) -> str:
+        return "KIND_GPU" if self.target is Target.GPU else "KIND_CPU"
+
+    @property
+    def force_cpu_inputs(self) -> str:
+        # "no" lets GPU tensors reach the Python models where they live (triton.md 1.4); on cpu the
+        # default "yes" is written out so the config says what happens.
+        return "no" if self.target is Target.GPU else "yes"
+
+
+def segmentation_dtype(config: InferenceConfig) -> str:
+    """UINT8 label maps, UINT16 when a label exceeds 255 (nnU-Net writes the smallest fitting type)."""
+    return "UINT8" if config.labels.max_label <= 255 else "UINT16"
+
+
+def _spatial_dims() -> tuple[int, ...]:
+    return (_VARIABLE,) * N_IMAGE_SPATIAL_DIMS
+
+
+def _image_dims(channels: int) -> tuple[int, ...]:
+    return (channels, *([_VARIABLE] * N_IMAGE_SPATIAL_DIMS))
+
+
+def _python_spec(name: str, options: BuildOptions, count: int, *, inputs: tuple[TensorSpec, ...],
+                 outputs: tuple[TensorSpec, ...], parameters: dict[str, str] | None = None) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        backend="python",
+        max_batch_size=0,
+        inputs=inputs,
+        outputs=outputs,
+        instance_groups=(InstanceGroup(count=count, kind=options.instance_kind, gpus=options.gpus),),
+        parameters={"FORCE_CPU_ONLY_INPUT_TENSORS": options.force_cpu_inputs, **(parameters or {})},
+    )
+
+
+def preprocess_spec(config: InferenceConfig, options: BuildOptions) -> ModelSpec:
+    """``preprocess_model``: IMAGE, SPACING -> PREPROCESSED, CASE_PROPERTIES."""
+    n_in = config.num_input_channels
+    return _python_spec(
+        io_names.PREPROCESS_MODEL, options, options.preprocess_instances,
+        inputs=(
+            TensorSpec(io_names.IMAGE, "FP32", _image_dims(n_in)),
+            TensorSpec(io_names.SPACING, "FP64", (N_IMAGE_SPATIAL_DIMS,)),
+        ),
+        outputs=(
+            TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(n_in)),
+            TensorSpec(io_names.CASE_PROPERTIES, "FP64", (_VARIABLE,)),
+        ),
+    )
+
+
+def orchestrator_spec(config: InferenceConfig, options: BuildOptions) -> ModelSpec:
+    """``orchestrator_model`` (BLS): PREPROCESSED -> fold-averaged LOGITS (FP16, nnU-Net's buffers)."""
+    fold_models = ",".join(io_names.fold_model_name(f) for f in config.folds)
+    return _python_spec(
+        io_names.ORCHESTRATOR_MODEL, options, options.orchestrator_instances,
+        inputs=(TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.num_input_channels)),),
+        outputs=(TensorSpec(io_names.LOGITS, "FP16", _image_dims(config.labels.num_segmentation_heads)),),
+        parameters={
+            "fold_models": fold_models,
+            "tile_batch_size": str(options.tile_batch_size),
+            "max_inflight": str(options.max_inflight),
+        },
+    )
+
+
+def stitch_spec(config: InferenceConfig, options: BuildOptions) -> ModelSpec:
+    """``stitch_model``: LOGITS, CASE_PROPERTIES -> SEGMENTATION (+ PROBABILITIES on request)."""
+    heads = config.labels.num_segmentation_heads
+    return _python_spec(
+        io_names.STITCH_MODEL, options, options.stitch_instances,
+        inputs=(
+            TensorSpec(io_names.LOGITS, "FP16", _image_dims(heads)),
+            TensorSpec(io_names.CASE_PROPERTIES, "FP64", (_VARIABLE,)),
+        ),
+        outputs=(
+            TensorSpec(io_names.SEGMENTATION, segmentation_dtype(config), _spatial_dims()),
+            TensorSpec(io_names.PROBABILITIES, "FP32", _image_dims(heads)),
+        ),
+    )
+
+
+def _fold_io(config: InferenceConfig, options: BuildOptions) -> tuple[tuple[TensorSpec, ...], ...]:
+    out_dtype = "FP16" if options.fold_precision == "fp16" else "FP32"
+    inputs = (TensorSpec(io_names.FOLD_INPUT, "FP32", (config.num_input_channels, *config.patch_size)),)
+    outputs = (TensorSpec(io_names.FOLD_OUTPUT, out_dtype,
+                          (config.labels.num_segmentation_heads, *config.patch_size)),)
+    return inputs, outputs
+
+
+def libtorch_fold_spec(config: InferenceConfig, fold: int | str, options: BuildOptions) -> ModelSpec:
+    """``fold_<k>`` on Triton's ``pytorch_libtorch`` backend (triton.md section 3).
+
+    ``DISABLE_OPTIMIZED_EXECUTION`` keeps TorchScript's profiling executor from re-optimizing the
+    graph for every new batch size the dynamic batcher produces (server#3012); warm-up runs the
+    sizes the orchestrator sends (1 for a last partial batch, ``tile_batch_size`` otherwise) so the
+    model is READY only after CUDA/cuDNN initialization.
+    """
+    inputs, outputs = _fold_io(config, options)
+    sample = WarmupInput(dtype="FP32", dims=inputs[0].dims, source="zero")
+    warmup = tuple(
+        ModelWarmup(name=f"batch_{size}", batch_size=size, inputs={io_names.FOLD_INPUT: sample})
+        for size in sorted({1, options.tile_batch_size})
+    )
+    return ModelSpec(
+        name=io_names.fold_model_name(fold),
+        platform="pytorch_libtorch",
+        max_batch_size=options.tile_batch_size,
+        inputs=inputs,
+        outputs=outputs,
+        instance_groups=(InstanceGroup(count=options.fold_instances, kind=options.instance_kind,
+                                       gpus=options.gpus),),
+        dynamic_batching=DynamicBatching(max_queue_delay_us=options.fold_queue_delay_us),
+        parameters={"INFERENCE_MODE": "true", "DISABLE_OPTIMIZED_EXECUTION": "true"},
+        model_warmup=warmup,
+        default_model_filename="model.pt",
+    )
+
+
+def python_fold_spec(config: InferenceConfig, fold: int | str, options: BuildOptions) -> ModelSpec:
+    """``fold_<k>`` served by ``network_models/python_runner/model.py`` (same names and I/O as libtorch)."""
+    inputs, outputs = _fold_io(config, options)
+    return ModelSpec(
+        name=io_names.fold_model_name(fold),
+        backend="python",
+        max_batch_size=options.tile_batch_size,
+        inputs=inputs,
+        outputs=outputs,
+        instance_groups=(InstanceGroup(count=options.fold_instances, kind=options.instance_kind,
+                                       gpus=options.gpus),),
+        dynamic_batching=DynamicBatching(max_queue_delay_us=options.fold_queue_delay_us),
+        parameters={
+            "FORCE_CPU_ONLY_INPUT_TENSORS": options.force_cpu_inputs,
+            "torch_num_threads": str(options.torch_threads),
+            "per_sample_forward": "true" if options.per_sample_forward else "false",
+            "model_filename": "model.pt",
+        },
+    )
+
+
+def fold_spec(config: InferenceConfig, fold: int | str, options: BuildOptions) -> ModelSpec:
+    """``fold_<k>`` for the runner ``options`` selects."""
+    if options.runner is FoldRunner.LIBTORCH:
+        return libtorch_fold_spec(config, fold, options)
+    return python_fold_spec(config, fold, options)
+
+
+def ensemble_spec(config: InferenceConfig) -> ModelSpec:
+    """``nnunet``: the one public endpoint (maps are ``{composing model tensor: ensemble tensor}``)."""
+    n = io_names
+    same = lambda *names: {name: name for name in names}  # noqa: E731
+    return ModelSpec(
+        name=n.ENDPOINT_MODEL,
+        platform="ensemble",
+        max_batch_size=0,
+        inputs=(
+            TensorSpec(n.IMAGE, "FP32", _image_dims(config.num_input_channels)),
+            TensorSpec(n.SPACING, "FP64", (N_IMAGE_SPATIAL_DIMS,)),
+        ),
+        outputs=(
+            TensorSpec(n.SEGMENTATION, segmentation_dtype(config), _spatial_dims()),
+            TensorSpec(n.PROBABILITIES, "FP32", _image_dims(config.labels.num_segmentation_heads)),
+        ),
+        ensemble_steps=(
+            EnsembleStep(n.PREPROCESS_MODEL, input_map=same(n.IMAGE, n.SPACING),
+                         output_map=same(n.PREPROCESSED, n.CASE_PROPERTIES)),
+            EnsembleStep(n.ORCHESTRATOR_MODEL, input_map=same(n.PREPROCESSED), output_map=same(n.LOGITS)),
+            EnsembleStep(n.STITCH_MODEL, input_map=same(n.LOGITS, n.CASE_PROPERTIES),
+                         output_map=same(n.SEGMENTATION, n.PROBABILITIES)),
+        ),
+    )
+
+
+def repository_specs(config: InferenceConfig, options: BuildOptions, *, folds_only: bool = False
+                     ) -> tuple[ModelSpec, ...]:
+    """Every model of the repository, fold models first; ``folds_only`` leaves out the pipeline."""
+    folds = tuple(fold_spec(config, fold, options) for fold in config.folds)
+    if folds_only:
+        return folds
+    return (*folds, preprocess_spec(config, options), orchestrator_spec(config, options),
+            stitch_spec(config, options), ensemble_spec(config))

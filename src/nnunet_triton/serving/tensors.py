@@ -1,0 +1,112 @@
+"""Triton tensors <-> arrays (NumPy on the host, CuPy/torch on the GPU via DLPack).
+
+``pb_utils.Tensor.as_numpy()`` only works for CPU tensors (server#3944); GPU tensors are wrapped
+zero-copy with ``xp.from_dlpack``. Input tensors are freed when ``execute`` returns, so callers
+that keep data beyond that must pass ``copy=True``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from nnunet_triton.errors import InputValidationError
+from nnunet_triton.serving._pb import pb_utils
+
+__all__ = ["tensor_to_array", "input_array", "output_tensor", "request_parameters", "model_parameters"]
+
+
+def tensor_to_array(tensor: Any, *, xp: ModuleType | None = None, copy: bool = False) -> Any:
+    """Return the data of a ``pb_utils.Tensor`` as an array.
+
+    Args:
+        tensor: a ``pb_utils.Tensor`` (request input or BLS response output).
+        xp: array module for the result (``numpy``, ``cupy`` or ``torch``); ``None`` means NumPy for
+            CPU tensors and CuPy for GPU tensors.
+        copy: copy the data so it outlives the request/response that owns it.
+    """
+    if tensor.is_cpu():
+        array = tensor.as_numpy()
+        if copy or (not array.flags.writeable and _is_torch(xp)):
+            array = np.array(array, copy=True)
+        if xp is None or xp is np:
+            return array
+        return xp.from_numpy(array) if _is_torch(xp) else xp.asarray(array)
+    if xp is None or xp is np:
+        import cupy
+
+        xp = cupy
+    array = xp.from_dlpack(tensor)
+    if copy:
+        return array.clone() if _is_torch(xp) else array.copy()
+    return array
+
+
+def _is_torch(xp: ModuleType | None) -> bool:
+    return xp is not None and xp.__name__ == "torch"
+
+
+def input_array(
+    request: Any,
+    name: str,
+    *,
+    xp: ModuleType | None = None,
+    optional: bool = False,
+    copy: bool = False,
+) -> Any:
+    """Return input ``name`` of ``request`` as an array (see :func:`tensor_to_array`).
+
+    Raises:
+        InputValidationError: if the input is missing and not ``optional`` (then ``None`` is returned).
+    """
+    tensor = pb_utils().get_input_tensor_by_name(request, name)
+    if tensor is None:
+        if optional:
+            return None
+        raise InputValidationError(f"request has no input tensor {name!r}; it is required.")
+    return tensor_to_array(tensor, xp=xp, copy=copy)
+
+
+def output_tensor(name: str, array: Any) -> Any:
+    """Wrap an array as a ``pb_utils.Tensor`` named ``name``.
+
+    NumPy arrays are passed by value (made C-contiguous); CuPy/torch arrays go through DLPack,
+    which needs C-contiguous data, so they are made contiguous first.
+    """
+    pb = pb_utils()
+    if isinstance(array, np.ndarray | np.generic):
+        return pb.Tensor(name, np.ascontiguousarray(array))
+    if hasattr(array, "is_contiguous"):  # torch
+        array = array.contiguous()
+    elif hasattr(array, "flags") and not array.flags.c_contiguous:  # cupy
+        import cupy
+
+        array = cupy.ascontiguousarray(array)
+    return pb.Tensor.from_dlpack(name, array)
+
+
+def request_parameters(request: Any) -> dict[str, Any]:
+    """Return the request's parameters (``request.parameters()`` is a JSON string) as a dict."""
+    text = request.parameters()
+    if not text:
+        return {}
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputValidationError(
+            f"request parameters must be JSON text ({exc}), got {text[:200]!r}."
+        ) from None
+    return dict(params)
+
+
+def model_parameters(args: Mapping[str, str]) -> dict[str, str]:
+    """Return the ``parameters`` of the model's config.pbtxt as ``{key: string_value}``.
+
+    ``args`` is the dict Triton passes to ``initialize``; ``args["model_config"]`` is JSON text.
+    """
+    config = json.loads(args["model_config"])
+    return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}

@@ -1,0 +1,150 @@
+"""repository/build.py: layout, metadata, no-op re-runs, rebuilds on change, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from nnunet_triton.errors import ExportError, PlansError
+from nnunet_triton.model_specs import BuildOptions
+from repository import build
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = Path(os.environ.get(
+    "NNUNET_TRITON_TEST_MODEL",
+    REPO_ROOT / "tests" / "fixtures" / "Dataset901_SynthCT" / "nnUNetTrainer__nnUNetPlans__3d_tiny",
+))
+
+pytestmark = pytest.mark.skipif(
+    not (MODEL_DIR / "plans.json").is_file(), reason=f"fixture model {MODEL_DIR} is missing"
+)
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _copy_model(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(MODEL_DIR, model, ignore=shutil.ignore_patterns("fold_[1-9]*"))
+    return model
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, build.BuildResult]:
+    out = tmp_path_factory.mktemp("build") / "model_repository"
+    return out, build.build_repository(MODEL_DIR, out, folds=(0,))
+
+
+def test_build_writes_every_model_and_metadata_when_target_cpu(built) -> None:
+    out, result = built
+    assert result.rebuilt
+    assert _files(out) == [
+        "fold_0/1/inference_config.json", "fold_0/1/model.pt", "fold_0/1/model.py", "fold_0/config.pbtxt",
+        "nnunet/config.pbtxt",
+        "orchestrator_model/1/inference_config.json", "orchestrator_model/1/model.py",
+        "orchestrator_model/config.pbtxt",
+        "preprocess_model/1/inference_config.json", "preprocess_model/1/model.py",
+        "preprocess_model/config.pbtxt",
+        "repository_metadata.json",
+        "stitch_model/1/inference_config.json", "stitch_model/1/model.py", "stitch_model/config.pbtxt",
+    ]
+    assert (out / "nnunet" / "1").is_dir()
+    for adapter, copied in (("repository/orchestrator/model.py", "orchestrator_model/1/model.py"),
+                            ("network_models/python_runner/model.py", "fold_0/1/model.py")):
+        assert (out / copied).read_bytes() == (REPO_ROOT / adapter).read_bytes()
+    for config in out.glob("*/config.pbtxt"):
+        message = text_format.Parse(config.read_text(), model_config_pb2.ModelConfig())
+        assert message.name == config.parent.name
+
+
+def test_build_metadata_records_versions_hashes_and_export_checks(built) -> None:
+    out, result = built
+    metadata = json.loads((out / "repository_metadata.json").read_text())
+    assert metadata["input_hash"] == result.input_hash
+    assert metadata["plans_sha256"] == build._sha256_file(MODEL_DIR / "plans.json")
+    assert metadata["torch_version"] == torch.__version__
+    assert (metadata["folds"], metadata["target"], metadata["fold_runner"], metadata["fold_precision"]) == (
+        [0], "cpu", "python", "fp32")
+    assert metadata["models"] == [
+        "fold_0", "nnunet", "orchestrator_model", "preprocess_model", "stitch_model"
+    ]
+    (fold,) = metadata["exports"]
+    assert (fold["path"], fold["max_abs_diff"]) == ("fold_0/1/model.pt", [[2, 0.0], [1, 0.0], [3, 0.0]])
+    assert fold["sha256"] == build._sha256_file(out / "fold_0" / "1" / "model.pt")
+
+
+def test_build_is_a_noop_when_run_again_with_same_inputs(built) -> None:
+    out, first = built
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    again = build.build_repository(MODEL_DIR, out, folds=(0,))
+    assert (again.rebuilt, again.input_hash) == (False, first.input_hash)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_build_rebuilds_when_a_checkpoint_or_option_changes(tmp_path: Path) -> None:
+    model, out = _copy_model(tmp_path), tmp_path / "repo"
+    first = build.build_repository(model, out, folds_only=True)
+    checkpoint_path = model / "fold_0" / "checkpoint_final.pth"
+    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    name = next(k for k, v in checkpoint["network_weights"].items() if v.is_floating_point())
+    checkpoint["network_weights"][name] = checkpoint["network_weights"][name] + 1.0
+    torch.save(checkpoint, checkpoint_path)
+    second = build.build_repository(model, out, folds_only=True)
+    third = build.build_repository(model, out, folds_only=True, options=BuildOptions(tile_batch_size=2))
+    assert [r.rebuilt for r in (first, second, third)] == [True, True, True]
+    assert len({first.input_hash, second.input_hash, third.input_hash}) == 3
+    assert "max_batch_size: 2" in (out / "fold_0" / "config.pbtxt").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "repo"]
+
+
+def test_build_leaves_previous_repository_untouched_when_export_fails(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    model, out = _copy_model(tmp_path), tmp_path / "repo"
+    build.build_repository(model, out, folds_only=True)
+    before = {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def fail(*args, **kwargs):
+        raise ExportError("fold 0: simulated mismatch")
+
+    monkeypatch.setattr(build.export, "export_fold", fail)
+    with pytest.raises(ExportError, match="simulated mismatch"):
+        build.build_repository(model, out, folds_only=True, force=True)
+    assert {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "repo"]
+
+
+def test_build_raises_naming_missing_adapter_when_model_py_is_absent(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    monkeypatch.setitem(build.ADAPTERS, "stitch_model", Path("stitch_model/no_such_model.py"))
+    expected = r"adapters are missing .*'stitch_model': 'stitch_model/no_such_model\.py'"
+    with pytest.raises(PlansError, match=expected):
+        build.build_repository(MODEL_DIR, tmp_path / "repo", folds=(0,))
+    assert not (tmp_path / "repo").exists()
+
+
+def test_build_refuses_to_replace_a_directory_it_did_not_build(tmp_path: Path) -> None:
+    out = tmp_path / "repo"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(PlansError, match="exists but has no repository_metadata.json"):
+        build.build_repository(MODEL_DIR, out, folds=(0,), folds_only=True)
+    assert _files(out) == ["precious.txt"]
+
+
+def test_build_raises_when_configuration_differs_from_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(PlansError, match="--configuration '2d' does not match"):
+        build.build_repository(MODEL_DIR, tmp_path / "repo", folds=(0,), configuration="2d")
+
+
+def test_build_cli_returns_1_and_logs_when_model_folder_is_missing(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    assert build.main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "repo")]) == 1
+    assert "has no dataset.json" in caplog.text

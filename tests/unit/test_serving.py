@@ -1,0 +1,190 @@
+"""nnunet_triton.serving against a fake ``triton_python_backend_utils`` (the real one lives in the stub)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from nnunet_triton import errors, serving
+
+
+class FakeTensor:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self._name, self._array = name, array
+
+    def name(self) -> str:
+        return self._name
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+
+class FakeError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED = range(6)
+
+    def __init__(self, message: str, code: int) -> None:
+        self._message, self.code = message, code
+
+    def message(self) -> str:
+        return self._message
+
+
+class FakeResponse:
+    def __init__(self, output_tensors=(), error=None) -> None:
+        self._outputs, self._error = list(output_tensors), error
+
+    def output_tensors(self) -> list:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self):
+        return self._error
+
+
+class FakeRequest:
+    """An incoming request: inputs and JSON parameters."""
+
+    def __init__(self, inputs=(), parameters: str = "") -> None:
+        self._inputs, self._parameters = list(inputs), parameters
+
+    def inputs(self) -> list:
+        return self._inputs
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+class FakeBlsRequest:
+    """``pb_utils.InferenceRequest``: records its keyword arguments, answers with ``response``."""
+
+    response: FakeResponse | None = None
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+
+    async def async_exec(self):
+        return FakeBlsRequest.response
+
+
+@pytest.fixture(autouse=True)
+def pb(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    module = types.ModuleType("triton_python_backend_utils")
+    module.Tensor = FakeTensor
+    module.TritonError = FakeError
+    module.InferenceResponse = FakeResponse
+    module.InferenceRequest = FakeBlsRequest
+    module.TritonModelException = RuntimeError
+
+    def by_name(tensors, name):
+        return next((t for t in tensors if t.name() == name), None)
+
+    module.get_input_tensor_by_name = lambda request, name: by_name(request.inputs(), name)
+    module.get_output_tensor_by_name = lambda response, name: by_name(response.output_tensors(), name)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "message"),
+    [
+        (errors.InputValidationError("bad shape"), FakeError.INVALID_ARG, "bad shape"),
+        (errors.UnsupportedModelError("cascade"), FakeError.UNSUPPORTED, "cascade"),
+        (errors.ResourceExhaustedError("too big"), FakeError.UNAVAILABLE, "too big"),
+        (errors.SubmodelError("fold_0 failed"), FakeError.INTERNAL, "fold_0 failed"),
+        (KeyError("x"), FakeError.INTERNAL, "KeyError: 'x'"),
+    ],
+)
+def test_error_response_maps_triton_code_when_given_exception(exc, code: int, message: str) -> None:
+    response = serving.error_response(exc)
+    assert (response.error().code, response.error().message()) == (code, message)
+    assert response.output_tensors() == []
+
+
+def test_internal_error_response_logs_traceback_and_returns_internal(caplog) -> None:
+    try:
+        raise ZeroDivisionError("boom")
+    except ZeroDivisionError as exc:
+        response = serving.internal_error_response(exc, logging.getLogger("test"))
+    error = response.error()
+    assert (error.code, error.message()) == (FakeError.INTERNAL, "ZeroDivisionError: boom")
+    assert "Traceback" in caplog.text and "boom" in caplog.text
+
+
+def test_ok_response_wraps_each_array_as_contiguous_tensor() -> None:
+    array = np.arange(12, dtype=np.float32).reshape(3, 4).T
+    response = serving.ok_response({"A": array, "B": np.uint8(3)})
+    tensors = {t.name(): t.as_numpy() for t in response.output_tensors()}
+    assert tensors["A"].flags.c_contiguous and np.array_equal(tensors["A"], array)
+    assert tensors["B"] == 3
+
+
+def test_input_array_returns_none_when_optional_and_raises_when_required() -> None:
+    request = FakeRequest(inputs=[FakeTensor("IMAGE", np.ones((2, 2), np.float32))])
+    assert np.array_equal(serving.input_array(request, "IMAGE"), np.ones((2, 2), np.float32))
+    assert serving.input_array(request, "FLAG", optional=True) is None
+    with pytest.raises(errors.InputValidationError, match="request has no input tensor 'FLAG'"):
+        serving.input_array(request, "FLAG")
+
+
+def test_input_array_copies_when_asked() -> None:
+    data = np.zeros(3, np.float32)
+    copied = serving.input_array(FakeRequest(inputs=[FakeTensor("X", data)]), "X", copy=True)
+    copied[0] = 1
+    assert data[0] == 0
+
+
+def test_request_parameters_parse_json_and_reject_garbage() -> None:
+    assert serving.request_parameters(FakeRequest(parameters=json.dumps({"mirroring": False}))) == {
+        "mirroring": False
+    }
+    assert serving.request_parameters(FakeRequest()) == {}
+    with pytest.raises(errors.InputValidationError, match="request parameters must be JSON"):
+        serving.request_parameters(FakeRequest(parameters="{not json"))
+
+
+def test_model_parameters_return_string_values() -> None:
+    config = {
+        "parameters": {"tile_batch_size": {"string_value": "4"}, "fold_models": {"string_value": "fold_0"}}
+    }
+    assert serving.model_parameters({"model_config": json.dumps(config)}) == {
+        "tile_batch_size": "4",
+        "fold_models": "fold_0",
+    }
+
+
+def test_infer_returns_requested_outputs_when_callee_succeeds() -> None:
+    FakeBlsRequest.response = FakeResponse([FakeTensor("OUTPUT__0", np.full(2, 7, np.float32))])
+    result = asyncio.run(serving.infer("fold_0", {"INPUT__0": np.zeros(2, np.float32)}, ["OUTPUT__0"]))
+    assert list(result) == ["OUTPUT__0"] and np.array_equal(result["OUTPUT__0"], [7, 7])
+
+
+def test_infer_raises_submodel_error_naming_model_when_its_response_has_error() -> None:
+    FakeBlsRequest.response = FakeResponse(error=FakeError("out of memory", FakeError.INTERNAL))
+    with pytest.raises(errors.SubmodelError, match="model 'fold_1' failed: out of memory"):
+        asyncio.run(serving.infer("fold_1", {"INPUT__0": np.zeros(2, np.float32)}, ["OUTPUT__0"]))
+
+
+def test_infer_raises_submodel_error_when_an_output_is_missing() -> None:
+    FakeBlsRequest.response = FakeResponse([])
+    with pytest.raises(errors.SubmodelError, match="model 'fold_0' returned no output 'OUTPUT__0'"):
+        asyncio.run(serving.infer("fold_0", {"INPUT__0": np.zeros(2, np.float32)}, ["OUTPUT__0"]))
+
+
+def test_build_request_passes_options_through() -> None:
+    request = serving.bls.build_request("fold_0", {"INPUT__0": np.zeros(1, np.float32)}, ["OUTPUT__0"],
+                                        parameters={"a": 1}, timeout_us=5)
+    assert {k: v for k, v in request.kwargs.items() if k != "inputs"} == {
+        "model_name": "fold_0", "requested_output_names": ["OUTPUT__0"], "parameters": {"a": 1}, "timeout": 5,
+    }
+    assert [t.name() for t in request.kwargs["inputs"]] == ["INPUT__0"]
