@@ -112,7 +112,8 @@ class ResamplingSettings:
             is_seg=bool(kwargs.get("is_seg", False)),
             order=int(kwargs.get("order", 3)),
             order_z=int(kwargs.get("order_z", 0)),
-            force_separate_z=kwargs.get("force_separate_z"),
+            # resample_data_or_seg_to_shape's own default is False (no separate z), not None (auto).
+            force_separate_z=kwargs.get("force_separate_z", False),
         )
 
 
