@@ -18,6 +18,7 @@ __all__ = [
     "ServerError",
     "NumericalError",
     "ClientError",
+    "DeployError",
 ]
 
 
@@ -87,3 +88,11 @@ class ClientError(NnunetTritonError):
     def __init__(self, message: str, *, status: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class DeployError(NnunetTritonError):
+    """A deployment cannot work as asked: e.g. TorchScript files exported with a torch newer than the
+    serving image's libtorch, a repository whose models disagree with its metadata, no GPU for a gpu target.
+    """
+
+    triton_code = "UNSUPPORTED"

@@ -1,0 +1,167 @@
+"""nnunet_triton.deploy: repository info from the builder's metadata, the TorchScript/libtorch check, sizing.
+
+The repositories are fakes laid out like ``repository/build.py`` output (``deploy_support``); sizes are
+compared with the per-tensor formulas of ``nnunet_triton.deploy.sizing`` written out by hand, and the
+resampled shape with nnU-Net's own ``compute_new_shape``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from deploy_support import GPU_OPTIONS, PATCH, MiB, geometry, make_config, write_repository
+from nnunetv2.preprocessing.resampling.default_resampling import compute_new_shape
+
+from nnunet_triton.deploy import docker, sizing
+from nnunet_triton.deploy.repository_info import RepositoryInfo, check_torch_compatible
+from nnunet_triton.errors import DeployError
+from nnunet_triton.model_specs import BuildOptions
+
+# --- repository info and the torch check ------------------------------------------------------------------
+
+
+def test_repository_info_equals_metadata_when_repository_is_built(tmp_path: Path) -> None:
+    info = RepositoryInfo.from_repository(write_repository(tmp_path))
+    assert info == RepositoryInfo(
+        models=("fold_0", "fold_1", "nnunet", "orchestrator_model", "preprocess_model", "stitch_model"),
+        folds=(0, 1),
+        target="gpu",
+        fold_runner="libtorch",
+        fold_precision="fp16",
+        tile_batch_size=4,
+        max_inflight=4,
+        preprocess_instances=1,
+        orchestrator_instances=1,
+        stitch_instances=1,
+        fold_instances=1,
+        geometry=geometry(),
+        torch_versions=(
+            ("fold_0/1/model.pt", "2.5.1"),
+            ("fold_1/1/model.pt", "2.5.1"),
+            ("the repository build", "2.5.1"),
+        ),
+        input_hash="ab" * 32,
+    )
+
+
+def test_planned_info_equals_built_info_when_builder_options_match(tmp_path: Path) -> None:
+    built = RepositoryInfo.from_repository(write_repository(tmp_path))
+    planned = RepositoryInfo.planned(make_config(), GPU_OPTIONS)
+    assert planned == RepositoryInfo(**{**built.__dict__, "torch_versions": (), "input_hash": None})
+
+
+def test_repository_info_refuses_when_a_model_dir_is_missing_or_unlisted(tmp_path: Path) -> None:
+    with pytest.raises(DeployError, match=r"without config.pbtxt \['fold_1'\], .* not in the metadata \[\]"):
+        RepositoryInfo.from_repository(write_repository(tmp_path / "a", drop=("fold_1",)))
+    with pytest.raises(DeployError, match=r"without config.pbtxt \[\], .* not in the metadata \['fold_2'\]"):
+        RepositoryInfo.from_repository(write_repository(tmp_path / "b", extra_dirs=("fold_2",)))
+
+
+def test_repository_info_refuses_when_metadata_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(DeployError, match="repository_metadata.json is missing"):
+        RepositoryInfo.from_repository(tmp_path)
+
+
+@pytest.mark.parametrize("version", ["2.5.1", "2.5.0a0+e000cf0ad9.nv24.10", "2.4.1+cu121", "1.13.1"])
+def test_check_torch_compatible_accepts_when_export_torch_is_not_newer(tmp_path: Path, version: str) -> None:
+    info = RepositoryInfo.from_repository(write_repository(tmp_path, torch_version=version))
+    check_torch_compatible(info, "2.5", "libtorch of the image")
+
+
+def test_check_torch_compatible_refuses_naming_file_and_versions_when_export_torch_is_newer(
+    tmp_path: Path,
+) -> None:
+    info = RepositoryInfo.from_repository(write_repository(tmp_path, torch_version="2.14.1+cu130"))
+    with pytest.raises(DeployError) as error:
+        check_torch_compatible(
+            info, "2.5.0a0+e000cf0ad9", "libtorch of nvcr.io/nvidia/tritonserver:24.10-py3"
+        )
+    message = str(error.value)
+    assert message.startswith(
+        "fold_0/1/model.pt was exported with torch 2.14.1+cu130, newer than torch 2.5 "
+        "(libtorch of nvcr.io/nvidia/tritonserver:24.10-py3)"
+    )
+    assert "Re-export with torch 2.5.x" in message and "docs/deploy.md" in message
+
+
+def test_triton_release_refuses_when_release_unknown_and_no_torch_version_given() -> None:
+    with pytest.raises(DeployError, match=r"release '25.01'.*--image-torch-version"):
+        docker.triton_release("25.01")
+    assert docker.triton_release("25.01", "2.6.0a0").libtorch == "2.6"
+
+
+# --- sizing -----------------------------------------------------------------------------------------------
+
+
+def test_resampled_shape_equals_nnunet_compute_new_shape_when_axes_are_transposed() -> None:
+    volume = sizing.VolumeSpec(shape=(40, 60, 80), spacing=(4.0, 0.5, 3.0))
+    shape_t, spacing_t = (80, 40, 60), (3.0, 4.0, 0.5)  # transpose_forward (2, 0, 1)
+    expected = tuple(int(s) for s in compute_new_shape(shape_t, spacing_t, (2.0, 1.0, 1.0)))
+    assert sizing.resampled_shape(geometry(), volume) == expected == (120, 160, 30)
+
+
+def test_tensor_bytes_equal_per_tensor_formulas_when_volume_is_resampled(tmp_path: Path) -> None:
+    info = RepositoryInfo.from_repository(write_repository(tmp_path))
+    volume = sizing.VolumeSpec(shape=(40, 60, 80), spacing=(4.0, 0.5, 3.0), probabilities=True)
+    v_in, v_res, patch = 40 * 60 * 80, 120 * 160 * 30, math.prod(PATCH)
+    assert sizing.tensor_bytes(info, volume) == sizing.TensorBytes(
+        resampled_shape=(120, 160, 30),
+        image=2 * v_in * 4,
+        preprocessed=2 * v_res * 4,
+        logits=3 * v_res * 2,
+        segmentation=v_in,
+        probabilities=3 * v_in * 4,
+        tile_batch=4 * patch * (2 * 4 + 3 * 2),  # fp16 out
+    )
+
+
+def _up64(nbytes: int) -> int:
+    return -(-(nbytes + 4096) // (64 * MiB)) * 64 * MiB
+
+
+def _pool(nbytes: int) -> int:
+    return -(-int(nbytes * 1.25) // (64 * MiB)) * 64 * MiB
+
+
+def test_plan_memory_sizes_shm_and_pools_when_gpu_target_serves_a_ct_volume(tmp_path: Path) -> None:
+    info = RepositoryInfo.from_repository(write_repository(tmp_path))
+    plan = sizing.plan_memory(info, sizing.VolumeSpec(shape=(600, 512, 512)))
+    voxels = 600 * 512 * 512
+    image = pre = 2 * voxels * 4
+    logits, seg, tiles = 3 * voxels * 2, voxels, 4 * 4 * math.prod(PATCH) * (2 * 4 + 3 * 2)
+    regions = [
+        16 * MiB + _up64(image) + _up64(pre),  # preprocess
+        16 * MiB + _up64(pre) + _up64(logits),  # orchestrator (its 2.6 MiB of tiles fit the default region)
+        16 * MiB + _up64(logits) + _up64(seg),  # stitch
+    ]
+    assert plan.shm_bytes == sum(regions) + 256 * MiB == 6064 * MiB
+    assert plan.cuda_pool_bytes == _pool(tiles + pre + logits) == 2688 * MiB
+    assert plan.pinned_pool_bytes == _pool(tiles + image + seg) == 1728 * MiB
+    assert plan.host_memory_bytes % (256 * MiB) == 0 and plan.host_memory_bytes > plan.shm_bytes + 3 * 2**30
+
+
+def test_plan_memory_counts_tiles_and_runner_stubs_in_shm_when_cpu_target(tmp_path: Path) -> None:
+    options = BuildOptions(target="cpu", tile_batch_size=8, max_inflight=6)
+    info = RepositoryInfo.from_repository(write_repository(tmp_path, options))
+    volume = sizing.VolumeSpec(shape=(80, 96, 96))
+    plan = sizing.plan_memory(info, volume, gpus=4)  # gpus are ignored for KIND_CPU models
+    t = sizing.tensor_bytes(info, volume)
+    tiles = 6 * t.tile_batch  # 6 in-flight batches of 8 fp32 tiles = 28.3 MiB > half the default region
+    assert t.tile_batch == 8 * math.prod(PATCH) * (2 * 4 + 3 * 4)
+    regions = [
+        16 * MiB + _up64(t.image) + _up64(t.preprocessed),
+        16 * MiB + _up64(t.preprocessed) + _up64(t.logits) + _up64(tiles - 4096),
+        16 * MiB + _up64(t.logits) + _up64(t.segmentation),
+        2 * 16 * MiB,
+    ]  # two python fold runners, one batch each fits the default region
+    assert (plan.shm_bytes, plan.cuda_pool_bytes, plan.pinned_pool_bytes) == (sum(regions) + 256 * MiB, 0, 0)
+
+
+def test_plan_memory_multiplies_python_instances_when_gpu_target_has_several_gpus(tmp_path: Path) -> None:
+    info = RepositoryInfo.from_repository(write_repository(tmp_path))
+    volume = sizing.VolumeSpec(shape=(100, 128, 128))
+    one, two = (sizing.plan_memory(info, volume, gpus=n) for n in (1, 2))
+    assert two.shm_bytes - 256 * MiB == 2 * (one.shm_bytes - 256 * MiB)
+    assert two.cuda_pool_bytes == one.cuda_pool_bytes  # per GPU

