@@ -22,6 +22,15 @@ TRITON_HTTP_PORT ?= 8000
 TRITON_GRPC_PORT ?= 8001
 TRITON_METRICS_PORT ?= 8002
 MODEL_REPOSITORY ?= build/model_repository
+# An nnU-Net results folder (dataset.json, plans.json, fold_k/checkpoint_final.pth); default: the committed fixture.
+FIXTURE_MODEL := tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny
+MODEL ?=
+CONFIG ?=
+FOLDS ?=
+TARGET ?= embedded
+BUILD_TARGET ?= cpu
+DEPLOY_ARGS ?=
+OUT ?= $(MODEL_REPOSITORY)
 PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
@@ -30,7 +39,7 @@ SERVER := $(VENV)/bin/nnunet-triton-server
 SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
-.PHONY: help setup lock lint test test-unit serve stop status clean
+.PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' \
@@ -75,7 +84,8 @@ test: $(SETUP_STAMP) $(PERF_STAMP) ## Run the full test suite (unit + embedded T
 test-unit: $(SETUP_STAMP) ## Run the unit tests only (no server)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-serve: $(SETUP_STAMP) ## Start tritonserver for MODEL_REPOSITORY=... on TRITON_HOST (detached; `make stop` stops it)
+serve: $(SETUP_STAMP) ## Start tritonserver on MODEL_REPOSITORY (with MODEL=<results folder>: build it first); `make stop` stops it
+	$(if $(MODEL),$(MAKE) --no-print-directory repository MODEL=$(MODEL) OUT=$(MODEL_REPOSITORY))
 	$(SERVER) start --model-repository $(MODEL_REPOSITORY) --host $(TRITON_HOST) \
 		--http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT)
 
@@ -84,6 +94,25 @@ stop: $(SETUP_STAMP) ## Stop the server started by `make serve`
 
 status: $(SETUP_STAMP) ## Print the state of the server started by `make serve` (exit 0 when ready)
 	$(SERVER) status
+
+repository: $(SETUP_STAMP) ## Build a model repository: MODEL=<results folder> [CONFIG=3d_fullres] [FOLDS="0 1"] [OUT=build/model_repository] [BUILD_TARGET=cpu|gpu]
+	$(PY) -m repository.build --model $(or $(MODEL),$(FIXTURE_MODEL)) --out $(OUT) --target $(BUILD_TARGET) \
+		$(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS))
+
+export: $(SETUP_STAMP) ## Export each fold of MODEL=<results folder> to TorchScript under build/export (checked against the eager network)
+	$(PY) -m network_models.export --model $(or $(MODEL),$(FIXTURE_MODEL)) --out build/export $(if $(FOLDS),--folds $(FOLDS))
+
+fixtures: $(SETUP_STAMP) ## Regenerate the committed nnU-Net fixture models under tests/fixtures (trains with nnU-Net; slow)
+	$(PY) tools/make_fixture_model.py --out tests/fixtures --which all
+
+deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (TARGET=embedded|docker|k8s; DEPLOY_ARGS=--execute runs docker/kubectl)
+	$(PY) tools/deploy.py --model $(or $(MODEL),$(FIXTURE_MODEL)) --target $(TARGET) \
+		$(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS)) \
+		--host $(TRITON_HOST) --http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
+		--metrics-port $(TRITON_METRICS_PORT) $(DEPLOY_ARGS)
+
+undeploy: $(SETUP_STAMP) ## Stop what `make deploy` started (TARGET=embedded|docker|k8s)
+	$(PY) tools/deploy.py undeploy --target $(TARGET)
 
 clean: ## Stop a running server and remove build outputs and caches (keeps .venv)
 	@if [ -x $(SERVER) ]; then $(SERVER) stop; fi
