@@ -31,6 +31,10 @@ TARGET ?= embedded
 BUILD_TARGET ?= cpu
 DEPLOY_ARGS ?=
 OUT ?= $(MODEL_REPOSITORY)
+QUICK ?=
+PERF_ARGS ?=
+SOAK_DURATION ?= 600
+SOAK_CONCURRENCY ?= 4
 PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
@@ -39,7 +43,7 @@ SERVER := $(VENV)/bin/nnunet-triton-server
 SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
-.PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy
+.PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy demo perf soak
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' \
@@ -94,6 +98,15 @@ stop: $(SETUP_STAMP) ## Stop the server started by `make serve`
 
 status: $(SETUP_STAMP) ## Print the state of the server started by `make serve` (exit 0 when ready)
 	$(SERVER) status
+
+demo: $(SETUP_STAMP) ## From nothing: build the fixture model's repository, serve it, segment one image with one endpoint call, stop
+	$(PY) tools/demo.py $(if $(MODEL),--model $(MODEL))
+
+perf: $(SETUP_STAMP) $(PERF_STAMP) ## perf_analyzer benchmark vs nnUNetPredictor/monolith/network floor -> benchmarks/results, BENCHMARKS.md (QUICK=1: a few minutes)
+	$(PY) -m tools.perf.run $(if $(QUICK),--quick) $(PERF_ARGS)
+
+soak: $(SETUP_STAMP) ## Bounded soak: mixed valid/invalid requests, answers checked, RSS and /dev/shm growth -> build/soak/
+	$(PY) tools/soak.py --duration $(SOAK_DURATION) --concurrency $(SOAK_CONCURRENCY) --out build/soak
 
 repository: $(SETUP_STAMP) ## Build a model repository: MODEL=<results folder> [CONFIG=3d_fullres] [FOLDS="0 1"] [OUT=build/model_repository] [BUILD_TARGET=cpu|gpu]
 	$(PY) -m repository.build --model $(or $(MODEL),$(FIXTURE_MODEL)) --out $(OUT) --target $(BUILD_TARGET) \

@@ -1,0 +1,251 @@
+"""Minimal client for the ``nnunet`` endpoint: one call per case, binary tensors, typed errors.
+
+``tritonclient`` is imported lazily (in :class:`NnunetClient`'s constructor), so importing this module
+stays cheap. Per-request options travel as Triton request parameters, which the ``nnunet`` ensemble
+forwards to every composing model (see ``docs/architecture.md``).
+
+Example::
+
+    with NnunetClient("127.0.0.1:8000") as client:
+        result = client.segment(image, spacing, mirroring=False)
+        result.segmentation  # uint8/uint16 array shaped like image.shape[1:]
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from nnunet_triton import io_names
+from nnunet_triton.errors import ClientError, InputValidationError
+from nnunet_triton.orchestration import (
+    OPTION_FOLDS,
+    OPTION_MIRRORING,
+    OPTION_PROBABILITIES,
+    OPTION_TILE_STEP_SIZE,
+)
+
+__all__ = ["SegmentationResult", "NnunetClient", "PROTOCOLS"]
+
+LOGGER = logging.getLogger(__name__)
+PROTOCOLS = ("http", "grpc")
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class SegmentationResult:
+    """What one ``segment`` call returns.
+
+    Attributes:
+        segmentation: label map ``(*spatial)`` (uint8, or uint16 for > 254 foreground labels), same axis
+            order and shape as the input image's spatial axes.
+        probabilities: float32 ``(K, *spatial)`` when requested, else None.
+        elapsed_s: wall time of the inference call (request sent to response decoded).
+    """
+
+    segmentation: np.ndarray
+    probabilities: np.ndarray | None
+    elapsed_s: float
+
+
+def _as_image(image: Any, n_spatial: int) -> np.ndarray:
+    array = np.asarray(image)
+    if array.dtype.kind not in "biuf":
+        raise InputValidationError(f"image must have a real numeric dtype, got {array.dtype}.")
+    if array.ndim == n_spatial:  # single-channel convenience: add the channel axis
+        array = array[None]
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _as_spacing(spacing: Sequence[float]) -> np.ndarray:
+    try:
+        return np.ascontiguousarray(np.asarray(spacing, dtype=np.float64).reshape(-1))
+    except (TypeError, ValueError):
+        raise InputValidationError(f"spacing must be a sequence of numbers, got {spacing!r}.") from None
+
+
+def _folds_parameter(folds: Sequence[int | str] | int | str) -> str:
+    if isinstance(folds, int | str):
+        return str(folds)
+    return ",".join(str(f) for f in folds)
+
+
+def request_parameters(
+    *,
+    mirroring: bool = True,
+    tile_step_size: float | None = None,
+    folds: Sequence[int | str] | int | str | None = None,
+    probabilities: bool = False,
+) -> dict[str, Any]:
+    """The request parameters for these options (the server validates them)."""
+    params: dict[str, Any] = {OPTION_MIRRORING: bool(mirroring), OPTION_PROBABILITIES: bool(probabilities)}
+    if tile_step_size is not None:
+        params[OPTION_TILE_STEP_SIZE] = float(tile_step_size)
+    if folds is not None:
+        params[OPTION_FOLDS] = _folds_parameter(folds)
+    return params
+
+
+class NnunetClient:
+    """Talks to one Triton server serving the ``nnunet`` ensemble.
+
+    Args:
+        url: ``host:port`` of the HTTP (default 8000) or gRPC (default 8001) endpoint.
+        protocol: ``"http"`` or ``"grpc"``.
+        timeout_s: end-to-end limit of one inference (HTTP network timeout, gRPC client deadline).
+        model_name: the endpoint model (``nnunet``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        protocol: str = "http",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        model_name: str = io_names.ENDPOINT_MODEL,
+    ) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}.")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}.")
+        self.url = url
+        self.protocol = protocol
+        self.timeout_s = float(timeout_s)
+        self.model_name = model_name
+        if protocol == "http":
+            import tritonclient.http as module
+
+            self._client = module.InferenceServerClient(
+                url, connection_timeout=min(self.timeout_s, 60.0), network_timeout=self.timeout_s
+            )
+        else:
+            import tritonclient.grpc as module
+
+            self._client = module.InferenceServerClient(url)
+        self._module = module
+        self._ready = False
+
+    def __enter__(self) -> NnunetClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._client.close()
+
+    def check_ready(self) -> None:
+        """Raise :class:`ClientError` with a clear message unless the server and the endpoint are ready."""
+        where = f"{self.protocol}://{self.url}"
+        try:
+            live = self._client.is_server_live()
+        except Exception as exc:  # connection refused, DNS, timeouts: all mean "not reachable"
+            raise ClientError(
+                f"Triton server at {where} is not reachable ({type(exc).__name__}: {exc}); is it running "
+                "and is this the right host:port for the protocol?"
+            ) from None
+        if not live:
+            raise ClientError(f"Triton server at {where} is not live.")
+        try:
+            ready = self._client.is_model_ready(self.model_name)
+        except Exception as exc:
+            raise ClientError(
+                f"could not ask {where} whether model {self.model_name!r} is ready: {exc}"
+            ) from None
+        if not ready:
+            raise ClientError(
+                f"model {self.model_name!r} is not ready on {where} (not in the repository, still loading, "
+                "or failed to load: see the server log)."
+            )
+        self._ready = True
+
+    def segment(
+        self,
+        image: Any,
+        spacing: Sequence[float],
+        *,
+        mirroring: bool = True,
+        tile_step_size: float | None = None,
+        folds: Sequence[int | str] | int | str | None = None,
+        probabilities: bool = False,
+    ) -> SegmentationResult:
+        """Segment one case with a single endpoint call.
+
+        Args:
+            image: ``(C, *spatial)`` (or ``(*spatial)`` for one channel) in the reader's axis order
+                (SimpleITK: z, y, x); any real dtype, sent as float32.
+            spacing: voxel spacing per spatial axis in the same order.
+            mirroring: nnU-Net's test-time mirroring.
+            tile_step_size: sliding-window step in (0, 1]; None = the server default (0.5).
+            folds: subset of the deployed folds (e.g. ``[0, 1]``); None = all deployed folds.
+            probabilities: also return the float32 class probabilities.
+
+        Raises:
+            InputValidationError: the image is not real-valued.
+            ClientError: the server is not reachable/ready, or it answered with an error (message and
+                ``status`` are the server's).
+        """
+        spacing_array = _as_spacing(spacing)
+        image_array = _as_image(image, spacing_array.size)
+        if not self._ready:
+            self.check_ready()
+        inputs = [
+            self._input(io_names.IMAGE, image_array, "FP32"),
+            self._input(io_names.SPACING, spacing_array, "FP64"),
+        ]
+        names = [io_names.SEGMENTATION] + ([io_names.PROBABILITIES] if probabilities else [])
+        outputs = [self._output(name) for name in names]
+        params = request_parameters(
+            mirroring=mirroring, tile_step_size=tile_step_size, folds=folds, probabilities=probabilities
+        )
+        start = time.perf_counter()
+        response = self._infer(inputs, outputs, params)
+        segmentation = response.as_numpy(io_names.SEGMENTATION)
+        probs = response.as_numpy(io_names.PROBABILITIES) if probabilities else None
+        elapsed = time.perf_counter() - start
+        if segmentation is None or (probabilities and probs is None):
+            raise ClientError(f"model {self.model_name!r} answered without {names}.")
+        LOGGER.debug("segmented %s in %.3f s", image_array.shape, elapsed)
+        return SegmentationResult(segmentation=segmentation, probabilities=probs, elapsed_s=elapsed)
+
+    def _input(self, name: str, array: np.ndarray, dtype: str) -> Any:
+        tensor = self._module.InferInput(name, list(array.shape), dtype)
+        if self.protocol == "http":
+            tensor.set_data_from_numpy(array, binary_data=True)
+        else:
+            tensor.set_data_from_numpy(array)
+        return tensor
+
+    def _output(self, name: str) -> Any:
+        if self.protocol == "http":
+            return self._module.InferRequestedOutput(name, binary_data=True)
+        return self._module.InferRequestedOutput(name)
+
+    def _infer(self, inputs: list[Any], outputs: list[Any], params: dict[str, Any]) -> Any:
+        from tritonclient.utils import InferenceServerException
+
+        kwargs: dict[str, Any] = {"outputs": outputs, "parameters": params}
+        if self.protocol == "grpc":
+            kwargs["client_timeout"] = self.timeout_s
+        try:
+            return self._client.infer(self.model_name, inputs, **kwargs)
+        except InferenceServerException as exc:
+            status = exc.status()
+            raise ClientError(
+                f"model {self.model_name!r} on {self.protocol}://{self.url} failed"
+                f"{f' ({status})' if status else ''}: {exc.message()}",
+                status=str(status) if status is not None else None,
+            ) from None
+        except Exception as exc:  # transport errors (connection reset, timeouts) of either client
+            raise ClientError(
+                f"model {self.model_name!r} on {self.protocol}://{self.url}: request failed "
+                f"({type(exc).__name__}: {exc})."
+            ) from None

@@ -1,0 +1,89 @@
+"""Triton Python model ``stitch_model``: LOGITS + CASE_PROPERTIES -> SEGMENTATION (+ PROBABILITIES).
+
+A thin adapter around :func:`nnunet_triton.export.convert_logits_to_segmentation` (nnU-Net's
+``convert_predicted_logits_to_segmentation_with_correct_shape``): resample the fold-averaged logits back
+to the cropped original geometry, argmax (or region thresholds), uncrop, transpose back.
+
+PROBABILITIES are computed only when the request parameter ``probabilities`` is true. A flag is needed
+because an ensemble always asks a composing model for every output in its ``output_map``
+(``requested_output_names`` lists PROBABILITIES even when the client did not ask for it); when the flag
+is off the output is simply left out of the response, which the ensemble accepts (checked on 2.51).
+
+I/O (``max_batch_size: 0``):
+    IN  LOGITS           FP16 [K, *resampled]
+    IN  CASE_PROPERTIES  FP64 [-1]
+    OUT SEGMENTATION     UINT8 or UINT16 (as declared in config.pbtxt) [*spatial], reader axis order
+    OUT PROBABILITIES    FP32 [K, *spatial], only when requested
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nnunet_triton import io_names, serving
+from nnunet_triton.errors import NnunetTritonError, PlansError
+from nnunet_triton.export import convert_logits_to_segmentation
+from nnunet_triton.orchestration import parse_request_options
+from nnunet_triton.plans import InferenceConfig
+from nnunet_triton.preprocess import CaseProperties
+
+CONFIG_FILE = "inference_config.json"
+_SEGMENTATION_DTYPES = {"TYPE_UINT8": np.dtype(np.uint8), "TYPE_UINT16": np.dtype(np.uint16)}
+
+
+def _declared_segmentation_dtype(model_config: dict[str, Any]) -> np.dtype:
+    for output in model_config.get("output", []):
+        if output["name"] == io_names.SEGMENTATION:
+            dtype = _SEGMENTATION_DTYPES.get(output["data_type"])
+            if dtype is None:
+                raise PlansError(
+                    f"output {io_names.SEGMENTATION!r} must be TYPE_UINT8 or TYPE_UINT16, "
+                    f"got {output['data_type']!r}."
+                )
+            return dtype
+    raise PlansError(f"config.pbtxt declares no output {io_names.SEGMENTATION!r}.")
+
+
+class TritonPythonModel:
+    """Export step of the ``nnunet`` ensemble."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        try:
+            import triton_python_backend_utils as pb_utils
+
+            self._logger = pb_utils.Logger
+            self._config = InferenceConfig.from_json((Path(__file__).parent / CONFIG_FILE).read_text())
+            self._seg_dtype = _declared_segmentation_dtype(json.loads(args["model_config"]))
+            max_label = self._config.labels.max_label
+            if max_label > np.iinfo(self._seg_dtype).max:
+                raise PlansError(
+                    f"output {io_names.SEGMENTATION!r} is {self._seg_dtype} but the model has label "
+                    f"{max_label}."
+                )
+        except Exception:
+            raise serving.initialize_exception(args["model_name"]) from None
+
+    def execute(self, requests: list) -> list:
+        return [self._run(request) for request in requests]
+
+    def _run(self, request: Any) -> Any:
+        try:
+            options = parse_request_options(serving.request_parameters(request), self._config)
+            logits = serving.input_array(request, io_names.LOGITS)
+            props = CaseProperties.from_array(serving.input_array(request, io_names.CASE_PROPERTIES))
+            result = convert_logits_to_segmentation(
+                logits, props, self._config, return_probabilities=options.probabilities
+            )
+            segmentation, probabilities = result if options.probabilities else (result, None)
+            outputs = {io_names.SEGMENTATION: segmentation.astype(self._seg_dtype, copy=False)}
+            if probabilities is not None:
+                outputs[io_names.PROBABILITIES] = probabilities
+            return serving.ok_response(outputs)
+        except NnunetTritonError as exc:
+            return serving.error_response(exc)
+        except Exception as exc:
+            return serving.internal_error_response(exc, self._logger)

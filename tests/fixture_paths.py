@@ -1,0 +1,73 @@
+"""Where the nnU-Net-trained fixture models live (made by ``tools/make_fixture_model.py``).
+
+Import as ``from tests.fixture_paths import SYNTH_CT, SYNTH_ANISO`` (needs the repository root on
+``sys.path``, which ``python -m pytest`` provides). See ``tests/fixtures/README.md`` for provenance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "ALL_FIXTURE_MODELS",
+    "FIXTURES_DIR",
+    "MODEL_FOLDER_NAME",
+    "SYNTH_ANISO",
+    "SYNTH_CT",
+    "FixtureModel",
+    "HeldOutCase",
+]
+
+FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+MODEL_FOLDER_NAME = "nnUNetTrainer__nnUNetPlans__3d_tiny"
+_IMAGE_SUFFIX = "_0000.nii.gz"
+
+
+@dataclass(frozen=True)
+class HeldOutCase:
+    """One held-out image (single CT channel) and its reference segmentation."""
+
+    case_id: str
+    image: Path
+    label: Path
+
+
+@dataclass(frozen=True)
+class FixtureModel:
+    """A committed nnU-Net results folder plus its held-out cases."""
+
+    dataset_name: str
+
+    @property
+    def dataset_dir(self) -> Path:
+        return FIXTURES_DIR / self.dataset_name
+
+    @property
+    def model_dir(self) -> Path:
+        """The folder to pass to ``nnUNetPredictor.initialize_from_trained_model_folder``."""
+        return self.dataset_dir / MODEL_FOLDER_NAME
+
+    def held_out_cases(self) -> tuple[HeldOutCase, ...]:
+        """Held-out cases sorted by id; raises if an image has no label."""
+        cases = []
+        for image in sorted((self.dataset_dir / "imagesTs").glob(f"*{_IMAGE_SUFFIX}")):
+            case_id = image.name[: -len(_IMAGE_SUFFIX)]
+            label = self.dataset_dir / "labelsTs" / f"{case_id}.nii.gz"
+            if not label.is_file():
+                raise FileNotFoundError(
+                    f"held-out case {case_id!r} of {self.dataset_name}: missing label {label}"
+                )
+            cases.append(HeldOutCase(case_id, image, label))
+        return tuple(cases)
+
+    def held_out_case(self, case_id: str) -> HeldOutCase:
+        for case in self.held_out_cases():
+            if case.case_id == case_id:
+                return case
+        raise KeyError(f"{self.dataset_name} has no held-out case {case_id!r}")
+
+
+SYNTH_CT = FixtureModel("Dataset901_SynthCT")
+SYNTH_ANISO = FixtureModel("Dataset902_SynthAniso")
+ALL_FIXTURE_MODELS = (SYNTH_CT, SYNTH_ANISO)

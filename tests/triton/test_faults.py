@@ -1,0 +1,99 @@
+"""Faults: a missing fold model fails requests clearly and recovers; disconnecting clients wedge nothing.
+
+Uses its OWN server in explicit model-control mode (so a test can unload and reload ``fold_0``) over the
+SynthCT test repository that pipeline_support builds. Requests use the probe case without mirroring
+(one tile per fold): cheap on 2 shared cores, same code path.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from pipeline_support import SYNTHCT, build, probe_case, reference
+
+from nnunet_triton import io_names
+from nnunet_triton.client import NnunetClient
+from nnunet_triton.errors import ClientError
+
+INTERNAL_OR_UNAVAILABLE = {"500", "503", "StatusCode.INTERNAL", "StatusCode.UNAVAILABLE"}
+
+
+@pytest.fixture(scope="module")
+def explicit_server(triton_server):
+    with triton_server(build(SYNTHCT), model_control_mode="explicit", load_models=("*",)) as handle:
+        yield handle
+
+
+def _url(server, protocol: str) -> str:
+    return server.http_url if protocol == "http" else server.grpc_url
+
+
+def _assert_probe_segments(server, protocol: str = "http") -> None:
+    probe = probe_case(SYNTHCT)
+    with NnunetClient(_url(server, protocol), protocol=protocol, timeout_s=900) as client:
+        result = client.segment(probe.image, probe.spacing, mirroring=False)
+    np.testing.assert_array_equal(result.segmentation, reference(SYNTHCT, probe.name, False).segmentation)
+
+
+def _wait_ready(client, model: str, ready: bool, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.is_model_ready(model) != ready:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"model {model!r} ready={not ready} after {timeout_s} s")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_request_fails_naming_fold_model_when_unloaded_and_succeeds_after_reload(explicit_server, protocol):
+    import tritonclient.http as http
+
+    probe = probe_case(SYNTHCT)
+    control = http.InferenceServerClient(explicit_server.http_url, network_timeout=900)
+    try:
+        control.unload_model("fold_0")
+        _wait_ready(control, "fold_0", ready=False)
+        with NnunetClient(_url(explicit_server, protocol), protocol=protocol, timeout_s=900) as client:
+            with pytest.raises(
+                ClientError, match=r"model 'fold_0' failed: .*Model 'fold_0' is not ready"
+            ) as info:
+                client.segment(probe.image, probe.spacing, mirroring=False)
+        assert info.value.status in INTERNAL_OR_UNAVAILABLE, (info.value.status, str(info.value))
+    finally:
+        control.load_model("fold_0")
+        _wait_ready(control, "fold_0", ready=True)
+        control.close()
+    _assert_probe_segments(explicit_server, protocol)
+
+
+def _raw_http_request(url: str, network_timeout: float) -> None:
+    import tritonclient.http as http
+
+    case = probe_case(SYNTHCT)  # with mirroring: 8 forwards per fold, seconds of work on the server
+    client = http.InferenceServerClient(url, network_timeout=network_timeout, connection_timeout=60)
+    try:
+        image = http.InferInput(io_names.IMAGE, list(case.image.shape), "FP32")
+        image.set_data_from_numpy(case.image, binary_data=True)
+        spacing = http.InferInput(io_names.SPACING, [3], "FP64")
+        spacing.set_data_from_numpy(np.asarray(case.spacing, np.float64), binary_data=True)
+        client.infer(io_names.ENDPOINT_MODEL, [image, spacing], parameters={"mirroring": True})
+    finally:
+        client.close()
+
+
+def test_http_clients_that_disconnect_mid_request_do_not_wedge_the_orchestrator(explicit_server):
+    for _ in range(2):  # each gives up after 0.2 s and closes its socket while the server still works
+        with pytest.raises(Exception, match=r"(?i)timed? ?out"):
+            _raw_http_request(explicit_server.http_url, network_timeout=0.2)
+    _assert_probe_segments(explicit_server, "http")
+
+
+def test_grpc_client_deadline_mid_request_does_not_wedge_the_orchestrator(explicit_server):
+    case = probe_case(SYNTHCT)
+    with NnunetClient(explicit_server.grpc_url, protocol="grpc", timeout_s=0.2) as client:
+        client.check_ready()
+        with pytest.raises(ClientError, match=r"Deadline Exceeded") as info:
+            client.segment(case.image, case.spacing, mirroring=True)
+    assert info.value.status == "StatusCode.DEADLINE_EXCEEDED", (info.value.status, str(info.value))
+    _assert_probe_segments(explicit_server, "grpc")

@@ -1,0 +1,111 @@
+"""DICOM-SEG output: readable by pydicom and highdicom, one segment per label, references the source."""
+
+from __future__ import annotations
+
+import highdicom as hd
+import numpy as np
+import pydicom
+import pytest
+from pydicom.uid import SegmentationStorage
+
+from nnunet_triton import dicom, dicom_seg
+from nnunet_triton.dicom_seg import SegmentLabel
+from nnunet_triton.errors import InputValidationError
+
+try:
+    from . import dicom_support as support
+except ImportError:
+    import dicom_support as support
+
+LABELS = {"background": 0, "organ": 1, "lesion": 2}
+
+
+@pytest.fixture
+def series(tmp_path):
+    built = support.write_ct_series(tmp_path / "ct", n_slices=6)
+    volume = dicom.read_dicom_folder(built.folder)
+    return built, volume
+
+
+def _label_map(shape) -> np.ndarray:
+    seg = np.zeros(shape, np.uint8)
+    seg[1:4, 30:60, 40:80] = 1
+    seg[2, 70:90, 70:90] = 2
+    return seg
+
+
+def test_segment_labels_come_from_dataset_json_without_background_and_ignore():
+    labels = dicom_seg.segment_labels({"background": 0, "liver": 1, "tumor": 2, "ignore": 3})
+    assert labels == (SegmentLabel(1, 1, "liver"), SegmentLabel(2, 2, "tumor"))
+
+
+def test_segment_labels_use_regions_class_order_when_regions():
+    labels = dicom_seg.segment_labels(
+        {"background": 0, "whole": [1, 2], "core": [2]}, regions_class_order=[1, 2]
+    )
+    assert labels == (SegmentLabel(1, 1, "whole"), SegmentLabel(2, 2, "core"))
+    with pytest.raises(InputValidationError, match="need regions_class_order with 2 entries"):
+        dicom_seg.segment_labels({"background": 0, "whole": [1, 2], "core": [2]})
+
+
+def test_write_dicom_seg_is_readable_and_references_source_instances(series, tmp_path):
+    built, volume = series
+    seg = _label_map(volume.data.shape)
+    path = dicom_seg.write_dicom_seg(
+        seg, volume, dicom_seg.segment_labels(LABELS), tmp_path / "out" / "seg.dcm"
+    )
+
+    ds = pydicom.dcmread(path)
+    source = pydicom.dcmread(built.files[0])
+    assert ds.SOPClassUID == SegmentationStorage and ds.SegmentationType == "BINARY"
+    assert [(s.SegmentNumber, s.SegmentLabel) for s in ds.SegmentSequence] == [(1, "organ"), (2, "lesion")]
+    assert (ds.StudyInstanceUID, ds.PatientID) == (source.StudyInstanceUID, source.PatientID)
+    referenced = ds.ReferencedSeriesSequence[0]
+    assert referenced.SeriesInstanceUID == built.series_uid
+    assert sorted(r.ReferencedSOPInstanceUID for r in referenced.ReferencedInstanceSequence) == sorted(
+        built.sop_uids
+    )
+
+    reread = hd.seg.segread(path)
+    pixels = reread.get_pixels_by_source_instance(
+        list(built.sop_uids), combine_segments=True, assert_missing_frames_are_empty=True
+    )
+    np.testing.assert_array_equal(pixels, seg)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["seg.dcm"]
+
+
+def test_write_dicom_seg_follows_source_frame_order_when_source_is_enhanced_multiframe(series, tmp_path):
+    built, _ = series
+    source_path = support.write_enhanced(built, tmp_path / "mf" / "MF.dcm")
+    volume = dicom.read_dicom_folder(source_path.parent)
+    seg = _label_map(volume.data.shape)
+    path = dicom_seg.write_dicom_seg(seg, volume, dicom_seg.segment_labels(LABELS), tmp_path / "seg.dcm")
+
+    source = pydicom.dcmread(source_path)
+    pixels = hd.seg.segread(path).get_pixels_by_source_frame(
+        source.SOPInstanceUID, list(range(1, 7)), combine_segments=True, assert_missing_frames_are_empty=True
+    )
+    np.testing.assert_array_equal(pixels[[f.frame for f in volume.frames]], seg)
+
+
+def test_write_dicom_seg_writes_all_frames_when_segmentation_is_empty(series, tmp_path):
+    _, volume = series
+    path = dicom_seg.write_dicom_seg(
+        np.zeros(volume.data.shape, np.uint8),
+        volume,
+        dicom_seg.segment_labels(LABELS),
+        tmp_path / "empty.dcm",
+    )
+    assert pydicom.dcmread(path).NumberOfFrames == 2 * volume.data.shape[0]
+
+
+def test_write_dicom_seg_raises_when_shape_or_labels_do_not_match(series, tmp_path):
+    _, volume = series
+    labels = dicom_seg.segment_labels(LABELS)
+    with pytest.raises(
+        InputValidationError, match=r"segmentation shape \(5, 128, 128\) != source volume shape"
+    ):
+        dicom_seg.write_dicom_seg(np.zeros((5, 128, 128), np.uint8), volume, labels, tmp_path / "a.dcm")
+    with pytest.raises(InputValidationError, match=r"label values \[7\] have no segment"):
+        dicom_seg.write_dicom_seg(np.full(volume.data.shape, 7, np.uint8), volume, labels, tmp_path / "b.dcm")
+    assert list(tmp_path.glob("*.dcm")) == []

@@ -1,0 +1,128 @@
+"""Endpoint description (published JSON, ``info`` text), retries on UNAVAILABLE only, CLI input discovery."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nnunet_triton import cli, endpoint
+from nnunet_triton.endpoint import EndpointDescription
+from nnunet_triton.errors import ClientError, InputValidationError
+
+try:
+    from . import dicom_support, parity_support
+except ImportError:
+    import dicom_support
+    import parity_support
+
+
+class FlakyClient:
+    """``segment`` fails with the given statuses first, then answers ``"ok"``."""
+
+    def __init__(self, statuses):
+        self.statuses, self.calls = list(statuses), []
+
+    def segment(self, image, spacing, **options):
+        self.calls.append(options)
+        if self.statuses:
+            raise ClientError("busy", status=self.statuses.pop(0))
+        return "ok"
+
+
+def test_segment_with_retry_backs_off_exponentially_when_server_is_unavailable():
+    client, delays = FlakyClient(["StatusCode.UNAVAILABLE", "503"]), []
+    result = endpoint.segment_with_retry(
+        client, None, None, retries=3, backoff_s=0.5, sleep=delays.append, mirroring=False
+    )
+    assert (result, delays, client.calls) == ("ok", [0.5, 1.0], [{"mirroring": False}] * 3)
+
+
+@pytest.mark.parametrize("statuses", [["400"], [None], ["StatusCode.INVALID_ARGUMENT"]])
+def test_segment_with_retry_raises_at_once_when_error_is_not_unavailable(statuses):
+    client, delays = FlakyClient(statuses), []
+    with pytest.raises(ClientError, match="busy"):
+        endpoint.segment_with_retry(client, None, None, sleep=delays.append)
+    assert delays == [] and len(client.calls) == 1
+
+
+def test_segment_with_retry_raises_when_retries_are_exhausted():
+    client, delays = FlakyClient(["503"] * 3), []
+    with pytest.raises(ClientError, match="busy"):
+        endpoint.segment_with_retry(client, None, None, retries=2, backoff_s=1.0, sleep=delays.append)
+    assert delays == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("regions", [False, True], ids=["labels", "regions"])
+def test_description_parameters_publish_dataset_labels_channels_and_axis_order(regions):
+    dataset = parity_support.make_dataset_json(regions=regions)
+    config = parity_support.inference_config(parity_support.make_plans(), dataset, "3d_fullres", folds=(0, 1))
+    published = json.loads(endpoint.description_parameters(config)[endpoint.DESCRIPTION_PARAMETER])
+
+    assert published["labels"] == dataset["labels"]
+    assert published["regions_class_order"] == dataset.get("regions_class_order")
+    assert published["channel_names"] == dataset["channel_names"]
+    assert (published["file_ending"], published["axis_order"], published["folds"]) == (
+        ".nii.gz",
+        "zyx",
+        [0, 1],
+    )
+    assert (published["dataset_name"], published["configuration"]) == ("Dataset999_Parity", "3d_fullres")
+
+
+def _description(published=None) -> EndpointDescription:
+    return EndpointDescription(
+        url="http://h:8000",
+        model_name="nnunet",
+        server_version="2.51.0",
+        num_channels=2,
+        num_heads=3,
+        segmentation_dtype="UINT8",
+        composing_models=("preprocess_model", "orchestrator_model", "stitch_model"),
+        fold_models=("fold_0",),
+        published=published or {},
+    )
+
+
+def test_endpoint_description_uses_generic_labels_when_nothing_is_published():
+    description = _description()
+    assert description.labels == {"background": 0, "label_1": 1, "label_2": 2}
+    assert description.file_ending == ".nii.gz"
+    text = endpoint.format_description(description)
+    assert "fold models     fold_0" in text and "(generic)" in text and "does not publish" in text
+
+
+def test_endpoint_description_uses_published_labels():
+    description = _description({"labels": {"background": 0, "liver": 1, "tumor": 2}, "file_ending": ".nrrd"})
+    assert description.labels == {"background": 0, "liver": 1, "tumor": 2}
+    assert description.file_ending == ".nrrd"
+    assert 'file_ending     ".nrrd"' in endpoint.format_description(description)
+
+
+def test_collect_jobs_finds_channel_siblings_when_input_is_one_file(tmp_path):
+    import SimpleITK as sitk
+
+    for channel in range(2):
+        sitk.WriteImage(
+            sitk.GetImageFromArray(np.full((2, 3, 4), channel, np.int16)),
+            str(tmp_path / f"case_{channel:04d}.nii.gz"),
+        )
+    (jobs,) = cli.collect_jobs(tmp_path / "case_0000.nii.gz")
+    image, volume = jobs.load()
+    assert (jobs.name, jobs.is_dicom, volume) == ("case", False, None)
+    np.testing.assert_array_equal(image.data[:, 0, 0, 0], [0.0, 1.0])
+
+
+def test_collect_jobs_makes_one_job_per_dicom_series(tmp_path):
+    first = dicom_support.write_ct_series(tmp_path / "a", n_slices=2)
+    second = dicom_support.write_ct_series(tmp_path / "b", n_slices=3, seed=1)
+    jobs = cli.collect_jobs(tmp_path)
+    assert sorted(j.name for j in jobs) == sorted([first.series_uid, second.series_uid])
+    assert all(j.is_dicom for j in jobs)
+
+
+def test_collect_jobs_raises_when_folder_has_neither_images_nor_dicom(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(InputValidationError, match="no images .* and no DICOM image series"):
+        cli.collect_jobs(tmp_path)

@@ -1,0 +1,225 @@
+"""One perf_analyzer run (one concurrency level), with every flag spelled out, and its CSV parsed.
+
+Why these settings (perf_analyzer 2.48.0, installed by ``make setup`` as ``.venv/bin/perf_analyzer``):
+
+- ``--measurement-mode count_windows`` + ``--measurement-request-count``: a window closes after N
+  requests, not after a fixed time, so multi-second requests still fill each window.
+- ``--stability-percentage 1000``: on a shared 2-core machine consecutive windows never agree within
+  the default 10 %; perf_analyzer then merges the last three windows (``--max-trials 3`` windows at
+  most) and reports percentiles over all their requests.
+- ``--request-count``: for requests of tens of seconds, exactly that many requests in ONE window
+  (perf_analyzer allows it only with a single concurrency value, hence one run per level).
+- ``--sync``: one client thread per concurrent request (the concurrency is exact).
+- ``--request-parameter name:value:type``: the endpoint's per-request options (``mirroring``,
+  ``folds``); perf_analyzer 2.48 sends request parameters over gRPC only, so HTTP runs use the
+  server defaults (all deployed folds, mirroring on).
+- ``--bls-composing-models``: the fold models behind the BLS orchestrator, so perf_analyzer's log
+  also shows their server-side statistics (the ensemble's own steps are found from its config).
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["PROTOCOLS", "AnalyzerSettings", "AnalyzerResult", "perf_analyzer_path", "command", "run",
+           "parse_csv", "parse_log"]
+
+PROTOCOLS = ("grpc", "http")
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_PARAMETER_TYPES = ("bool", "int", "string")
+# CSV column -> our key (microseconds in the CSV)
+_CSV_LATENCIES = {"p50 latency": "p50_ms", "p90 latency": "p90_ms", "p95 latency": "p95_ms",
+                  "p99 latency": "p99_ms", "Server Queue": "server_queue_ms",
+                  "Server Compute Input": "server_compute_input_ms",
+                  "Server Compute Infer": "server_compute_infer_ms",
+                  "Server Compute Output": "server_compute_output_ms",
+                  "Client Send": "client_send_ms", "Client Recv": "client_recv_ms",
+                  "Network+Server Send/Recv": "network_server_send_recv_ms"}
+
+
+@dataclass(frozen=True)
+class AnalyzerSettings:
+    """Everything one perf_analyzer invocation is told.
+
+    Attributes:
+        model: model to load (``nnunet`` or the monolith).
+        url: ``host:port`` of the endpoint for ``protocol``.
+        input_data: JSON from ``tools.perf.input_data``.
+        concurrency: concurrent requests (one level per run).
+        measurement_request_count: requests per count window.
+        request_count: > 0: exactly this many requests in one window (long requests).
+        measurement_interval_ms: first count window length; it grows until the count is reached.
+        request_parameters: ``(name, value, type)`` sent with every request (gRPC only).
+        bls_composing_models: models the BLS orchestrator calls (reported by perf_analyzer).
+        shared_memory: ``none`` or ``system`` (client <-> server tensors through /dev/shm).
+        output_shared_memory_size: bytes per output region when ``shared_memory`` is ``system``.
+    """
+
+    model: str
+    url: str
+    protocol: str
+    input_data: Path
+    concurrency: int
+    measurement_request_count: int
+    request_count: int = 0
+    measurement_interval_ms: int = 5000
+    stability_percentage: int = 1000
+    max_trials: int = 3
+    percentile: int = 95
+    request_parameters: tuple[tuple[str, str, str], ...] = ()
+    bls_composing_models: tuple[str, ...] = ()
+    shared_memory: str = "none"
+    output_shared_memory_size: int = 64 * 2**20
+    model_version: str = "1"
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}.")
+        if self.concurrency < 1 or self.measurement_request_count < 1 or self.request_count < 0:
+            raise ValueError(
+                f"concurrency and measurement_request_count must be >= 1 and request_count >= 0, got "
+                f"{self.concurrency}, {self.measurement_request_count} and {self.request_count}."
+            )
+        if 0 < self.request_count < self.concurrency:
+            raise ValueError(
+                f"request_count must be 0 or >= concurrency, got {self.request_count} < {self.concurrency}."
+            )
+        if self.request_parameters and self.protocol != "grpc":
+            raise ValueError(
+                f"request_parameters {self.request_parameters} need protocol 'grpc' (perf_analyzer 2.48 "
+                f"sends request parameters over gRPC only), got {self.protocol!r}."
+            )
+        bad = [p for p in self.request_parameters if len(p) != 3 or p[2] not in _PARAMETER_TYPES]
+        if bad:
+            raise ValueError(f"request_parameters must be (name, value, bool|int|string), got {bad}.")
+        if self.shared_memory not in ("none", "system"):
+            raise ValueError(f"shared_memory must be 'none' or 'system', got {self.shared_memory!r}.")
+
+
+@dataclass(frozen=True)
+class AnalyzerResult:
+    """What one run produced: the CSV row (ms, infer/s), client request count and the files."""
+
+    command: tuple[str, ...]
+    returncode: int
+    wall_s: float
+    csv_path: Path
+    log_path: Path
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and bool(self.metrics)
+
+
+def perf_analyzer_path() -> Path:
+    """``.venv/bin/perf_analyzer`` next to this interpreter (installed by ``make setup``)."""
+    path = Path(sys.executable).parent / "perf_analyzer"
+    if not path.is_file():
+        raise FileNotFoundError(f"perf_analyzer not found at {path}; run `make setup`.")
+    return path
+
+
+def command(settings: AnalyzerSettings, csv_path: Path, *, binary: Path | None = None) -> list[str]:
+    """The full command line; every option perf_analyzer would otherwise default is written out."""
+    s = settings
+    args = [
+        str(binary or perf_analyzer_path()),
+        "-m", s.model,
+        "-x", s.model_version,
+        "--service-kind", "triton",
+        "-u", s.url,
+        "-i", s.protocol,
+        "--sync",
+        "-b", "1",  # max_batch_size 0 models: one case per request
+        "--concurrency-range", f"{s.concurrency}:{s.concurrency}:1",
+        "--measurement-mode", "count_windows",
+        "--measurement-request-count", str(s.measurement_request_count),
+        "--measurement-interval", str(s.measurement_interval_ms),
+        "--stability-percentage", str(s.stability_percentage),
+        "--max-trials", str(s.max_trials),
+        "--percentile", str(s.percentile),
+        "--latency-threshold", "0",
+        "--input-data", str(s.input_data),
+        "--shared-memory", s.shared_memory,
+        "-f", str(csv_path),
+        "--verbose-csv",
+    ]
+    if s.request_count:
+        args += ["--request-count", str(s.request_count)]
+    if s.shared_memory == "system":
+        args += ["--output-shared-memory-size", str(s.output_shared_memory_size)]
+    if s.protocol == "http":
+        args += ["--input-tensor-format", "binary", "--output-tensor-format", "binary"]
+    for name, value, kind in s.request_parameters:
+        args += ["--request-parameter", f"{name}:{value}:{kind}"]
+    if s.bls_composing_models:
+        args += ["--bls-composing-models", ",".join(s.bls_composing_models)]
+    return args
+
+
+def parse_csv(path: Path) -> dict[str, float]:
+    """The single row of a one-level CSV: throughput (infer/s) and latencies converted to ms."""
+    with path.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    if len(rows) != 1:
+        raise ValueError(f"{path}: expected one CSV row (one concurrency level), got {len(rows)}.")
+    row = rows[0]
+    metrics = {"concurrency": float(row["Concurrency"]), "throughput_rps": float(row["Inferences/Second"])}
+    for column, key in _CSV_LATENCIES.items():
+        if column in row and row[column] != "":
+            metrics[key] = float(row[column]) / 1000.0
+    return metrics
+
+
+_REQUEST_COUNT = re.compile(r"Client:\s*\n\s*Request count: (\d+)")
+_AVG_LATENCY = re.compile(r"Avg (?:gRPC|HTTP) time: (\d+) usec")
+_AVG_LATENCY_HTTP = re.compile(r"Avg latency: (\d+) usec")
+
+
+def parse_log(text: str) -> dict[str, float]:
+    """Client request count and average latency (ms) from perf_analyzer's stdout."""
+    metrics: dict[str, float] = {}
+    if match := _REQUEST_COUNT.search(text):
+        metrics["requests"] = float(match.group(1))
+    if match := _AVG_LATENCY.search(text) or _AVG_LATENCY_HTTP.search(text):
+        metrics["avg_ms"] = float(match.group(1)) / 1000.0
+    return metrics
+
+
+def run(settings: AnalyzerSettings, out_dir: Path, label: str, *, timeout_s: float,
+        binary: Path | None = None) -> AnalyzerResult:
+    """Run perf_analyzer once; the CSV and the full log go to ``out_dir/<label>.{csv,log}``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path, log_path = out_dir / f"{label}.csv", out_dir / f"{label}.log"
+    csv_path.unlink(missing_ok=True)
+    args = command(settings, csv_path, binary=binary)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, check=False)
+        returncode, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode = 124
+        partial = [s.decode(errors="replace") if isinstance(s, bytes) else s
+                   for s in (exc.stdout, exc.stderr) if s]
+        output = "".join(partial) + f"\nTIMEOUT after {timeout_s:.0f} s"
+    wall = time.perf_counter() - start
+    log_path.write_text(shell_command(args, _REPO_ROOT) + "\n\n" + output)
+    metrics: dict[str, float] = {}
+    if returncode == 0 and csv_path.is_file():
+        metrics = {**parse_csv(csv_path), **parse_log(output)}
+    return AnalyzerResult(command=tuple(args), returncode=returncode, wall_s=wall, csv_path=csv_path,
+                          log_path=log_path, metrics=metrics)
+
+
+def shell_command(args: Sequence[str], repo_root: Path) -> str:
+    """``args`` as a copy-pasteable line with paths relative to the repository root."""
+    root = str(repo_root) + "/"
+    return " ".join(a.replace(root, "") for a in args)
