@@ -269,6 +269,58 @@ def _ellipsoid(coords: Sequence[np.ndarray], center: np.ndarray, semi_axes: np.n
     return sum(((c - c0) / a) ** 2 for c, c0, a in zip(coords, center, semi_axes, strict=True)) <= 1.0
 
 
+def _random_center(
+    rng: np.random.Generator, room: np.ndarray, inplane_axes: Sequence[int], slice_axis: int
+) -> np.ndarray:
+    """A centre (mm) within +-60 % of ``room``, the free half-extent per axis (in-plane pair, then slice)."""
+    center = np.empty(3)
+    center[inplane_axes] = room[inplane_axes] * rng.uniform(-0.6, 0.6, 2)
+    center[slice_axis] = max(room[slice_axis], 0.0) * rng.uniform(-0.6, 0.6)
+    return center
+
+
+def _object_masks(
+    rng: np.random.Generator, geometry: CaseGeometry, coords: Sequence[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Body cylinder, organ ellipsoid and lesion ellipsoid (boolean masks), sized in mm."""
+    half_extent = (np.asarray(geometry.shape) - 1) / 2 * np.asarray(geometry.spacing)
+    inplane_axes = [a for a in range(3) if a != geometry.slice_axis]
+    s_ax = geometry.slice_axis
+
+    body_semi = np.full(3, np.inf)
+    body_semi[inplane_axes] = half_extent[inplane_axes] * rng.uniform(0.85, 0.95, size=2)
+    body = _ellipsoid([coords[a] for a in inplane_axes], np.zeros(2), body_semi[inplane_axes])
+
+    organ_semi = np.empty(3)
+    organ_semi[inplane_axes] = np.minimum(rng.uniform(9.0, 13.0, size=2), 0.6 * body_semi[inplane_axes])
+    organ_semi[s_ax] = min(rng.uniform(8.0, 14.0), 0.8 * half_extent[s_ax])
+    room = np.where(np.isinf(body_semi), half_extent, body_semi) - organ_semi
+    organ_center = _random_center(rng, room, inplane_axes, s_ax)
+    organ = _ellipsoid(coords, organ_center, organ_semi) & body
+
+    lesion_semi = np.empty(3)
+    lesion_semi[inplane_axes] = rng.uniform(4.0, 6.5, size=2)
+    lesion_semi[s_ax] = min(rng.uniform(5.0, 8.0), 0.8 * half_extent[s_ax])
+    if rng.uniform() < 0.5:  # inside the organ
+        lesion_center = organ_center + 0.5 * organ_semi * rng.uniform(-1.0, 1.0, 3)
+    else:
+        room = np.where(np.isinf(body_semi), half_extent, body_semi) - lesion_semi
+        lesion_center = _random_center(rng, room, inplane_axes, s_ax)
+    lesion = _ellipsoid(coords, lesion_center, lesion_semi) & body
+    return body, organ, lesion
+
+
+def _outside_field_of_view(geometry: CaseGeometry) -> np.ndarray:
+    outside = np.zeros(geometry.shape, dtype=bool)
+    for axis, (lo, hi) in enumerate(geometry.margins):
+        index: list[Any] = [slice(None)] * 3
+        index[axis] = slice(0, lo)
+        outside[tuple(index)] = True
+        index[axis] = slice(geometry.shape[axis] - hi, geometry.shape[axis])
+        outside[tuple(index)] = True
+    return outside
+
+
 def synthesize_case(rng: np.random.Generator, geometry: CaseGeometry) -> tuple[np.ndarray, np.ndarray]:
     """Render one CT-like case in array order (z, y, x).
 
@@ -280,42 +332,11 @@ def synthesize_case(rng: np.random.Generator, geometry: CaseGeometry) -> tuple[n
         image: int16, shape ``geometry.shape``.
         label: uint8, shape ``geometry.shape``, values in {0, 1, 2}.
     """
-    spacing = np.asarray(geometry.spacing)
-    half_extent = (np.asarray(geometry.shape) - 1) / 2 * spacing
     coords = np.meshgrid(
-        *[(np.arange(n) - (n - 1) / 2) * s for n, s in zip(geometry.shape, spacing, strict=True)],
+        *[(np.arange(n) - (n - 1) / 2) * s for n, s in zip(geometry.shape, geometry.spacing, strict=True)],
         indexing="ij",
     )
-    inplane_axes = [a for a in range(3) if a != geometry.slice_axis]
-    s_ax = geometry.slice_axis
-
-    body_semi = np.full(3, np.inf)
-    body_semi[inplane_axes] = half_extent[inplane_axes] * rng.uniform(0.85, 0.95, size=2)
-    body = _ellipsoid([coords[a] for a in inplane_axes], np.zeros(2), body_semi[inplane_axes])
-
-    organ_semi = np.empty(3)
-    organ_semi[inplane_axes] = np.minimum(rng.uniform(9.0, 13.0, size=2), 0.6 * body_semi[inplane_axes])
-    organ_semi[s_ax] = min(rng.uniform(8.0, 14.0), 0.8 * half_extent[s_ax])
-    organ_center = np.empty(3)
-    organ_center[inplane_axes] = (body_semi[inplane_axes] - organ_semi[inplane_axes]) * rng.uniform(
-        -0.6, 0.6, 2
-    )
-    organ_center[s_ax] = max(half_extent[s_ax] - organ_semi[s_ax], 0.0) * rng.uniform(-0.6, 0.6)
-    organ = _ellipsoid(coords, organ_center, organ_semi) & body
-
-    lesion_semi = np.empty(3)
-    lesion_semi[inplane_axes] = rng.uniform(4.0, 6.5, size=2)
-    lesion_semi[s_ax] = min(rng.uniform(5.0, 8.0), 0.8 * half_extent[s_ax])
-    if rng.uniform() < 0.5:
-        lesion_center = organ_center + 0.5 * organ_semi * rng.uniform(-1.0, 1.0, 3)
-    else:
-        lesion_center = np.empty(3)
-        lesion_center[inplane_axes] = (body_semi[inplane_axes] - lesion_semi[inplane_axes]) * rng.uniform(
-            -0.6, 0.6, 2
-        )
-        lesion_center[s_ax] = max(half_extent[s_ax] - lesion_semi[s_ax], 0.0) * rng.uniform(-0.6, 0.6)
-    lesion = _ellipsoid(coords, lesion_center, lesion_semi) & body
-
+    body, organ, lesion = _object_masks(rng, geometry, coords)
     label = np.zeros(geometry.shape, dtype=np.uint8)
     label[organ] = LABELS["organ"]
     label[lesion] = LABELS["lesion"]
@@ -325,15 +346,9 @@ def synthesize_case(rng: np.random.Generator, geometry: CaseGeometry) -> tuple[n
     image[label == LABELS["lesion"]] = HU_LESION
     image = np.round(image + rng.normal(0.0, HU_NOISE_STD, size=geometry.shape)).astype(np.int16)
 
-    outside_fov = np.zeros(geometry.shape, dtype=bool)
-    for axis, (lo, hi) in enumerate(geometry.margins):
-        index: list[Any] = [slice(None)] * 3
-        index[axis] = slice(0, lo)
-        outside_fov[tuple(index)] = True
-        index[axis] = slice(geometry.shape[axis] - hi, geometry.shape[axis])
-        outside_fov[tuple(index)] = True
-    image[outside_fov] = 0
-    label[outside_fov] = 0
+    outside = _outside_field_of_view(geometry)
+    image[outside] = 0
+    label[outside] = 0
     return image, label
 
 
