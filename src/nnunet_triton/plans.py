@@ -152,7 +152,8 @@ class LabelSettings:
             raise PlansError(f"dataset.json label 'background' must be 0, got {labels['background']!r}.")
         names: list[tuple[str, int | tuple[int, ...]]] = []
         for name, value in labels.items():
-            names.append((name, tuple(int(v) for v in value) if isinstance(value, list | tuple) else int(value)))
+            parsed = tuple(int(v) for v in value) if isinstance(value, list | tuple) else int(value)
+            names.append((name, parsed))
         has_regions = any(isinstance(v, tuple) and len(v) > 1 for _, v in names)
         ignore = labels.get("ignore")
         if ignore is not None and not isinstance(ignore, int):
@@ -162,7 +163,8 @@ class LabelSettings:
         )
         if ignore is not None and ignore != max(all_labels) + 1:
             raise PlansError(
-                f"dataset.json label 'ignore' must be the highest label ({max(all_labels) + 1}), got {ignore}."
+                f"dataset.json label 'ignore' must be the highest label ({max(all_labels) + 1}), "
+                f"got {ignore}."
             )
         regions = None
         order = dataset.get("regions_class_order")
@@ -344,7 +346,8 @@ def _check_supported(plans: Mapping[str, Any], config: Mapping[str, Any], config
     preprocessor = config.get("preprocessor_name", "DefaultPreprocessor")
     if preprocessor not in SUPPORTED_PREPROCESSORS:
         raise UnsupportedModelError(
-            f"plans.json configuration {configuration!r} preprocessor_name = {preprocessor!r} is not supported; "
+            f"plans.json configuration {configuration!r} preprocessor_name = {preprocessor!r} "
+            "is not supported; "
             f"supported: {list(SUPPORTED_PREPROCESSORS)}."
         )
     label_manager = plans.get("label_manager", "LabelManager")
@@ -386,7 +389,8 @@ def load_inference_config(
         )
     transpose_forward = tuple(int(t) for t in plans["transpose_forward"])
     transpose_backward = tuple(int(t) for t in plans["transpose_backward"])
-    if sorted(transpose_forward) != [0, 1, 2] or [transpose_forward[t] for t in transpose_backward] != [0, 1, 2]:
+    permutations = sorted(transpose_forward) == [0, 1, 2] and sorted(transpose_backward) == [0, 1, 2]
+    if not permutations or [transpose_forward[t] for t in transpose_backward] != [0, 1, 2]:
         raise PlansError(
             f"plans.json transpose_forward {transpose_forward} / transpose_backward {transpose_backward} "
             "must be inverse permutations of (0, 1, 2)."
@@ -435,7 +439,10 @@ def load_inference_config(
 
 
 def detect_folds(model_dir: str | Path, checkpoint_name: str = CHECKPOINT_NAME) -> tuple[int | str, ...]:
-    """Folds with a checkpoint, like ``nnUNetPredictor.auto_detect_available_folds`` (``fold_all`` excluded)."""
+    """Folds with a checkpoint, like ``nnUNetPredictor.auto_detect_available_folds``.
+
+    ``fold_all`` is excluded, as nnU-Net does.
+    """
     model_dir = Path(model_dir)
     folds: list[int] = []
     for sub in model_dir.glob("fold_*"):
@@ -498,7 +505,8 @@ def read_model_folder(
         configuration = first["init_args"]["configuration"]
     except KeyError as exc:
         raise PlansError(
-            f"checkpoint fold_{folds[0]}/{checkpoint_name} lacks {exc.args[0]!r}; not an nnU-Net v2 checkpoint?"
+            f"checkpoint fold_{folds[0]}/{checkpoint_name} lacks {exc.args[0]!r}; "
+            "not an nnU-Net v2 checkpoint?"
         ) from None
     mirror_axes = first.get("inference_allowed_mirroring_axes")
     return load_inference_config(
