@@ -19,8 +19,8 @@ tar -C /src --exclude=./.venv --exclude=./build --exclude=./.git -cf - . | tar -
 # the project's lock, minus the torch stack pinned for the host's newer torch (its CUDA wheels, triton, and
 # sympy: torch 2.5.1 requires sympy==1.13.1, the lock has 1.14.0 -> ResolutionImpossible)
 grep -v -E '^(torch|torchvision|triton|sympy|nvidia-[a-z0-9-]+)==' /opt/src/requirements/constraints.txt \
-    > /tmp/constraints.txt
-python -m pip install --no-cache-dir --disable-pip-version-check -c /tmp/constraints.txt \
+    > /opt/constraints.txt
+python -m pip install --no-cache-dir --disable-pip-version-check -c /opt/constraints.txt \
     "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" "numpy<2" nnunetv2 timm
 
 cd /opt/src

@@ -24,8 +24,8 @@
 #   python -m repository.build --model build/perf/models/Dataset950_PerfCT/nnUNetTrainer__nnUNetPlans__3d_fullres \
 #       --out build/perf/repos/realistic/gpu-libtorch --target gpu --fold-runner libtorch --precision fp16
 #   docker run --gpus all --rm --shm-size=8g -p8000:8000 -p8001:8001 -p8002:8002 \
-#       -v "$PWD:/work" -w /work nvcr.io/nvidia/tritonserver:24.10-py3 \
-#       bash -c "pip install -e . cupy-cuda12x && tritonserver --model-repository=/work/build/perf/repos/realistic/gpu-libtorch"
+#       -v "$PWD:/workspace" -w /workspace nvcr.io/nvidia/tritonserver:24.10-py3 \
+#       bash -c "pip install -e . cupy-cuda12x && tritonserver --model-repository=/workspace/build/perf/repos/realistic/gpu-libtorch"
 #   then the perf_analyzer command lines printed in the CPU report's "Commands" section, with
 #   -u localhost:8001 (gRPC) and the same --input-data files (benchmarks/results/<stem>/raw/<workload>/).
 set -euo pipefail
