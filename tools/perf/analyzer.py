@@ -57,7 +57,8 @@ class AnalyzerSettings:
         request_count: > 0: exactly this many requests in one window (long requests).
         measurement_interval_ms: first count window length; it grows until the count is reached.
         request_parameters: ``(name, value, type)`` sent with every request (gRPC only).
-        bls_composing_models: models the BLS orchestrator calls (reported by perf_analyzer).
+        bls_composing_models: models the BLS orchestrator calls, ``name[:version]`` (reported by
+            perf_analyzer).
         shared_memory: ``none`` or ``system`` (client <-> server tensors through /dev/shm).
         output_shared_memory_size: bytes per output region when ``shared_memory`` is ``system``.
     """

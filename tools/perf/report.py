@@ -51,6 +51,14 @@ def _p50_s(row: Row) -> float:
     return row["latency_ms"]["p50"] / 1000.0
 
 
+def _cpu(row: Row) -> float | None:
+    return row.get("resources", {}).get("cpu_s_per_request")
+
+
+def _cpu_ratio(a: Row, b: Row) -> float | None:
+    return _cpu(a) / _cpu(b) if _cpu(a) and _cpu(b) else None
+
+
 def _scenarios(rows: Sequence[Row]) -> list[tuple[str, str]]:
     seen: dict[tuple[str, str], None] = {}
     for row in rows:
@@ -58,9 +66,21 @@ def _scenarios(rows: Sequence[Row]) -> list[tuple[str, str]]:
     return list(seen)
 
 
+def others_load(row: Row) -> float | None:
+    """Estimated load of OTHER processes during a row: mean 1-min load minus the row's own CPU use.
+
+    The load average counts runnable threads, ours included; one busy core of our own adds ~1.
+    """
+    res = row.get("resources", {})
+    start, end = res.get("loadavg_start"), res.get("loadavg_end")
+    if not start or not end or res.get("cpu_percent") is None:
+        return None
+    return (start[0] + end[0]) / 2 - res["cpu_percent"] / 100.0
+
+
 def _noisy(row: Row, cores: int) -> bool:
-    load = row.get("resources", {}).get("loadavg_start") or [0.0]
-    return bool(load) and load[0] >= cores
+    others = others_load(row)
+    return others is not None and others >= cores / 2
 
 
 # --- ratios --------------------------------------------------------------------------------------------
@@ -76,14 +96,14 @@ def ratios(rows: Sequence[Row]) -> dict[str, list[Row]]:
         endpoint = _find(rows, **key, system="endpoint", protocol="grpc", concurrency=1)
         predictor = _find(rows, **key, system="predictor")
         floor = _find(rows, **key, system="floor")
-        if endpoint and predictor:
-            result["latency_vs_predictor"].append(
-                {**key, "endpoint_s": _p50_s(endpoint), "other_s": _p50_s(predictor),
-                 "ratio": _p50_s(endpoint) / _p50_s(predictor), "forwards": endpoint["forwards_per_request"]})
-        if endpoint and floor:
-            result["end_to_end_vs_floor"].append(
-                {**key, "endpoint_s": _p50_s(endpoint), "other_s": _p50_s(floor),
-                 "ratio": _p50_s(endpoint) / _p50_s(floor), "forwards": endpoint["forwards_per_request"]})
+        for name, other in (("latency_vs_predictor", predictor), ("end_to_end_vs_floor", floor)):
+            if endpoint and other:
+                result[name].append(
+                    {**key, "endpoint_s": _p50_s(endpoint), "other_s": _p50_s(other),
+                     "ratio": _p50_s(endpoint) / _p50_s(other), "forwards": endpoint["forwards_per_request"],
+                     "endpoint_cpu": _cpu(endpoint), "other_cpu": _cpu(other),
+                     "cpu_ratio": _cpu_ratio(endpoint, other),
+                     "requests": (endpoint["requests"], other["requests"])})
         for row in rows:
             if row["system"] != "endpoint" or (row["workload"], row["scenario"]) != (workload, scenario):
                 continue
@@ -93,7 +113,9 @@ def ratios(rows: Sequence[Row]) -> dict[str, list[Row]]:
                 result["throughput_vs_monolith"].append(
                     {**key, "protocol": row["protocol"], "concurrency": row["concurrency"],
                      "endpoint_rps": row["throughput_rps"], "other_rps": monolith["throughput_rps"],
-                     "ratio": row["throughput_rps"] / monolith["throughput_rps"]})
+                     "ratio": row["throughput_rps"] / monolith["throughput_rps"],
+                     "endpoint_cpu": _cpu(row), "other_cpu": _cpu(monolith),
+                     "cpu_ratio": _cpu_ratio(row, monolith)})
     return result
 
 
@@ -102,33 +124,38 @@ def _verdict(value: float, target: float, higher_is_better: bool) -> str:
     return "met" if met else "**missed**"
 
 
+def _latency_table(rows: Sequence[Row], other: str, target: float) -> list[str]:
+    lines = [f"| workload | scenario | forwards/request | requests (endpoint/{other}) | endpoint s | "
+             f"{other} s | ratio | target | endpoint CPU s/req | {other} CPU s/req | CPU ratio |",
+             "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+    for x in rows:
+        lines.append(f"| {x['workload']} | {x['scenario']} | {x['forwards']} | "
+                     f"{x['requests'][0]}/{x['requests'][1]} | {x['endpoint_s']:.2f} | {x['other_s']:.2f} | "
+                     f"{x['ratio']:.3f} | {_verdict(x['ratio'], target, False)} | "
+                     f"{_fmt(x['endpoint_cpu'])} | {_fmt(x['other_cpu'])} | {_fmt(x['cpu_ratio'], '.3f')} |")
+    return lines
+
+
 def _ratio_tables(r: dict[str, list[Row]]) -> list[str]:
-    lines = [f"Endpoint latency / nnUNetPredictor (target <= {TARGETS['latency_vs_predictor']}; p50, "
-             "concurrency 1, gRPC):", "",
-             "| workload | scenario | forwards/request | endpoint s | nnUNetPredictor s | ratio | target |",
-             "|---|---|---:|---:|---:|---:|---|"]
-    for x in r["latency_vs_predictor"]:
-        lines.append(f"| {x['workload']} | {x['scenario']} | {x['forwards']} | {x['endpoint_s']:.2f} | "
-                     f"{x['other_s']:.2f} | {x['ratio']:.3f} | "
-                     f"{_verdict(x['ratio'], TARGETS['latency_vs_predictor'], False)} |")
+    lines = [f"Endpoint latency / nnUNetPredictor (target <= {TARGETS['latency_vs_predictor']}; p50 at "
+             "concurrency 1 over gRPC vs the median of `predict_single_npy_array`). The CPU ratio (CPU "
+             "seconds per request, all processes of each system) does not depend on how much of the machine "
+             "other jobs took:", "", *_latency_table(r["latency_vs_predictor"], "nnUNetPredictor",
+                                               TARGETS["latency_vs_predictor"])]
     lines += ["", f"Endpoint throughput / monolith (target >= {TARGETS['throughput_vs_monolith_c4']} at "
               "concurrency 4):", "",
-              "| workload | scenario | protocol | concurrency | endpoint req/s | monolith req/s | ratio |",
-              "|---|---|---|---:|---:|---:|---:|"]
+              "| workload | scenario | protocol | concurrency | endpoint req/s | monolith req/s | ratio | "
+              "endpoint CPU s/req | monolith CPU s/req |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for x in r["throughput_vs_monolith"]:
         mark = ""
         if x["concurrency"] == 4:
             mark = " (" + _verdict(x["ratio"], TARGETS["throughput_vs_monolith_c4"], True) + ")"
         lines.append(f"| {x['workload']} | {x['scenario']} | {x['protocol']} | {x['concurrency']} | "
-                     f"{x['endpoint_rps']:.4f} | {x['other_rps']:.4f} | {x['ratio']:.3f}{mark} |")
+                     f"{x['endpoint_rps']:.4f} | {x['other_rps']:.4f} | {x['ratio']:.3f}{mark} | "
+                     f"{_fmt(x['endpoint_cpu'])} | {_fmt(x['other_cpu'])} |")
     lines += ["", f"End-to-end / network floor (target <= {TARGETS['end_to_end_vs_floor']}; endpoint p50 at "
-              "concurrency 1 vs the fold networks' forwards alone):", "",
-              "| workload | scenario | forwards/request | endpoint s | network floor s | ratio | target |",
-              "|---|---|---:|---:|---:|---:|---|"]
-    for x in r["end_to_end_vs_floor"]:
-        lines.append(f"| {x['workload']} | {x['scenario']} | {x['forwards']} | {x['endpoint_s']:.2f} | "
-                     f"{x['other_s']:.2f} | {x['ratio']:.3f} | "
-                     f"{_verdict(x['ratio'], TARGETS['end_to_end_vs_floor'], False)} |")
+              "concurrency 1 vs the fold networks' forwards alone, same tiles):", "",
+              *_latency_table(r["end_to_end_vs_floor"], "floor", TARGETS["end_to_end_vs_floor"])]
     return lines
 
 
@@ -142,8 +169,8 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 def _main_table(rows: Sequence[Row], cores: int) -> list[str]:
     lines = ["| workload | scenario | variant | system | protocol | folds | mirroring | tiles | forwards | "
              "concurrency | requests | req/s | p50 s | p95 s | p99 s | CPU s/req | CPU % | peak RSS MiB | "
-             "load1 start/end |",
-             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "load1 start/end | others' load |",
+             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for row in rows:
         lat, res = row.get("latency_ms", {}), row.get("resources", {})
         load_start = (res.get("loadavg_start") or [None])[0]
@@ -159,7 +186,7 @@ def _main_table(rows: Sequence[Row], cores: int) -> list[str]:
             f"{_fmt(lat.get('p50') and lat['p50'] / 1000)} | {_fmt(lat.get('p95') and lat['p95'] / 1000)} | "
             f"{_fmt(lat.get('p99') and lat['p99'] / 1000)} | {_fmt(res.get('cpu_s_per_request'))} | "
             f"{_fmt(res.get('cpu_percent'), '.0f')} | {_fmt(res.get('peak_rss_mib'), '.0f')} | "
-            f"{_fmt(load_start)}/{_fmt(load_end)}{noisy} |")
+            f"{_fmt(load_start)}/{_fmt(load_end)} | {_fmt(others_load(row), '.1f')}{noisy} |")
     return lines
 
 
@@ -305,10 +332,11 @@ def _header(meta: dict[str, Any]) -> list[str]:
         f"- 1-min load average: {load_start:.2f} at start, {load_end:.2f} at end "
         f"({cores} CPUs; each row below also gives it before/after its measurement).",
     ]
-    if max(load_start, load_end) >= cores:
-        lines.append(f"- **Noisy**: the load average reached the number of CPUs ({cores}) - other processes "
-                     "competed for the CPU during this run; rows marked (noisy) started with load1 >= "
-                     f"{cores}. Compare ratios measured close together rather than absolute times.")
+    lines.append(f"- *others' load* = mean 1-min load average during a row minus that row's own CPU use "
+                 f"(cores): rows where other processes kept >= {cores / 2:g} of the {cores} CPUs busy are "
+                 "marked (noisy). On a shared machine compare rows measured close together (the rounds "
+                 "interleave the systems request by request), and prefer the CPU-seconds-per-request ratios, "
+                 "which do not depend on the CPU share a system got.")
     return lines
 
 

@@ -90,12 +90,16 @@ class Load:
 
     ``window_requests`` > 0: three count windows of ``max(window_requests, concurrency)`` requests
     each; otherwise ONE window of ``max(min_requests, concurrency)`` requests (multi-second requests).
+    ``rounds`` > 1: concurrency 1 over gRPC is measured as that many rounds of one request per system
+    in turn (endpoint, monolith, nnUNetPredictor, floor), so every system sees the same background
+    load; the rounds are merged into one row per system.
     """
 
     concurrencies: tuple[int, ...]
     protocols: tuple[str, ...] = ("grpc",)
     window_requests: int = 0
     min_requests: int = 1
+    rounds: int = 1
 
     def settings(self, concurrency: int) -> dict[str, int]:
         if self.window_requests:
@@ -133,25 +137,24 @@ def plans(quick: bool) -> tuple[WorkloadPlan, ...]:
     ~5 s per request (432 tiny forwards), without mirroring ~0.6 s; one default-plans tile ~12-35 s.
     """
     no_mirror_sweep = Scenario("2folds-nomirror", "typical", RequestConfig((0, 1), False),
-                               Load((1, 2) if quick else (1, 2, 3, 4), window_requests=3 if quick else 5),
-                               reps=3 if quick else 5)
+                               Load((1, 2) if quick else (1, 2, 3, 4), window_requests=3 if quick else 5,
+                                    rounds=1 if quick else 8), reps=3)
     defaults = Scenario("default", "typical", RequestConfig(),
                         Load((1,), ("http",), window_requests=1) if quick
-                        else Load((1,), ("grpc", "http"), window_requests=2), reps=2 if quick else 3)
+                        else Load((1,), ("grpc", "http"), window_requests=2, rounds=3), reps=2)
     cheap_warmup = (RequestConfig((0, 1), False),)  # loads every stub and fold network
     if quick:
         return (WorkloadPlan("fixture", (no_mirror_sweep, defaults), warmups=cheap_warmup),)
     fixture = WorkloadPlan("fixture", (
         no_mirror_sweep, defaults,
-        Scenario("1fold-nomirror", "typical", RequestConfig((0,), False), Load((1,), window_requests=5),
-                 reps=5),
-        Scenario("1fold-mirror", "typical", RequestConfig((0,), True), Load((1,), window_requests=3),
-                 reps=3),
+        Scenario("1fold-nomirror", "typical", RequestConfig((0,), False), Load((1,), rounds=8), reps=1),
+        Scenario("1fold-mirror", "typical", RequestConfig((0,), True), Load((1,), rounds=3), reps=1),
     ), warmups=cheap_warmup)
     one = Load((1,), min_requests=1)
     no_monolith = ("endpoint", "predictor", "floor")
     realistic = WorkloadPlan("realistic", (
-        Scenario("main", "small", RequestConfig((0,), False), Load((1, 2, 4), min_requests=2), reps=2),
+        Scenario("main", "small", RequestConfig((0,), False), Load((1, 2, 4), min_requests=1, rounds=3),
+                 reps=1),
         Scenario("5folds-nomirror", "small", RequestConfig((0, 1, 2, 3, 4), False), one, no_monolith, 1),
         Scenario("1fold-mirror", "small", RequestConfig((0,), True), one, no_monolith, 1),
         Scenario("scaling-medium", "medium", RequestConfig((0,), False), one, no_monolith, 1),
@@ -346,7 +349,7 @@ def _latency(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def _measure_level(ctx: _Context, handle: Any, system: str, scenario: Scenario, protocol: str,
-                   concurrency: int) -> Measurement:
+                   concurrency: int, *, round_index: int | None = None) -> Measurement:
     model = io_names.ENDPOINT_MODEL if system == "endpoint" else MONOLITH_MODEL
     folds, mirroring = scenario.request.resolve(ctx.deployed_folds)
     tiles = ctx.tile_plans[(scenario.volume, mirroring)]
@@ -354,11 +357,15 @@ def _measure_level(ctx: _Context, handle: Any, system: str, scenario: Scenario, 
         model=model, url=handle.grpc_url if protocol == "grpc" else handle.http_url, protocol=protocol,
         input_data=ctx.input_files[scenario.volume], concurrency=concurrency,
         request_parameters=scenario.request.parameters() if protocol == "grpc" else (),
-        bls_composing_models=tuple(io_names.fold_model_name(f) for f in ctx.served_folds)
+        # explicit versions: without one, perf_analyzer 2.48 fails ("failed to find the requested model
+        # version") on a composing model that has not run yet (e.g. fold_2 when a request asks for fold 0)
+        bls_composing_models=tuple(f"{io_names.fold_model_name(f)}:1" for f in ctx.served_folds)
         if system == "endpoint" else (),
-        **scenario.load.settings(concurrency),
+        **(scenario.load.settings(concurrency) if round_index is None
+           else {"measurement_request_count": 1, "request_count": 1, "max_trials": 1}),
     )
-    label = _file_label(f"{ctx.variant}-{system}-{scenario.name}-{protocol}-c{concurrency}")
+    label = _file_label(f"{ctx.variant}-{system}-{scenario.name}-{protocol}-c{concurrency}"
+                        + ("" if round_index is None else f"-r{round_index}"))
     before = server_stats.snapshot(handle.http_url)
     with ProcessTreeSampler(handle.pid, include=_includes(system)) as sampler:
         result = analyzer.run(settings, ctx.raw_dir, label, timeout_s=ctx.args.pa_timeout)
@@ -402,30 +409,106 @@ def _levels(ctx: _Context, scenario: Scenario) -> Iterator[tuple[str, int]]:
                 yield protocol, concurrency
 
 
+def _server_systems(ctx: _Context, scenario: Scenario) -> list[str]:
+    return [s for s in ("endpoint", "monolith") if s in scenario.systems and s in ctx.args.systems
+            and (s == "endpoint" or ctx.args.suite == "benchmark")]
+
+
 def _run_scenario(ctx: _Context, handle: Any, workers: dict[str, baselines.BaselineWorker],
                   scenario: Scenario, save: Any) -> None:
     """Every level for the server systems (endpoint then monolith, level by level), then the baselines."""
-    servers = [s for s in ("endpoint", "monolith") if s in scenario.systems and s in ctx.args.systems
-               and (s == "endpoint" or ctx.args.suite == "benchmark")]
-    for protocol, concurrency in _levels(ctx, scenario):
-        for system in servers:
+    levels = list(_levels(ctx, scenario))
+    rounds = scenario.load.rounds > 1 and ("grpc", 1) in levels
+    if rounds:
+        _run_rounds(ctx, handle, workers, scenario, save)
+        levels.remove(("grpc", 1))
+    for protocol, concurrency in levels:
+        for system in _server_systems(ctx, scenario):
             ctx.results.append(_measure_level(ctx, handle, system, scenario, protocol, concurrency))
             save()
+    if not rounds:
+        ctx.results.extend(_run_baselines(ctx, workers, scenario, ctx.args.reps or scenario.reps))
+        save()
+
+
+def _run_baselines(ctx: _Context, workers: dict[str, baselines.BaselineWorker], scenario: Scenario,
+                   reps: int) -> list[Measurement]:
+    measured = []
     for kind, worker in workers.items():
         system = "predictor" if kind == "predictor" else "floor"
         if system not in scenario.systems:
             continue
         folds, mirroring = scenario.request.resolve(ctx.deployed_folds)
-        job = baselines.Job(ctx.case_files[scenario.volume], folds, mirroring, ctx.args.reps or scenario.reps)
+        job = baselines.Job(ctx.case_files[scenario.volume], folds, mirroring, reps)
         try:
             result, usage = worker.run(job, timeout_s=ctx.args.baseline_timeout)
-            ctx.results.append(_baseline_measurement(ctx, system, scenario, result, usage, worker.command))
+            measured.append(_baseline_measurement(ctx, system, scenario, result, usage, worker.command))
             LOGGER.info("%s %s: median %.2f s over %d reps", system, scenario.name, result.median_s,
                         len(result.latencies_s))
         except (RuntimeError, TimeoutError) as exc:
             LOGGER.error("%s %s failed: %s", system, scenario.name, exc)
-            ctx.results.append(_failed(ctx, system, scenario, str(exc)))
+            measured.append(_failed(ctx, system, scenario, str(exc)))
+    return measured
+
+
+def _run_rounds(ctx: _Context, handle: Any, workers: dict[str, baselines.BaselineWorker], scenario: Scenario,
+                save: Any) -> None:
+    """Concurrency 1 as rounds of one request per system in turn, merged per system afterwards."""
+    parts: dict[str, list[Measurement]] = {}
+    for index in range(scenario.load.rounds):
+        for system in _server_systems(ctx, scenario):
+            parts.setdefault(system, []).append(
+                _measure_level(ctx, handle, system, scenario, "grpc", 1, round_index=index))
+        for measurement in _run_baselines(ctx, workers, scenario, 1):
+            parts.setdefault(measurement.system, []).append(measurement)
+    for system_parts in parts.values():
+        ctx.results.append(_merge(system_parts))
         save()
+
+
+def _merge_stats(parts: Sequence[Measurement]) -> dict[str, dict[str, float]]:
+    merged: dict[str, dict[str, float]] = {}
+    for part in parts:
+        for model, s in part.model_stats.items():
+            m = merged.setdefault(model, {key: 0.0 for key in s})
+            for key in ("avg_request_ms", "avg_queue_ms", "avg_compute_ms"):
+                m[key] += s[key] * s["requests"]
+            m["avg_batch"] += s["avg_batch"] * s["executions"]
+            for key in ("requests", "failures", "executions"):
+                m[key] += s[key]
+    for m in merged.values():
+        for key in ("avg_request_ms", "avg_queue_ms", "avg_compute_ms"):
+            m[key] = m[key] / m["requests"] if m["requests"] else 0.0
+        m["avg_batch"] = m["avg_batch"] / m["executions"] if m["executions"] else 0.0
+    return merged
+
+
+def _merge(parts: Sequence[Measurement]) -> Measurement:
+    """One row from rounds of single requests (latencies pooled, resources summed, peaks maxed)."""
+    ok = [p for p in parts if p.ok]
+    if len(ok) != len(parts):
+        bad = next(p for p in parts if not p.ok)
+        return replace(bad, error=f"{bad.error} (round {parts.index(bad)} of {len(parts)})")
+    latencies = [p.latency_ms["p50"] if p.requests == 1 else p.latency_ms["avg"]
+                 for p in ok for _ in range(p.requests)]
+    resources = [p.resources for p in ok]
+    cpu = sum(r.get("cpu_s") or 0.0 for r in resources)
+    wall = sum(r.get("wall_s") or 0.0 for r in resources)
+    merged_resources = {
+        "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+        "cpu_percent": round(100 * cpu / wall, 1) if wall else None,
+        "cpu_s_per_request": round(cpu / len(latencies), 3),
+        "peak_rss_mib": max(r.get("peak_rss_mib") or 0.0 for r in resources),
+        "loadavg_start": resources[0].get("loadavg_start"), "loadavg_end": resources[-1].get("loadavg_end"),
+        "rounds": len(ok), "torch_threads": resources[0].get("torch_threads"),
+    }
+    return replace(
+        ok[0], requests=len(latencies), throughput_rps=round(1000.0 / statistics.mean(latencies), 5),
+        latency_ms={"avg": round(statistics.mean(latencies), 3),
+                    **{f"p{q}": round(_percentile(latencies, q), 3) for q in (50, 90, 95, 99)}},
+        resources={k: v for k, v in merged_resources.items() if v is not None},
+        model_stats=_merge_stats(ok), command=f"{ok[0].command}  # x{len(ok)} rounds, one request each",
+    )
 
 
 def _failed(ctx: _Context, system: str, scenario: Scenario, error: str) -> Measurement:
@@ -447,9 +530,11 @@ def _percentile(values: Sequence[float], q: float) -> float:
 def _baseline_measurement(ctx: _Context, system: str, scenario: Scenario, result: baselines.BaselineResult,
                           usage: ResourceUsage, command: list[str]) -> Measurement:
     latencies = [s * 1000.0 for s in result.latencies_s]
+    # CPU of the timed repetitions only (the worker's process time); the sampled usage also covers
+    # the job's untimed set-up (preprocessing the case once to count its tiles)
     resources = {
-        **usage.to_dict(),
-        "cpu_s_per_request": round(usage.cpu_s / len(latencies), 3), "torch_threads": result.torch_threads,
+        **usage.to_dict(), "cpu_s": round(result.cpu_s, 3), "sampled_cpu_s": round(usage.cpu_s, 3),
+        "cpu_s_per_request": round(result.cpu_s / len(latencies), 3), "torch_threads": result.torch_threads,
     }
     return Measurement(
         workload=ctx.plan.name, scenario=scenario.name, variant=ctx.variant, system=system, protocol="inproc",
@@ -519,8 +604,8 @@ def _write(path: Path, meta: dict[str, Any], results: Sequence[Measurement],
     tmp.replace(path)
 
 
-def _appended(results_path: Path, meta: dict[str, Any], workloads: Sequence[str]) -> list[dict[str, Any]]:
-    """``--append``: keep the other workloads' rows of an earlier results.json and merge its meta."""
+def _appended(results_path: Path, meta: dict[str, Any], rerun: set[tuple[str, str]]) -> list[dict[str, Any]]:
+    """``--append``: keep the rows of an earlier results.json that this run does not redo; merge meta."""
     if not results_path.is_file():
         return []
     old = json.loads(results_path.read_text())
@@ -531,7 +616,7 @@ def _appended(results_path: Path, meta: dict[str, Any], workloads: Sequence[str]
                 workloads={**old_meta.get("workloads", {}), **meta["workloads"]},
                 build_options={**old_meta.get("build_options", {}), **meta["build_options"]},
                 previous_wall_s=old_meta.get("wall_s", 0.0) + old_meta.get("previous_wall_s", 0.0))
-    return [row for row in old["measurements"] if row["workload"] not in workloads]
+    return [row for row in old["measurements"] if (row["workload"], row["scenario"]) not in rerun]
 
 
 def _parse_build_option(text: str) -> tuple[str, Any]:
@@ -596,7 +681,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--benchmarks-md", type=Path, default=REPO_ROOT / "BENCHMARKS.md",
                    help="updated after a full benchmark run")
     p.add_argument("--append", action="store_true",
-                   help="add to an existing <stem>/results.json, replacing only the workloads run now")
+                   help="add to an existing <stem>/results.json, replacing only the scenarios run now")
     p.add_argument("--no-report", action="store_true")
     p.add_argument("--target", choices=("cpu", "gpu"), default="cpu", help="repository build target")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32", help="fold networks (fp16: gpu)")
@@ -672,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_start": list(os.getloadavg()), "workloads": {}, "build_options": {},
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: ACTIVE spin-wait)"),
     }
-    previous = _appended(results_path, meta, [p.name for p in selected]) if args.append else []
+    rerun = {(p.name, s.name) for p in selected for s in p.scenarios}
+    previous = _appended(results_path, meta, rerun) if args.append else []
     results: list[Measurement] = []
     start = time.perf_counter()
     for plan in selected:
