@@ -153,7 +153,7 @@ def plans(quick: bool) -> tuple[WorkloadPlan, ...]:
     one = Load((1,), min_requests=1)
     no_monolith = ("endpoint", "predictor", "floor")
     realistic = WorkloadPlan("realistic", (
-        Scenario("main", "small", RequestConfig((0,), False), Load((1, 2, 4), min_requests=1, rounds=3),
+        Scenario("main", "small", RequestConfig((0,), False), Load((1, 2, 4), min_requests=1, rounds=5),
                  reps=1),
         Scenario("5folds-nomirror", "small", RequestConfig((0, 1, 2, 3, 4), False), one, no_monolith, 1),
         Scenario("1fold-mirror", "small", RequestConfig((0,), True), one, no_monolith, 1),
