@@ -328,7 +328,7 @@ def _header(meta: dict[str, Any]) -> list[str]:
         f"- Host: {host['host']}, {host['cpu_model']}, {host['logical_cpus']} logical CPUs, "
         f"{host['memory_gib']} GiB RAM, GPU: {host['gpu']}",
         f"- Software: Python {host['python']}, {versions}",
-        f"- Command: `{meta['command']}`",
+        f"- Command: `{meta['command'].strip()}`",
         f"- 1-min load average: {load_start:.2f} at start, {load_end:.2f} at end "
         f"({cores} CPUs; each row below also gives it before/after its measurement).",
     ]
@@ -370,9 +370,12 @@ def render_report(meta: dict[str, Any], rows: Sequence[Row], plot_paths: Sequenc
     sections = [f"# Benchmark {meta['stem']}", "", *_header(meta), "", "## Workloads", "",
                 *_workloads_section(meta), "", "## Ratios", "", *_ratio_tables(r), "",
                 "## All measurements", "",
-                "Latencies are perf_analyzer's client-side percentiles (one window of n requests, or three "
-                "merged count windows); baselines (protocol `inproc`) give the percentiles of their "
-                "repetitions. "
+                "Latencies are perf_analyzer's client-side percentiles (three merged count windows, one "
+                "`--request-count` window, or rounds of single requests pooled); baselines (protocol "
+                "`inproc`) give the percentiles of their repetitions. req/s: concurrency / mean latency for "
+                "count windows (Little's law; perf_analyzer's own value, quantized by whole-second windows, "
+                "is kept as `pa_throughput_rps` in results.json), perf_analyzer's requests / window time for "
+                "`--request-count` runs, 1 / mean latency for rounds and baselines. "
                 "CPU and peak RSS: tritonserver + every Python stub (psutil, summed RSS), or the baseline "
                 "process; perf_analyzer's own CPU is not counted.", "", *_main_table(rows, cores), ""]
     scaling = _scaling_table(rows)
@@ -403,8 +406,8 @@ def _summary_block(meta: dict[str, Any], rows: Sequence[Row], plot_paths: Sequen
              *_main_table(main_rows, cores), ""]
     if plot_paths:
         lines += ["### Plots", "", *(f"![{p.stem}]({_rel(p, benchmarks_md.parent)})" for p in plot_paths), ""]
-    lines += ["### Commands that produced these numbers", "", f"- `{meta['command']}` (from `make perf`)", "",
-              *_commands(rows), END]
+    lines += ["### Commands that produced these numbers", "",
+              f"- `{meta['command'].strip()}` (`make perf`)", "", *_commands(rows), END]
     return "\n".join(lines)
 
 

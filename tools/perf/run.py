@@ -376,8 +376,9 @@ def _measure_level(ctx: _Context, handle: Any, system: str, scenario: Scenario, 
         workload=ctx.plan.name, scenario=scenario.name, variant=ctx.variant, system=system, protocol=protocol,
         volume=scenario.volume, folds=folds, mirroring=mirroring, concurrency=concurrency, tiles=tiles.tiles,
         forwards_per_request=tiles.forwards(len(folds)), requests=requests,
-        throughput_rps=metrics.get("throughput_rps", 0.0), latency_ms=_latency(metrics),
-        resources=_resources(sampler.usage, requests),
+        throughput_rps=_throughput(concurrency, metrics, windowed=not settings.request_count),
+        latency_ms=_latency(metrics),
+        resources={**_resources(sampler.usage, requests), "pa_throughput_rps": metrics.get("throughput_rps")},
         model_stats={name: server_stats.summary(s) for name, s in sorted(stats.items())},
         command=analyzer.shell_command(result.command, REPO_ROOT), ok=result.ok,
         error="" if result.ok else f"perf_analyzer exit {result.returncode}; see {result.log_path.name}",
@@ -386,6 +387,20 @@ def _measure_level(ctx: _Context, handle: Any, system: str, scenario: Scenario, 
                 measurement.throughput_rps, measurement.latency_ms.get("p50", float("nan")) / 1000,
                 "ok" if result.ok else measurement.error)
     return measurement
+
+
+def _throughput(concurrency: int, metrics: dict[str, float], *, windowed: bool) -> float:
+    """Requests/s of one level.
+
+    Count windows (steady state, many requests per client): concurrency / mean latency (Little's law
+    for perf_analyzer's closed-loop --sync clients); perf_analyzer's own value divides by windows of
+    whole seconds, off by up to ~10 % for windows of a few multi-second requests, and is kept as
+    ``pa_throughput_rps``. ``--request-count`` runs (one request per client, no steady state):
+    perf_analyzer's requests / window time, which is then the right measure.
+    """
+    if windowed and metrics.get("avg_ms"):
+        return round(concurrency * 1000.0 / metrics["avg_ms"], 5)
+    return metrics.get("throughput_rps", 0.0)
 
 
 def _resources(usage: ResourceUsage | None, requests: int) -> dict[str, Any]:
@@ -502,6 +517,12 @@ def _merge(parts: Sequence[Measurement]) -> Measurement:
         "loadavg_start": resources[0].get("loadavg_start"), "loadavg_end": resources[-1].get("loadavg_end"),
         "rounds": len(ok), "torch_threads": resources[0].get("torch_threads"),
     }
+    by_process: dict[str, float] = {}
+    for r in resources:
+        for label, mib in (r.get("peak_rss_by_process_mib") or {}).items():
+            by_process[label] = max(by_process.get(label, 0.0), mib)
+    if by_process:
+        merged_resources["peak_rss_by_process_mib"] = by_process
     return replace(
         ok[0], requests=len(latencies), throughput_rps=round(1000.0 / statistics.mean(latencies), 5),
         latency_ms={"avg": round(statistics.mean(latencies), 3),
@@ -664,8 +685,8 @@ def _run_workload(plan: WorkloadPlan, args: argparse.Namespace, out_dir: Path, m
                 _warm_up(ctx, handle, MONOLITH_MODEL)
             for scenario in plan.scenarios:
                 _run_scenario(ctx, handle, workers, scenario, save)
-    results.extend(ctx.results)
     save()
+    results.extend(ctx.results)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -753,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "stem": stem, "date": today, "started": dt.datetime.now().isoformat(timespec="seconds"),
         "mode": "quick" if args.quick else "full", "suite": args.suite, "host": _host_info(),
-        "command": "python -m tools.perf.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m tools.perf.run", *(argv if argv is not None else sys.argv[1:])]),
         "loadavg_start": list(os.getloadavg()), "workloads": {}, "build_options": {},
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: ACTIVE spin-wait)"),
     }
