@@ -19,6 +19,7 @@ __all__ = [
     "NumericalError",
     "ClientError",
     "DeployError",
+    "RequestCancelledError",
 ]
 
 
@@ -96,3 +97,9 @@ class DeployError(NnunetTritonError):
     """
 
     triton_code = "UNSUPPORTED"
+
+
+class RequestCancelledError(NnunetTritonError):
+    """The client cancelled the request (``request.is_cancelled()``); the work left was not started."""
+
+    triton_code = "CANCELLED"

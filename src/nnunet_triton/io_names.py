@@ -34,3 +34,21 @@ LOGITS = "LOGITS"  # [K, *resampled spatial] float16, fold-averaged
 # fold models (TorchScript naming convention of the PyTorch backend)
 FOLD_INPUT = "INPUT__0"  # [N, C_in, *patch] float32
 FOLD_OUTPUT = "OUTPUT__0"  # [N, K, *patch] float32 (float16 with fp16 export)
+
+# --- cascades (3d_lowres -> 3d_cascade_fullres in one call) ---------------------------------------------
+PREVIOUS_STAGE_PREFIX = "previous_stage_"  # the previous stage's models: previous_stage_preprocess_model, ...
+# cascade preprocess_model input: the previous stage's SEGMENTATION
+PREVIOUS_SEGMENTATION = "PREVIOUS_SEGMENTATION"
+
+# --- ensembles of configurations (``nnUNetv2_ensemble`` behind the one endpoint) ----------------------
+COMBINE_MODEL = "combine_model"  # averages the members' PROBABILITIES -> SEGMENTATION (+ PROBABILITIES)
+
+
+def member_prefix(index: int) -> str:
+    """Prefix of every composing model (and ensemble tensor) of ensemble member ``index``."""
+    return f"member{index}_"
+
+
+def member_probabilities(index: int) -> str:
+    """combine_model input carrying member ``index``'s PROBABILITIES."""
+    return f"{PROBABILITIES}_{index}"

@@ -36,6 +36,7 @@ __all__ = [
     "OPTION_TILE_STEP_SIZE",
     "OPTION_FOLDS",
     "OPTION_PROBABILITIES",
+    "OPTION_POSTPROCESSING",
     "DEFAULT_TILE_STEP_SIZE",
     "RequestOptions",
     "parse_request_options",
@@ -55,7 +56,9 @@ OPTION_MIRRORING = "mirroring"  # bool, default True (nnU-Net's use_mirroring)
 OPTION_TILE_STEP_SIZE = "tile_step_size"  # float in (0, 1], default 0.5
 OPTION_FOLDS = "folds"  # "0,1" / "all" / 0: subset of the deployed folds, averaged in the given order
 OPTION_PROBABILITIES = "probabilities"  # bool, default False: stitch_model also returns PROBABILITIES
-KNOWN_OPTIONS = (OPTION_MIRRORING, OPTION_TILE_STEP_SIZE, OPTION_FOLDS, OPTION_PROBABILITIES)
+OPTION_POSTPROCESSING = "postprocessing"  # bool, default True: apply the deployed postprocessing.pkl (if any)
+KNOWN_OPTIONS = (OPTION_MIRRORING, OPTION_TILE_STEP_SIZE, OPTION_FOLDS, OPTION_PROBABILITIES,
+                 OPTION_POSTPROCESSING)
 DEFAULT_TILE_STEP_SIZE = 0.5
 
 Fold = int | str
@@ -71,12 +74,16 @@ class RequestOptions:
         tile_step_size: sliding-window step as a fraction of the patch size, in (0, 1].
         folds: fold ids to run, in averaging order (a subset of the deployed folds).
         probabilities: return PROBABILITIES (softmax/sigmoid, float32) next to SEGMENTATION.
+        postprocessing: apply the repository's postprocessing (nnU-Net's ``postprocessing.pkl``) to
+            SEGMENTATION; no effect when none was deployed. PROBABILITIES are never postprocessed (as in
+            nnU-Net).
     """
 
     mirroring: bool
     tile_step_size: float
     folds: tuple[Fold, ...]
     probabilities: bool
+    postprocessing: bool = True
 
 
 def _parse_bool(name: str, value: Any) -> bool:
@@ -168,6 +175,7 @@ def parse_request_options(params: Mapping[str, Any], config: InferenceConfig) ->
         tile_step_size=step,
         folds=folds,
         probabilities=_parse_bool(OPTION_PROBABILITIES, params.get(OPTION_PROBABILITIES, False)),
+        postprocessing=_parse_bool(OPTION_POSTPROCESSING, params.get(OPTION_POSTPROCESSING, True)),
     )
 
 

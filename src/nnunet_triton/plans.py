@@ -242,7 +242,19 @@ class InferenceConfig:
 
     @property
     def num_input_channels(self) -> int:
+        """Image channels the request carries (``channel_names``); see :attr:`num_previous_stage_channels`."""
         return len(self.channel_names)
+
+    @property
+    def num_previous_stage_channels(self) -> int:
+        """One-hot channels of the previous stage's segmentation a cascade network takes after the image.
+
+        ``len(label_manager.foreground_labels)`` for a cascade stage, 0 otherwise
+        (``determine_num_input_channels``, nnunetv2/utilities/label_handling/label_handling.py); the
+        network's input channels are ``num_input_channels + num_previous_stage_channels``
+        (``network.num_input_channels``).
+        """
+        return len(self.labels.foreground_labels) if self.previous_stage is not None else 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -371,8 +383,14 @@ def load_inference_config(
     trainer_name: str,
     mirror_axes: Sequence[int] | None,
     folds: Sequence[int | str],
+    allow_cascade: bool = False,
 ) -> InferenceConfig:
-    """Build an :class:`InferenceConfig` from already-parsed JSON and checkpoint metadata."""
+    """Build an :class:`InferenceConfig` from already-parsed JSON and checkpoint metadata.
+
+    A cascade stage (``previous_stage`` in its configuration) raises :class:`UnsupportedModelError` unless
+    ``allow_cascade``; then ``previous_stage`` is kept and the network takes
+    ``num_input_channels + len(foreground labels)`` channels, as nnU-Net's ``determine_num_input_channels``.
+    """
     config = resolve_configuration(plans, configuration)
     _check_supported(plans, config, configuration)
     channel_names = dataset.get("channel_names") or dataset.get("modality")
@@ -396,10 +414,10 @@ def load_inference_config(
             "must be inverse permutations of (0, 1, 2)."
         )
     previous_stage = config.get("previous_stage")
-    if previous_stage is not None:
+    if previous_stage is not None and not allow_cascade:
         raise UnsupportedModelError(
             f"configuration {configuration!r} is a cascade stage (previous_stage = {previous_stage!r}); "
-            "cascades are not supported yet."
+            "read it with allow_cascade=True; repository.build serves it together with its previous stage."
         )
     arch = config["architecture"]
     network = NetworkSettings(
@@ -407,7 +425,7 @@ def load_inference_config(
         network_class_name=arch["network_class_name"],
         arch_kwargs_json=json.dumps(arch["arch_kwargs"], sort_keys=True),
         kw_requires_import=tuple(arch.get("_kw_requires_import", ())),
-        num_input_channels=n_channels,
+        num_input_channels=n_channels + (len(labels.foreground_labels) if previous_stage is not None else 0),
         num_output_channels=labels.num_segmentation_heads,
     )
     if mirror_axes is not None and any(a < 0 or a >= len(patch_size) for a in mirror_axes):
@@ -484,11 +502,14 @@ def read_model_folder(
     folds: Sequence[int | str] | None = None,
     checkpoint_name: str = CHECKPOINT_NAME,
     allow_pickle: bool = True,
+    allow_cascade: bool = False,
 ) -> InferenceConfig:
     """Read a results folder (``dataset.json``, ``plans.json``, ``fold_k/<checkpoint>``).
 
     Like nnU-Net, the trainer name, the configuration and the mirroring axes come from the first
-    fold's checkpoint; a missing ``inference_allowed_mirroring_axes`` means no mirroring.
+    fold's checkpoint; a missing ``inference_allowed_mirroring_axes`` means no mirroring. ``fold_all`` is
+    only read when ``folds`` names it (``("all",)``), as ``nnUNetPredictor`` needs ``use_folds``.
+    ``allow_cascade``: see :func:`load_inference_config`.
     """
     model_dir = Path(model_dir)
     for name in ("dataset.json", "plans.json"):
@@ -510,5 +531,6 @@ def read_model_folder(
         ) from None
     mirror_axes = first.get("inference_allowed_mirroring_axes")
     return load_inference_config(
-        plans, dataset, configuration, trainer_name=trainer_name, mirror_axes=mirror_axes, folds=folds
+        plans, dataset, configuration, trainer_name=trainer_name, mirror_axes=mirror_axes, folds=folds,
+        allow_cascade=allow_cascade,
     )

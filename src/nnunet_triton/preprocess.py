@@ -22,6 +22,7 @@ from nnunet_triton.errors import InputValidationError
 from nnunet_triton.normalization import normalize
 from nnunet_triton.plans import InferenceConfig
 from nnunet_triton.resampling import compute_new_shape, resample_with_settings
+from nnunet_triton.validation import check_voxel_limit
 
 __all__ = [
     "CaseProperties",
@@ -161,13 +162,17 @@ def _check_finite(data: Any) -> None:
 
 
 def preprocess_case(
-    image: Any, spacing: Sequence[float], config: InferenceConfig
+    image: Any, spacing: Sequence[float], config: InferenceConfig, *, max_voxels: int = 0
 ) -> tuple[Any, CaseProperties]:
     """``DefaultPreprocessor.run_case_npy(data, None, {'spacing': spacing}, ...)`` without the seg.
 
     ``image`` is (C, Z, Y, X) in the reader's axis order (SimpleITK), any real dtype, NumPy or CuPy;
     ``spacing`` is in the same order. Returns C-contiguous float32 (C, *target_shape) in the transposed
     axis order and the :class:`CaseProperties`.
+
+    ``max_voxels`` (0 = no limit) caps ``C * prod(target_shape)``: the shape nnU-Net computes after
+    cropping (``compute_new_shape(data.shape[1:], original_spacing, target_spacing)``) is checked with
+    :func:`nnunet_triton.validation.check_voxel_limit` before normalization and resampling allocate it.
     """
     validate_image(image, config.num_input_channels)
     spacing = validate_spacing(spacing, image.ndim - 1)
@@ -186,6 +191,7 @@ def preprocess_case(
             f"image is too small for the model's spacing: the cropped shape {shape_after} at spacing "
             f"{tuple(original_spacing)} resamples to {new_shape} at {tuple(new_spacing)} (an empty axis)."
         )
+    check_voxel_limit("resampled image", (data.shape[0], *new_shape), max_voxels)
     data = normalize(data, mask, config.normalization)
     data = resample_with_settings(data, new_shape, original_spacing, new_spacing, config.resampling_data)
     props = CaseProperties(

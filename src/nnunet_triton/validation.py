@@ -1,18 +1,20 @@
 """Size limits for requests: a configurable voxel cap on the input and on the resampled volume.
 
 nnU-Net has no such limit (``nnUNetPredictor`` processes whatever it is given until memory runs out).
-A server does need one: a single oversized volume, or a small volume with a tiny spacing that
-resamples to a huge grid (``compute_new_shape`` scales each axis by ``spacing / target_spacing``),
+A server does need one: a single oversized volume, or a small volume with a large (coarse) spacing
+that resamples to a huge grid (``compute_new_shape`` scales each axis by ``spacing / target_spacing``),
 would otherwise exhaust host memory, ``/dev/shm`` (Python-backend tensors) or GPU memory and take every
 other request down with it. The checks are pure functions on shapes so they run before any copy.
 
 Where they are called (see ``docs/reliability.md``):
 
 * ``preprocess_model/model.py``: ``check_voxel_limit("IMAGE", image.shape, limit)`` right after the
-  IMAGE input is read, and ``check_voxel_limit("resampled image", (C, *new_shape), limit)`` on the
-  shape ``preprocess_case`` is about to resample to.
+  IMAGE input is read; ``preprocess_case(..., max_voxels=limit)`` checks
+  ``("resampled image", (C, *new_shape))`` on the shape it is about to resample to (after cropping,
+  before normalization and resampling).
 * the limit comes from the model config parameter ``max_voxels`` (:func:`max_voxels_from_parameters`),
-  default :data:`DEFAULT_MAX_VOXELS`; ``0`` disables the check.
+  which ``repository/build.py --max-voxels`` writes (``BuildOptions.max_voxels``, default
+  :data:`DEFAULT_MAX_VOXELS`); ``0`` disables the check.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ __all__ = [
     "max_voxels_from_parameters",
 ]
 
-# 2**30 float32 voxels = 4 GiB per copy: far above any CT (512 x 512 x 1000 = 2.6e8) yet small enough
-# that a few such copies fit a normal host.
-DEFAULT_MAX_VOXELS = 2**30
+# 2**28 = 512 x 512 x 1024 voxels (a long CT at full in-plane resolution), 1 GiB per float32 copy. By the
+# formulas of deploy/sizing.py one such request (1 channel, 2 classes, 5 folds) needs ~12 GiB of working
+# memory (preprocess 2 x IMAGE + 2 x PREPROCESSED, orchestrator 6 x fp16 LOGITS, stitch 2 x LOGITS + 2 x
+# fp32 probabilities) plus ~4 GiB of Python-backend shm: it fits a 32 GiB host. 2**30 would need 4x that;
+# raise it (or 0 = no limit) on bigger machines.
+DEFAULT_MAX_VOXELS = 2**28
 MAX_VOXELS_PARAMETER = "max_voxels"
 
 

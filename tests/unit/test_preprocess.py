@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from nnunetv2.preprocessing.preprocessors.default_preprocessor import DefaultPreprocessor
+from nnunetv2.preprocessing.resampling.default_resampling import compute_new_shape as nnunet_new_shape
 from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
 from scipy.ndimage import gaussian_filter
 
@@ -312,7 +313,10 @@ def test_preprocess_case_equals_nnunet_when_using_fixture_models(model_dir, imag
 
     from nnunet_triton.plans import read_model_folder
 
-    config = read_model_folder(model_dir)
+    folds = None if any(model_dir.glob("fold_[0-9]*")) else ("all",)  # cascade fixture: fold_all only
+    config = read_model_folder(model_dir, folds=folds, allow_cascade=True)
+    if config.previous_stage is not None:
+        pytest.skip("cascade stage: its input includes the previous stage's segmentation (test_cascade.py)")
     plans = json.loads((model_dir / "plans.json").read_text())
     dataset = json.loads((model_dir / "dataset.json").read_text())
     first = str(image_file)
@@ -369,3 +373,36 @@ def test_case_properties_round_trip_when_converted_to_array():
 def test_case_properties_from_array_raises_when_vector_is_malformed(bad):
     with pytest.raises(InputValidationError, match="case properties"):
         CaseProperties.from_array(bad)
+
+
+def _resampled_case() -> tuple[np.ndarray, tuple[float, ...], InferenceConfig, tuple[int, ...]]:
+    """The ``isotropic`` case with 2 zero margins, and the shape nnU-Net resamples its cropped data to."""
+    case = CASES["isotropic"]
+    image, plans, dataset, name = _build({**case, "margin": 2})
+    ref, props = _nnunet_preprocess(image.copy(), case["spacing"], plans, dataset, name)
+    cropped = props["shape_after_cropping_and_before_resampling"]
+    new_shape = tuple(int(s) for s in nnunet_new_shape(cropped, case["spacing"], case["target"]))
+    assert ref.shape[1:] == new_shape  # nnU-Net resamples the CROPPED shape
+    return image, case["spacing"], _config(plans, dataset, name), new_shape
+
+
+def test_preprocess_case_raises_naming_resampled_shape_and_limit_when_over_max_voxels(xp):
+    image, spacing, config, new_shape = _resampled_case()
+    voxels = int(np.prod(new_shape))
+    with pytest.raises(InputValidationError) as info:
+        preprocess_case(xp.asarray(image), spacing, config, max_voxels=voxels - 1)
+    assert str(info.value) == (
+        f"resampled image has {voxels} voxels (shape {(1, *new_shape)}), more than the server's limit of "
+        f"{voxels - 1} voxels (model parameter 'max_voxels')."
+    )
+    assert info.value.triton_code == "INVALID_ARG"
+
+
+@pytest.mark.parametrize("limit", ["exact", "zero"])
+def test_preprocess_case_is_unchanged_when_resampled_shape_is_within_max_voxels(limit, xp):
+    image, spacing, config, new_shape = _resampled_case()
+    max_voxels = int(np.prod(new_shape)) if limit == "exact" else 0
+    unlimited, props = preprocess_case(xp.asarray(image), spacing, config)
+    limited, limited_props = preprocess_case(xp.asarray(image), spacing, config, max_voxels=max_voxels)
+    assert tuple(limited.shape) == (1, *new_shape) and limited_props == props
+    np.testing.assert_array_equal(to_numpy(limited), to_numpy(unlimited))
