@@ -11,11 +11,14 @@ API:
     ok_response({name: array}) / error_response(exc) / internal_error_response(exc, logger)
     triton_error(exc) -> pb_utils.TritonError;  initialize_exception(model_name) -> TritonModelException
     await infer(model_name, inputs, output_names, *, ...) -> {name: array}  (raises SubmodelError)
+    StepMetrics.create(args, config, counts=...) -> .observe(run, request) / await .observe_async(...)
+        custom nnunet_* Prometheus metrics (see ``metrics.py``); RequestRecord.timed() / .add(...)
 """
 
 from __future__ import annotations
 
 from nnunet_triton.serving.bls import infer
+from nnunet_triton.serving.metrics import ORCHESTRATOR_COUNTS, RequestRecord, StepMetrics
 from nnunet_triton.serving.responses import (
     error_response,
     initialize_exception,
@@ -33,6 +36,9 @@ from nnunet_triton.serving.tensors import (
 
 __all__ = [
     "infer",
+    "ORCHESTRATOR_COUNTS",
+    "RequestRecord",
+    "StepMetrics",
     "error_response",
     "initialize_exception",
     "internal_error_response",
