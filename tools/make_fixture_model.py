@@ -760,12 +760,19 @@ one torch thread; a repeated run on the same machine and library versions gave b
 images. Other CPUs, thread counts or torch builds may give slightly different weights, so tests assert
 Dice thresholds, never exact weights. Wall-clock times were measured on 2 CPU cores shared with other
 jobs and vary several-fold with their load.
+
+`Dataset903_SynthMulti` (2D, region labels with an ignore label, two channels, ResEnc, a custom trainer,
+postprocessing) is made by `tools/make_variety_fixtures.py`, `Dataset904_SynthCascade` (`3d_lowres_tiny` ->
+`3d_cascade_tiny`, fold `all`) by `tools/make_cascade_fixture.py`; see the READMEs in their folders.
 """
 
 
 def write_readme(out_root: Path) -> None:
     """Regenerate ``README.md`` from every ``provenance.json`` under ``out_root``."""
-    records = [json.loads(p.read_text()) for p in sorted(out_root.glob("Dataset*/provenance.json"))]
+    # only this generator's fixtures (Dataset903/904 come from make_variety_fixtures / make_cascade_fixture)
+    names = {spec.dataset_name for spec in FIXTURES.values()}
+    records = [json.loads(p.read_text()) for p in sorted(out_root.glob("Dataset*/provenance.json"))
+               if p.parent.name in names]
     keys = ", ".join(f"`{k}`" for k in CHECKPOINT_KEYS_KEPT)
     lines = README_INTRO.format(configuration=CONFIGURATION, checkpoint_keys=keys).split("\n")
     for record in records:
