@@ -4,12 +4,22 @@ A thin adapter around :func:`nnunet_triton.preprocess.preprocess_case` (nnU-Net'
 ``DefaultPreprocessor.run_case_npy``). It also validates the request parameters (the per-request
 options, forwarded by the ``nnunet`` ensemble to every step) so that a bad option fails before any
 expensive work. Each request is answered on its own: a bad one gets an INVALID_ARG response, the others
-of the same batch are unaffected.
+of the same batch are unaffected. Custom metrics (``serving.StepMetrics``, docs/deploy.md "Metrics")
+time ``preprocess_case``.
+
+Config parameter ``max_voxels`` (``nnunet_triton.validation``; 0 = no limit): the IMAGE input and the
+resampled volume (C x the shape nnU-Net resamples to) may hold at most that many voxels; larger requests
+get INVALID_ARG naming the tensor, its voxel count and the limit before preprocessing allocates anything.
+
+In a cascade stage (``previous_stage`` in the configuration) the previous stage's SEGMENTATION arrives as
+PREVIOUS_SEGMENTATION and :func:`nnunet_triton.cascade.preprocess_cascade_case` appends its one-hot
+encoding (nnU-Net's data iterators) to the preprocessed image.
 
 I/O (``max_batch_size: 0``):
     IN  IMAGE            FP32 [C, *spatial]  reader axis order (SimpleITK: z, y, x)
     IN  SPACING          FP64 [n_spatial]    same axis order
-    OUT PREPROCESSED     FP32 [C, *resampled] transposed axis order, normalized
+    IN  PREVIOUS_SEGMENTATION UINT8/16 [*spatial]  cascade stages only
+    OUT PREPROCESSED     FP32 [C (+K), *resampled] transposed axis order, normalized
     OUT CASE_PROPERTIES  FP64 [-1]           CaseProperties.to_array()
 """
 
@@ -18,10 +28,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from nnunet_triton import io_names, serving
+from nnunet_triton.cascade import preprocess_cascade_case
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.orchestration import parse_request_options
 from nnunet_triton.plans import InferenceConfig
 from nnunet_triton.preprocess import preprocess_case
+from nnunet_triton.validation import check_voxel_limit, max_voxels_from_parameters
 
 CONFIG_FILE = "inference_config.json"
 
@@ -35,18 +47,27 @@ class TritonPythonModel:
 
             self._logger = pb_utils.Logger
             self._config = InferenceConfig.from_json((Path(__file__).parent / CONFIG_FILE).read_text())
+            self._max_voxels = max_voxels_from_parameters(serving.model_parameters(args))
+            self._metrics = serving.StepMetrics.create(args, self._config)
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None
 
     def execute(self, requests: list) -> list:
-        return [self._run(request) for request in requests]
+        return [self._metrics.observe(self._run, request) for request in requests]
 
-    def _run(self, request: object) -> object:
+    def _run(self, request: object, record: serving.RequestRecord) -> object:
         try:
             parse_request_options(serving.request_parameters(request), self._config)
             image = serving.input_array(request, io_names.IMAGE)
+            check_voxel_limit(io_names.IMAGE, image.shape, self._max_voxels)
             spacing = serving.input_array(request, io_names.SPACING)
-            data, props = preprocess_case(image, spacing, self._config)
+            with record.timed():
+                if self._config.previous_stage is None:
+                    data, props = preprocess_case(image, spacing, self._config, max_voxels=self._max_voxels)
+                else:  # cascade stage: the previous stage's segmentation becomes one-hot input channels
+                    previous = serving.input_array(request, io_names.PREVIOUS_SEGMENTATION)
+                    data, props = preprocess_cascade_case(image, spacing, previous, self._config,
+                                                          max_voxels=self._max_voxels)
             return serving.ok_response(
                 {io_names.PREPROCESSED: data, io_names.CASE_PROPERTIES: props.to_array()}
             )

@@ -1,7 +1,9 @@
 """Build a Triton model repository from a trained nnU-Net v2 results folder.
 
-    python -m repository.build --model <Dataset.../Trainer__Plans__Config> [--folds 0 1]
-        [--out build/model_repository] [--target cpu|gpu] [--tile-batch-size 4] [--force]
+    python -m repository.build --model <Dataset.../Trainer__Plans__Config> [<more folders>] [--folds 0 1]
+        [--out build/model_repository] [--target cpu|gpu] [--tile-batch-size 4] [--max-voxels N] [--force]
+
+Two or more ``--model`` folders build an ensemble of configurations (``build_ensemble_repository``).
 
 What it writes (``<out>``)::
 
@@ -44,11 +46,19 @@ if str(REPO_ROOT) not in sys.path:  # `python repository/build.py` puts only rep
 from network_models import export  # noqa: E402
 from nnunet_triton import __version__ as NNUNET_TRITON_VERSION  # noqa: E402
 from nnunet_triton import config_gen, io_names, model_specs  # noqa: E402
+from nnunet_triton.ensembling import check_ensemble_members  # noqa: E402
 from nnunet_triton.errors import NnunetTritonError, PlansError  # noqa: E402
 from nnunet_triton.model_specs import BuildOptions, FoldRunner, Target  # noqa: E402
 from nnunet_triton.plans import CHECKPOINT_NAME, InferenceConfig, read_model_folder  # noqa: E402
+from nnunet_triton.postprocessing import (  # noqa: E402
+    POSTPROCESSING_FILE,
+    PostprocessingPlan,
+    find_postprocessing_pkl,
+    load_postprocessing_pkl,
+)
 
-__all__ = ["ADAPTERS", "BuildResult", "build_repository", "compute_input_hash", "main"]
+__all__ = ["ADAPTERS", "BuildResult", "build_repository", "build_ensemble_repository", "compute_input_hash",
+           "main"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -62,6 +72,7 @@ ADAPTERS = {
     io_names.STITCH_MODEL: Path("stitch_model/model.py"),
 }
 FOLD_RUNNER_ADAPTER = Path("network_models/python_runner/model.py")
+COMBINE_ADAPTER = Path("repository/ensemble_combine/model.py")
 # code whose change changes the built repository (hashed into input_hash)
 GENERATING_CODE = (
     Path("repository/build.py"),
@@ -70,6 +81,7 @@ GENERATING_CODE = (
     Path("src/nnunet_triton/config_gen.py"),
     Path("src/nnunet_triton/plans.py"),
     Path("src/nnunet_triton/io_names.py"),
+    Path("src/nnunet_triton/postprocessing.py"),
 )
 
 
@@ -104,7 +116,8 @@ def _adapters_needed(options: BuildOptions, folds_only: bool) -> dict[str, Path]
 
 
 def compute_input_hash(model_dir: Path, config: InferenceConfig, options: BuildOptions, *, folds_only: bool,
-                       export_options: export.ExportOptions, checkpoint_name: str = CHECKPOINT_NAME) -> str:
+                       export_options: export.ExportOptions, checkpoint_name: str = CHECKPOINT_NAME,
+                       postprocessing: PostprocessingPlan | None = None) -> str:
     """sha256 over everything the built repository depends on (inputs, options, adapters, code)."""
     digest = hashlib.sha256()
 
@@ -118,6 +131,7 @@ def compute_input_hash(model_dir: Path, config: InferenceConfig, options: BuildO
     add("export", json.dumps(asdict(export_options), sort_keys=True, default=str))
     add("folds_only", str(folds_only))
     add("config", config.to_json())
+    add("postprocessing", postprocessing.to_json() if postprocessing is not None else "none")
     for name in ("plans.json", "dataset.json"):
         add(name, _sha256_file(model_dir / name))
     for fold in config.folds:
@@ -155,14 +169,23 @@ def _export_options(options: BuildOptions, export_device: str | None) -> export.
 
 
 def _build_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: BuildOptions, *,
-                folds_only: bool, export_options: export.ExportOptions) -> list[dict[str, Any]]:
+                folds_only: bool, export_options: export.ExportOptions,
+                postprocessing: PostprocessingPlan | None = None,
+                previous: tuple[Path, InferenceConfig] | None = None) -> list[dict[str, Any]]:
     adapters = _adapters_needed(options, folds_only)
     exports = []
-    for spec in model_specs.repository_specs(config, options, folds_only=folds_only):
+    specs = list(model_specs.repository_specs(config, options, folds_only=folds_only))
+    if previous is not None and not folds_only:  # cascade: the previous stage's pipeline feeds this one
+        specs[-1] = model_specs.cascade_ensemble_spec(previous[1], config)
+        exports += _build_prefixed_into(tmp, *previous, options, io_names.PREVIOUS_STAGE_PREFIX,
+                                        export_options, always_probabilities=False)
+    for spec in specs:
         config_gen.write_config(spec, tmp / spec.name)
         (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)  # Triton needs a version dir, ensembles too
         if spec.name in adapters:
             _write_python_model(tmp / spec.name, adapters[spec.name], config)
+        if spec.name == io_names.STITCH_MODEL and postprocessing is not None:
+            (tmp / spec.name / VERSION_DIR / POSTPROCESSING_FILE).write_text(postprocessing.to_json())
     for fold in config.folds:
         fold_dir = tmp / io_names.fold_model_name(fold) / VERSION_DIR
         result = export.export_fold(model_dir, fold, fold_dir / "model.pt", options=export_options)
@@ -173,7 +196,8 @@ def _build_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: Bu
 
 
 def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, input_hash: str,
-              exports: list[dict[str, Any]], *, folds_only: bool, seconds: float) -> dict[str, Any]:
+              exports: list[dict[str, Any]], *, folds_only: bool, seconds: float,
+              postprocessing: PostprocessingPlan | None = None) -> dict[str, Any]:
     return {
         "input_hash": input_hash,
         "nnunet_triton_version": NNUNET_TRITON_VERSION,
@@ -196,6 +220,7 @@ def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, i
             spec.name for spec in model_specs.repository_specs(config, options, folds_only=folds_only)
         ),
         "exports": exports,
+        "postprocessing": None if postprocessing is None else json.loads(postprocessing.to_json()),
         "build_seconds": round(seconds, 3),
     }
 
@@ -221,6 +246,8 @@ def build_repository(
     force: bool = False,
     folds_only: bool = False,
     export_device: str | None = None,
+    postprocessing: str | Path | None = "auto",
+    previous_stage_model: str | Path | None = None,
 ) -> BuildResult:
     """Build (or keep, when up to date) the model repository ``out`` for the results folder ``model_dir``.
 
@@ -229,6 +256,13 @@ def build_repository(
         force: rebuild even when up to date, and replace an ``out`` that is not a built repository.
         folds_only: only the fold models (testing the runners without the pipeline adapters).
         export_device: device to trace on (default cpu; cuda for fp16).
+        postprocessing: ``"auto"`` applies nnU-Net's ``postprocessing.pkl`` from
+            ``<model>/crossval_results_folds_<folds>/`` when it exists (where
+            ``nnUNetv2_find_best_configuration`` writes it for exactly these folds); a path uses that pkl;
+            ``None`` or ``"none"`` deploys no postprocessing.
+        previous_stage_model: for a cascade stage (``previous_stage`` in its configuration), the previous
+            stage's model folder; default: nnU-Net's sibling ``<trainer>__<plans>__<previous stage>``. Both
+            stages run in one endpoint call (the previous stage's segmentation feeds this one).
 
     Raises:
         PlansError / UnsupportedModelError / ExportError: see ``read_model_folder`` and ``export_fold``;
@@ -237,15 +271,21 @@ def build_repository(
     start = time.perf_counter()
     model_dir, out = Path(model_dir), Path(out)
     options = options or BuildOptions()
-    config = read_model_folder(model_dir, folds=folds)
+    config = read_model_folder(model_dir, folds=folds, allow_cascade=True)
+    previous = _previous_stage(model_dir, config, previous_stage_model, folds)
     if configuration is not None and configuration != config.configuration:
         raise PlansError(
             f"--configuration {configuration!r} does not match the configuration {config.configuration!r} "
             f"the checkpoints in {str(model_dir)!r} were trained with."
         )
     export_options = _export_options(options, export_device)
+    pp_plan = _postprocessing_plan(model_dir, config, postprocessing)
     input_hash = compute_input_hash(model_dir, config, options, folds_only=folds_only,
-                                    export_options=export_options)
+                                    export_options=export_options, postprocessing=pp_plan)
+    if previous is not None:
+        previous_hash = compute_input_hash(*previous, options, folds_only=False,
+                                           export_options=export_options)
+        input_hash = hashlib.sha256(f"{input_hash}\nprevious_stage={previous_hash}".encode()).hexdigest()
     existing = _existing_hash(out) if out.exists() else None
     if out.exists() and existing is None and not force:
         raise PlansError(
@@ -258,9 +298,15 @@ def build_repository(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
     try:
         exports = _build_into(tmp, model_dir, config, options, folds_only=folds_only,
-                              export_options=export_options)
+                              export_options=export_options, postprocessing=pp_plan, previous=previous)
         metadata = _metadata(model_dir, config, options, input_hash, exports, folds_only=folds_only,
-                             seconds=time.perf_counter() - start)
+                             seconds=time.perf_counter() - start, postprocessing=pp_plan)
+        if previous is not None:
+            metadata["previous_stage"] = {"model_folder": previous[0].name,
+                                          "configuration": previous[1].configuration,
+                                          "folds": list(previous[1].folds)}
+            metadata["models"] = sorted(spec.name for spec in model_specs.cascade_repository_specs(
+                previous[1], config, options))
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         _replace(tmp, out)
     except BaseException:
@@ -271,14 +317,164 @@ def build_repository(
     return BuildResult(out=out, rebuilt=True, input_hash=input_hash, seconds=seconds)
 
 
+def _previous_stage(model_dir: Path, config: InferenceConfig, explicit: str | Path | None,
+                    folds: Sequence[int | str] | None) -> tuple[Path, InferenceConfig] | None:
+    """The previous stage of a cascade stage (model folder, config); None for any other configuration."""
+    if config.previous_stage is None:
+        if explicit is not None:
+            raise PlansError(
+                f"a previous-stage model was given but configuration {config.configuration!r} of "
+                f"{str(model_dir)!r} is not a cascade stage (its plans have no previous_stage)."
+            )
+        return None
+    sibling = f"{config.network.trainer_name}__{config.plans_name}__{config.previous_stage}"
+    previous_dir = Path(explicit) if explicit is not None else model_dir.parent / sibling
+    if not (previous_dir / "plans.json").is_file():
+        raise PlansError(
+            f"configuration {config.configuration!r} is a cascade stage after {config.previous_stage!r}: its "
+            f"model folder was expected at {str(previous_dir)!r} (nnU-Net's layout); pass the previous "
+            "stage's folder explicitly (--previous-stage-model)."
+        )
+    previous = read_model_folder(previous_dir, folds=folds)
+    if previous.configuration != config.previous_stage:
+        raise PlansError(
+            f"{str(previous_dir)!r} holds configuration {previous.configuration!r}, but the cascade stage "
+            f"{config.configuration!r} expects its previous stage {config.previous_stage!r}."
+        )
+    if previous.labels != config.labels or previous.channel_names != config.channel_names:
+        raise PlansError(
+            f"previous stage {str(previous_dir)!r} predicts other labels or reads other channels than the "
+            f"cascade stage {str(model_dir)!r}."
+        )
+    return previous_dir, previous
+
+
+def _postprocessing_plan(model_dir: Path, config: InferenceConfig,
+                         choice: str | Path | None) -> PostprocessingPlan | None:
+    """The postprocessing to deploy (see ``build_repository``); an empty pkl choice deploys none."""
+    if choice is None or str(choice) == "none":
+        return None
+    path = find_postprocessing_pkl(model_dir, config.folds) if str(choice) == "auto" else Path(choice)
+    if path is None:
+        return None
+    plan = load_postprocessing_pkl(path)
+    LOGGER.info("postprocessing from %s: %d step(s)", path, len(plan.steps))
+    return plan if plan.steps else None
+
+
+def _build_prefixed_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: BuildOptions,
+                         prefix: str, export_options: export.ExportOptions, *,
+                         always_probabilities: bool) -> list[dict[str, Any]]:
+    """One pipeline's models with ``prefix`` on every name (ensemble member, cascade's previous stage)."""
+    adapters = _adapters_needed(options, folds_only=False)
+    by_name = {prefix + name: path for name, path in adapters.items()}
+    exports = []
+    specs = model_specs.prefixed_pipeline_specs(config, options, prefix,
+                                                always_probabilities=always_probabilities)
+    for spec in specs:
+        config_gen.write_config(spec, tmp / spec.name)
+        (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)
+        if spec.name in by_name:
+            _write_python_model(tmp / spec.name, by_name[spec.name], config)
+    for fold in config.folds:
+        fold_dir = tmp / (prefix + io_names.fold_model_name(fold)) / VERSION_DIR
+        result = export.export_fold(model_dir, fold, fold_dir / "model.pt", options=export_options)
+        exports.append({**result.to_dict(), "path": str(Path(fold_dir.relative_to(tmp)) / "model.pt")})
+        if options.runner is FoldRunner.PYTHON:
+            _write_python_model(fold_dir.parent, adapters["fold runner"], config)
+    return exports
+
+
+def build_ensemble_repository(
+    model_dirs: Sequence[str | Path],
+    out: str | Path,
+    *,
+    options: BuildOptions | None = None,
+    folds: Sequence[int | str] | None = None,
+    force: bool = False,
+    export_device: str | None = None,
+    postprocessing: str | Path | None = None,
+) -> BuildResult:
+    """An ensemble of configurations (``nnUNetv2_ensemble``) behind the one ``nnunet`` endpoint.
+
+    Every model folder becomes a member pipeline (its folds averaged as usual); the members'
+    probabilities are averaged in the given order by ``combine_model``. ``postprocessing`` is the
+    ensemble's ``postprocessing.pkl`` (``nnUNetv2_find_best_configuration`` writes it under
+    ``<results>/<dataset>/ensembles/``), or None. Same atomic replace and input-hash reuse as
+    :func:`build_repository`.
+
+    Raises:
+        PlansError: fewer than two folders, or members with different labels or input channels.
+    """
+    start = time.perf_counter()
+    model_dirs, out = [Path(m) for m in model_dirs], Path(out)
+    options = options or BuildOptions()
+    configs = [read_model_folder(m, folds=folds) for m in model_dirs]
+    check_ensemble_members(configs, [str(m) for m in model_dirs])
+    export_options = _export_options(options, export_device)
+    pp_plan = None if postprocessing in (None, "none") else load_postprocessing_pkl(Path(postprocessing))
+    pp_plan = pp_plan if pp_plan is not None and pp_plan.steps else None
+    digest = hashlib.sha256()
+    for index, (model_dir, config) in enumerate(zip(model_dirs, configs, strict=True)):
+        member_hash = compute_input_hash(model_dir, config, options, folds_only=False,
+                                         export_options=export_options)
+        digest.update(f"member{index}={member_hash}\n".encode())
+    digest.update(f"combine={_sha256_file(REPO_ROOT / COMBINE_ADAPTER)}\n".encode())
+    digest.update(f"postprocessing={pp_plan.to_json() if pp_plan else 'none'}\n".encode())
+    input_hash = digest.hexdigest()
+    existing = _existing_hash(out) if out.exists() else None
+    if out.exists() and existing is None and not force:
+        raise PlansError(
+            f"output {str(out)!r} exists but has no {METADATA_FILE}; refusing to replace it (use --force)."
+        )
+    if existing == input_hash and not force:
+        LOGGER.info("%s is up to date (input hash %s)", out, input_hash[:12])
+        return BuildResult(out=out, rebuilt=False, input_hash=input_hash, seconds=time.perf_counter() - start)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+    try:
+        members = []
+        for index, (model_dir, config) in enumerate(zip(model_dirs, configs, strict=True)):
+            exports = _build_prefixed_into(tmp, model_dir, config, options, io_names.member_prefix(index),
+                                           export_options, always_probabilities=True)
+            members.append(_metadata(model_dir, config, options, "", exports, folds_only=False, seconds=0.0))
+        combine = model_specs.combine_spec(configs, options)
+        config_gen.write_config(combine, tmp / combine.name)
+        _write_python_model(tmp / combine.name, REPO_ROOT / COMBINE_ADAPTER, configs[0])
+        if pp_plan is not None:
+            (tmp / combine.name / VERSION_DIR / POSTPROCESSING_FILE).write_text(pp_plan.to_json())
+        endpoint = model_specs.configuration_ensemble_spec(configs)
+        config_gen.write_config(endpoint, tmp / endpoint.name)
+        (tmp / endpoint.name / VERSION_DIR).mkdir(exist_ok=True)
+        metadata = {
+            **members[0],
+            "input_hash": input_hash,
+            "ensemble_members": [{k: m[k] for k in ("model_folder", "configuration", "trainer_name",
+                                                    "plans_name", "folds", "exports")} for m in members],
+            "models": sorted(spec.name for spec in model_specs.ensemble_repository_specs(configs, options)),
+            "exports": [e for m in members for e in m["exports"]],
+            "postprocessing": None if pp_plan is None else json.loads(pp_plan.to_json()),
+            "build_seconds": round(time.perf_counter() - start, 3),
+        }
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - start
+    LOGGER.info("built ensemble %s of %d members in %.1f s", out, len(configs), seconds)
+    return BuildResult(out=out, rebuilt=True, input_hash=input_hash, seconds=seconds)
+
+
 def _parse_fold(text: str) -> int | str:
     return "all" if text == "all" else int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Build a Triton model repository from an nnU-Net results folder.")
-    p.add_argument("--model", required=True, type=Path,
-                   help="results folder with plans.json, dataset.json and fold_<k>/checkpoint_final.pth")
+    p.add_argument("--model", required=True, type=Path, nargs="+",
+                   help="results folder with plans.json, dataset.json and fold_<k>/checkpoint_final.pth; "
+                        "two or more folders build an ensemble of configurations (nnUNetv2_ensemble)")
     p.add_argument("--configuration", default=None, help="check that the checkpoints use this configuration")
     p.add_argument("--folds", nargs="+", type=_parse_fold, default=None, help="default: all fold_<k> found")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "model_repository")
@@ -296,6 +492,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fold-instances", type=int, default=1)
     p.add_argument("--orchestrator-instances", type=int, default=1)
     p.add_argument("--max-inflight", type=int, default=BuildOptions.max_inflight)
+    p.add_argument("--max-voxels", type=int, default=BuildOptions.max_voxels,
+                   help="most voxels an IMAGE, and the volume it resamples to, may have; larger requests get "
+                        "INVALID_ARG (0: no limit; default 2**28 = 512x512x1024)")
+    p.add_argument("--postprocessing", default="auto",
+                   help="nnU-Net postprocessing.pkl to apply: 'auto' (<model>/crossval_results_folds_<folds>/"
+                        "postprocessing.pkl if present), 'none', or a path")
+    p.add_argument("--previous-stage-model", type=Path, default=None,
+                   help="cascade: the previous stage's results folder (default: nnU-Net's sibling folder)")
     p.add_argument("--folds-only", action="store_true", help="only the fold models")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
     return p
@@ -312,10 +516,19 @@ def main(argv: list[str] | None = None) -> int:
             per_sample_forward=None if args.per_sample_forward is None else args.per_sample_forward == "true",
             fold_instances=args.fold_instances,
             orchestrator_instances=args.orchestrator_instances, max_inflight=args.max_inflight,
+            max_voxels=args.max_voxels,
         )
-        result = build_repository(args.model, args.out, options=options, folds=args.folds,
-                                  configuration=args.configuration, force=args.force,
-                                  folds_only=args.folds_only, export_device=args.export_device)
+        if len(args.model) > 1:
+            pp = None if args.postprocessing == "auto" else args.postprocessing
+            result = build_ensemble_repository(args.model, args.out, options=options, folds=args.folds,
+                                               force=args.force, export_device=args.export_device,
+                                               postprocessing=pp)
+        else:
+            result = build_repository(args.model[0], args.out, options=options, folds=args.folds,
+                                      configuration=args.configuration, force=args.force,
+                                      folds_only=args.folds_only, export_device=args.export_device,
+                                      postprocessing=args.postprocessing,
+                                      previous_stage_model=args.previous_stage_model)
     except (NnunetTritonError, ValueError) as exc:
         LOGGER.error("%s", exc)
         return 1

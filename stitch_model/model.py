@@ -8,6 +8,10 @@ PROBABILITIES are computed only when the request parameter ``probabilities`` is 
 because an ensemble always asks a composing model for every output in its ``output_map``
 (``requested_output_names`` lists PROBABILITIES even when the client did not ask for it); when the flag
 is off the output is simply left out of the response, which the ensemble accepts (checked on 2.51).
+The repository's postprocessing (nnU-Net's ``postprocessing.pkl``, stored as ``postprocessing.json``
+next to this file by the builder) is applied to SEGMENTATION unless the request parameter
+``postprocessing`` is false; PROBABILITIES are never postprocessed, as in nnU-Net.
+Custom metrics (``serving.StepMetrics``, docs/deploy.md "Metrics") time the conversion and postprocessing.
 
 I/O (``max_batch_size: 0``):
     IN  LOGITS           FP16 [K, *resampled]
@@ -29,9 +33,12 @@ from nnunet_triton.errors import NnunetTritonError, PlansError
 from nnunet_triton.export import convert_logits_to_segmentation
 from nnunet_triton.orchestration import parse_request_options
 from nnunet_triton.plans import InferenceConfig
+from nnunet_triton.postprocessing import POSTPROCESSING_FILE, PostprocessingPlan, apply_postprocessing
 from nnunet_triton.preprocess import CaseProperties
 
 CONFIG_FILE = "inference_config.json"
+# config parameter: "true" in an ensemble member, whose PROBABILITIES feed combine_model on every request
+PARAM_ALWAYS_PROBABILITIES = "always_probabilities"
 _SEGMENTATION_DTYPES = {"TYPE_UINT8": np.dtype(np.uint8), "TYPE_UINT16": np.dtype(np.uint16)}
 
 
@@ -64,22 +71,35 @@ class TritonPythonModel:
                     f"output {io_names.SEGMENTATION!r} is {self._seg_dtype} but the model has label "
                     f"{max_label}."
                 )
+            self._metrics = serving.StepMetrics.create(args, self._config)
+            self._always_probabilities = (
+                serving.model_parameters(args).get(PARAM_ALWAYS_PROBABILITIES, "false").lower() == "true"
+            )
+            pp_file = Path(__file__).parent / POSTPROCESSING_FILE
+            self._postprocessing = (
+                PostprocessingPlan.from_json(pp_file.read_text()) if pp_file.is_file() else None
+            )
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None
 
     def execute(self, requests: list) -> list:
-        return [self._run(request) for request in requests]
+        return [self._metrics.observe(self._run, request) for request in requests]
 
-    def _run(self, request: Any) -> Any:
+    def _run(self, request: Any, record: serving.RequestRecord) -> Any:
         try:
             options = parse_request_options(serving.request_parameters(request), self._config)
             logits = serving.input_array(request, io_names.LOGITS)
             props = CaseProperties.from_array(serving.input_array(request, io_names.CASE_PROPERTIES))
-            result = convert_logits_to_segmentation(
-                logits, props, self._config, return_probabilities=options.probabilities
-            )
-            segmentation, probabilities = result if options.probabilities else (result, None)
-            outputs = {io_names.SEGMENTATION: segmentation.astype(self._seg_dtype, copy=False)}
+            want_probabilities = options.probabilities or self._always_probabilities
+            with record.timed():
+                result = convert_logits_to_segmentation(
+                    logits, props, self._config, return_probabilities=want_probabilities
+                )
+                segmentation, probabilities = result if want_probabilities else (result, None)
+                segmentation = segmentation.astype(self._seg_dtype, copy=False)
+                if self._postprocessing is not None and options.postprocessing:
+                    segmentation = apply_postprocessing(segmentation, self._postprocessing)
+            outputs = {io_names.SEGMENTATION: segmentation}
             if probabilities is not None:
                 outputs[io_names.PROBABILITIES] = probabilities
             return serving.ok_response(outputs)

@@ -57,7 +57,7 @@ def _read_config(args: argparse.Namespace):  # -> InferenceConfig
         fixture = args.model == DEFAULT_MODEL
         hint = " (make it: python tools/make_fixture_model.py --out tests/fixtures)" if fixture else ""
         raise NnunetTritonError(f"--model {str(args.model)!r} is not an nnU-Net results folder{hint}.")
-    config = read_model_folder(args.model, folds=args.folds)
+    config = read_model_folder(args.model, folds=args.folds, allow_cascade=True)
     if args.configuration is not None and args.configuration != config.configuration:
         raise NnunetTritonError(f"--configuration {args.configuration!r} does not match the checkpoints' "
                                 f"configuration {config.configuration!r} in {str(args.model)!r}.")

@@ -6,12 +6,17 @@ ensemble), then run nnU-Net's sliding window for every selected fold concurrentl
 (mirrored copies are extra batch items) to the ``fold_<k>`` models through BLS, un-flip, TTA-average,
 Gaussian-accumulate in tile order, and average the folds' fp16 logits in fold order. All numerics are
 library calls; this file only moves tensors. A fold model's error fails the request with a message
-naming that model (``serving.infer`` raises ``SubmodelError``).
+naming that model (``serving.infer`` raises ``SubmodelError``). Before each tile batch is sent the
+request's ``is_cancelled()`` is checked: once the client has cancelled, no further fold request is
+issued (batches already sent finish on the fold models and are dropped), and the request ends with
+CANCELLED.
 
 Config parameters (config.pbtxt ``parameters``):
     fold_models      comma list of fold model names, same length and order as inference_config.json folds
     tile_batch_size  network inputs per BLS call (<= the fold models' max_batch_size)
     max_inflight     BLS calls in flight per request over all folds (< python thread-pool-size, 32)
+    metrics          "false" switches the custom nnunet_* metrics off (default on; ``serving.StepMetrics``:
+                     time of the fold loop, tiles, network forwards, folds, fold calls per request)
 
 I/O (``max_batch_size: 0``):
     IN  PREPROCESSED FP32 [C, *resampled]
@@ -27,10 +32,11 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton import io_names, serving
-from nnunet_triton.errors import NnunetTritonError, PlansError
+from nnunet_triton.errors import NnunetTritonError, PlansError, RequestCancelledError
 from nnunet_triton.gaussian import compute_gaussian
 from nnunet_triton.orchestration import RequestOptions, parse_request_options, predict_folds_async
 from nnunet_triton.plans import InferenceConfig
+from nnunet_triton.sliding_window import mirror_combinations
 
 CONFIG_FILE = "inference_config.json"
 PARAM_FOLD_MODELS = "fold_models"
@@ -75,44 +81,58 @@ class TritonPythonModel:
             self._tile_batch_size = _positive_int(params, PARAM_TILE_BATCH_SIZE)
             self._max_inflight = _positive_int(params, PARAM_MAX_INFLIGHT)
             self._gaussian = compute_gaussian(self._config.patch_size)
+            self._metrics = serving.StepMetrics.create(args, self._config, counts=serving.ORCHESTRATOR_COUNTS)
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None
 
     async def execute(self, requests: list) -> list:
-        return [await self._run(request) for request in requests]
+        return [await self._metrics.observe_async(self._run, request) for request in requests]
 
-    async def _run(self, request: Any) -> Any:
+    async def _run(self, request: Any, record: serving.RequestRecord) -> Any:
         try:
             options = parse_request_options(serving.request_parameters(request), self._config)
             data = serving.input_array(request, io_names.PREPROCESSED)
-            logits = await self._predict(data, options, request)
+            with record.timed():
+                logits = await self._predict(data, options, request, record)
             return serving.ok_response({io_names.LOGITS: logits})
         except NnunetTritonError as exc:
             return serving.error_response(exc)
         except Exception as exc:
             return serving.internal_error_response(exc, self._logger)
 
-    async def _predict(self, data: Any, options: RequestOptions, request: Any) -> Any:
+    async def _predict(self, data: Any, options: RequestOptions, request: Any,
+                       record: serving.RequestRecord) -> Any:
         config = self._config
-        return await predict_folds_async(
+        mirror_axes = config.mirror_axes if options.mirroring else None
+        logits = await predict_folds_async(
             data,
-            [self._fold_infer(self._fold_models[fold], request, _device_of(data)) for fold in options.folds],
+            [self._fold_infer(self._fold_models[fold], request, _device_of(data), record)
+             for fold in options.folds],
             patch_size=config.patch_size,
             num_heads=config.labels.num_segmentation_heads,
-            mirror_axes=config.mirror_axes if options.mirroring else None,
+            mirror_axes=mirror_axes,
             tile_step_size=options.tile_step_size,
             batch_size=self._tile_batch_size,
             max_inflight=self._max_inflight,
             gaussian=self._gaussian,
         )
+        per_tile = len(options.folds) * (1 + len(mirror_combinations(mirror_axes)))  # inputs per tile
+        record.add(folds=len(options.folds), tiles=record.counts.get("forwards", 0) // per_tile)
+        return logits
 
     @staticmethod
-    def _fold_infer(model_name: str, request: Any, device: str) -> Callable[[Any], Any]:
+    def _fold_infer(model_name: str, request: Any, device: str,
+                    record: serving.RequestRecord) -> Callable[[Any], Any]:
         async def infer(batch: Any) -> Any:
+            if request.is_cancelled():  # checked before every tile batch: a cancelled request sends no more
+                raise RequestCancelledError(
+                    f"request cancelled by the client; stopped before sending a tile batch to {model_name!r}."
+                )
             outputs = await serving.infer(
                 model_name, {io_names.FOLD_INPUT: batch}, [io_names.FOLD_OUTPUT], copy=True,
                 output_device=device, parent=request,
             )
+            record.add(forwards=len(batch), fold_calls=1)
             return outputs[io_names.FOLD_OUTPUT]
 
         return infer

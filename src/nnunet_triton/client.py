@@ -27,6 +27,7 @@ from nnunet_triton.errors import ClientError, InputValidationError
 from nnunet_triton.orchestration import (
     OPTION_FOLDS,
     OPTION_MIRRORING,
+    OPTION_POSTPROCESSING,
     OPTION_PROBABILITIES,
     OPTION_TILE_STEP_SIZE,
 )
@@ -82,9 +83,12 @@ def request_parameters(
     tile_step_size: float | None = None,
     folds: Sequence[int | str] | int | str | None = None,
     probabilities: bool = False,
+    postprocessing: bool | None = None,
 ) -> dict[str, Any]:
     """The request parameters for these options (the server validates them)."""
     params: dict[str, Any] = {OPTION_MIRRORING: bool(mirroring), OPTION_PROBABILITIES: bool(probabilities)}
+    if postprocessing is not None:
+        params[OPTION_POSTPROCESSING] = bool(postprocessing)
     if tile_step_size is not None:
         params[OPTION_TILE_STEP_SIZE] = float(tile_step_size)
     if folds is not None:
@@ -176,6 +180,7 @@ class NnunetClient:
         tile_step_size: float | None = None,
         folds: Sequence[int | str] | int | str | None = None,
         probabilities: bool = False,
+        postprocessing: bool | None = None,
     ) -> SegmentationResult:
         """Segment one case with a single endpoint call.
 
@@ -187,6 +192,7 @@ class NnunetClient:
             tile_step_size: sliding-window step in (0, 1]; None = the server default (0.5).
             folds: subset of the deployed folds (e.g. ``[0, 1]``); None = all deployed folds.
             probabilities: also return the float32 class probabilities.
+            postprocessing: False skips the deployed nnU-Net postprocessing; None = server default (on).
 
         Raises:
             InputValidationError: the image is not real-valued.
@@ -204,7 +210,8 @@ class NnunetClient:
         names = [io_names.SEGMENTATION] + ([io_names.PROBABILITIES] if probabilities else [])
         outputs = [self._output(name) for name in names]
         params = request_parameters(
-            mirroring=mirroring, tile_step_size=tile_step_size, folds=folds, probabilities=probabilities
+            mirroring=mirroring, tile_step_size=tile_step_size, folds=folds, probabilities=probabilities,
+            postprocessing=postprocessing,
         )
         start = time.perf_counter()
         response = self._infer(inputs, outputs, params)

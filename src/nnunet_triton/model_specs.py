@@ -3,17 +3,26 @@
 One function per model; :func:`repository_specs` returns them all for an :class:`InferenceConfig`
 and :class:`BuildOptions`. Tensor and model names come from ``io_names`` only.
 
-Layout (see ``repository/build.py``)::
+Layout of a single-configuration repository (see ``repository/build.py``)::
 
     nnunet (ensemble): IMAGE, SPACING -> preprocess_model -> orchestrator_model -> stitch_model
                        -> SEGMENTATION, PROBABILITIES (only when the request parameter asks for it)
     fold_<k>: INPUT__0 [N, C_in, *patch] -> OUTPUT__0 [N, K, *patch], dynamic batching; either the
               ``pytorch_libtorch`` backend (target gpu) or the Python TorchScript runner (target cpu).
+
+An ensemble of configurations (``nnUNetv2_ensemble`` behind the same endpoint) prefixes every model of
+member ``i`` with ``member<i>_`` (its stitch model always returns PROBABILITIES) and ends in
+``combine_model``::
+
+    nnunet (ensemble): IMAGE, SPACING -> member<i>_preprocess_model -> member<i>_orchestrator_model
+                       -> member<i>_stitch_model -> PROBABILITIES_<i> (all members run concurrently)
+                       -> combine_model -> SEGMENTATION, PROBABILITIES
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from nnunet_triton import io_names
@@ -27,6 +36,7 @@ from nnunet_triton.config_gen import (
     WarmupInput,
 )
 from nnunet_triton.plans import InferenceConfig
+from nnunet_triton.validation import DEFAULT_MAX_VOXELS, MAX_VOXELS_PARAMETER
 
 __all__ = [
     "Target",
@@ -42,6 +52,13 @@ __all__ = [
     "python_fold_spec",
     "ensemble_spec",
     "repository_specs",
+    "member_specs",
+    "combine_spec",
+    "configuration_ensemble_spec",
+    "ensemble_repository_specs",
+    "prefixed_pipeline_specs",
+    "cascade_ensemble_spec",
+    "cascade_repository_specs",
 ]
 
 # Images always have 3 spatial axes on the wire: nnU-Net's readers return (C, z, y, x) even for 2D
@@ -80,6 +97,8 @@ class BuildOptions:
             batch as one forward. Default (None): True on target cpu, False on gpu.
         max_forward_batch: legacy alias of ``per_sample_forward`` (1 = True, 0 = False).
         max_inflight: orchestrator's in-flight BLS batches per instance (< python thread-pool-size 32).
+        max_voxels: preprocess_model's ``max_voxels`` parameter: the most voxels an IMAGE, and the
+            volume it resamples to, may have (``nnunet_triton.validation``); 0 = no limit.
     """
 
     target: Target = Target.CPU
@@ -95,6 +114,7 @@ class BuildOptions:
     orchestrator_instances: int = 1
     stitch_instances: int = 1
     max_inflight: int = 4
+    max_voxels: int = DEFAULT_MAX_VOXELS
     gpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -112,6 +132,8 @@ class BuildOptions:
                 f"torch_threads and fold_queue_delay_us must be >= 0, got "
                 f"{self.torch_threads} and {self.fold_queue_delay_us}."
             )
+        if self.max_voxels < 0:
+            raise ValueError(f"max_voxels must be >= 0 (0 = no limit), got {self.max_voxels}.")
         self._resolve_per_sample_forward()
         if self.fold_precision not in ("fp32", "fp16"):
             raise ValueError(f"fold_precision must be 'fp32' or 'fp16', got {self.fold_precision!r}.")
@@ -178,18 +200,26 @@ def _python_spec(name: str, options: BuildOptions, count: int, *, inputs: tuple[
 
 
 def preprocess_spec(config: InferenceConfig, options: BuildOptions) -> ModelSpec:
-    """``preprocess_model``: IMAGE, SPACING -> PREPROCESSED, CASE_PROPERTIES."""
+    """``preprocess_model``: IMAGE, SPACING -> PREPROCESSED, CASE_PROPERTIES; ``max_voxels`` parameter.
+
+    A cascade stage also takes PREVIOUS_SEGMENTATION (the previous stage's SEGMENTATION) and its
+    PREPROCESSED carries the one-hot channels after the image channels (the network's input channels).
+    """
     n_in = config.num_input_channels
+    previous = (TensorSpec(io_names.PREVIOUS_SEGMENTATION, segmentation_dtype(config), _spatial_dims()),) \
+        if config.previous_stage is not None else ()
     return _python_spec(
         io_names.PREPROCESS_MODEL, options, options.preprocess_instances,
         inputs=(
             TensorSpec(io_names.IMAGE, "FP32", _image_dims(n_in)),
             TensorSpec(io_names.SPACING, "FP64", (N_IMAGE_SPATIAL_DIMS,)),
+            *previous,
         ),
         outputs=(
-            TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(n_in)),
+            TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.network.num_input_channels)),
             TensorSpec(io_names.CASE_PROPERTIES, "FP64", (_VARIABLE,)),
         ),
+        parameters={MAX_VOXELS_PARAMETER: str(options.max_voxels)},
     )
 
 
@@ -198,7 +228,7 @@ def orchestrator_spec(config: InferenceConfig, options: BuildOptions) -> ModelSp
     fold_models = ",".join(io_names.fold_model_name(f) for f in config.folds)
     return _python_spec(
         io_names.ORCHESTRATOR_MODEL, options, options.orchestrator_instances,
-        inputs=(TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.num_input_channels)),),
+        inputs=(TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.network.num_input_channels)),),
         outputs=(TensorSpec(io_names.LOGITS, "FP16", _image_dims(config.labels.num_segmentation_heads)),),
         parameters={
             "fold_models": fold_models,
@@ -226,7 +256,8 @@ def stitch_spec(config: InferenceConfig, options: BuildOptions) -> ModelSpec:
 
 def _fold_io(config: InferenceConfig, options: BuildOptions) -> tuple[tuple[TensorSpec, ...], ...]:
     out_dtype = "FP16" if options.fold_precision == "fp16" else "FP32"
-    inputs = (TensorSpec(io_names.FOLD_INPUT, "FP32", (config.num_input_channels, *config.patch_size)),)
+    n_in = config.network.num_input_channels  # image channels (+ one-hot previous stage in a cascade)
+    inputs = (TensorSpec(io_names.FOLD_INPUT, "FP32", (n_in, *config.patch_size)),)
     outputs = (TensorSpec(io_names.FOLD_OUTPUT, out_dtype,
                           (config.labels.num_segmentation_heads, *config.patch_size)),)
     return inputs, outputs
@@ -323,3 +354,112 @@ def repository_specs(config: InferenceConfig, options: BuildOptions, *, folds_on
         return folds
     return (*folds, preprocess_spec(config, options), orchestrator_spec(config, options),
             stitch_spec(config, options), ensemble_spec(config))
+
+
+# --- ensembles of configurations ----------------------------------------------------------------------
+
+
+def member_specs(config: InferenceConfig, options: BuildOptions, index: int) -> tuple[ModelSpec, ...]:
+    """The models of ensemble member ``index``: the single-configuration models, names prefixed."""
+    return prefixed_pipeline_specs(config, options, io_names.member_prefix(index), always_probabilities=True)
+
+
+def prefixed_pipeline_specs(config: InferenceConfig, options: BuildOptions, prefix: str, *,
+                            always_probabilities: bool) -> tuple[ModelSpec, ...]:
+    """Fold, preprocess, orchestrator and stitch models of one pipeline with ``prefix`` on every name."""
+    folds = tuple(replace(fold_spec(config, fold, options), name=prefix + io_names.fold_model_name(fold))
+                  for fold in config.folds)
+    orchestrator = orchestrator_spec(config, options)
+    stitch = stitch_spec(config, options)
+    fold_models = ",".join(prefix + io_names.fold_model_name(fold) for fold in config.folds)
+    return (
+        *folds,
+        replace(preprocess_spec(config, options), name=prefix + io_names.PREPROCESS_MODEL),
+        replace(orchestrator, name=prefix + io_names.ORCHESTRATOR_MODEL,
+                parameters={**orchestrator.parameters, "fold_models": fold_models}),
+        replace(stitch, name=prefix + io_names.STITCH_MODEL,
+                parameters={**stitch.parameters, **({"always_probabilities": "true"} if always_probabilities
+                                                    else {})}),
+    )
+
+
+def combine_spec(configs: Sequence[InferenceConfig], options: BuildOptions) -> ModelSpec:
+    """``combine_model``: PROBABILITIES_<i> of every member -> SEGMENTATION (+ averaged PROBABILITIES)."""
+    heads = configs[0].labels.num_segmentation_heads
+    return _python_spec(
+        io_names.COMBINE_MODEL, options, options.stitch_instances,
+        inputs=tuple(TensorSpec(io_names.member_probabilities(i), "FP32", _image_dims(heads))
+                     for i in range(len(configs))),
+        outputs=(
+            TensorSpec(io_names.SEGMENTATION, segmentation_dtype(configs[0]), _spatial_dims()),
+            TensorSpec(io_names.PROBABILITIES, "FP32", _image_dims(heads)),
+        ),
+    )
+
+
+def configuration_ensemble_spec(configs: Sequence[InferenceConfig]) -> ModelSpec:
+    """``nnunet`` over several member pipelines and ``combine_model`` (the same public I/O)."""
+    n = io_names
+    steps: list[EnsembleStep] = []
+    for index in range(len(configs)):
+        prefix = n.member_prefix(index)
+        steps += [
+            EnsembleStep(prefix + n.PREPROCESS_MODEL, input_map={n.IMAGE: n.IMAGE, n.SPACING: n.SPACING},
+                         output_map={n.PREPROCESSED: prefix + n.PREPROCESSED,
+                                     n.CASE_PROPERTIES: prefix + n.CASE_PROPERTIES}),
+            EnsembleStep(prefix + n.ORCHESTRATOR_MODEL, input_map={n.PREPROCESSED: prefix + n.PREPROCESSED},
+                         output_map={n.LOGITS: prefix + n.LOGITS}),
+            EnsembleStep(prefix + n.STITCH_MODEL,
+                         input_map={n.LOGITS: prefix + n.LOGITS,
+                                    n.CASE_PROPERTIES: prefix + n.CASE_PROPERTIES},
+                         output_map={n.PROBABILITIES: n.member_probabilities(index)}),
+        ]
+    inputs = {n.member_probabilities(i): n.member_probabilities(i) for i in range(len(configs))}
+    steps.append(EnsembleStep(n.COMBINE_MODEL, input_map=inputs,
+                              output_map={n.SEGMENTATION: n.SEGMENTATION, n.PROBABILITIES: n.PROBABILITIES}))
+    base = ensemble_spec(configs[0])
+    return replace(base, ensemble_steps=tuple(steps))
+
+
+def ensemble_repository_specs(configs: Sequence[InferenceConfig], options: BuildOptions
+                              ) -> tuple[ModelSpec, ...]:
+    """Every model of an ensemble-of-configurations repository, member by member, then combine and nnunet."""
+    members = tuple(spec for index, config in enumerate(configs)
+                    for spec in member_specs(config, options, index))
+    return (*members, combine_spec(configs, options), configuration_ensemble_spec(configs))
+
+
+# --- cascades -----------------------------------------------------------------------------------------
+
+
+def cascade_ensemble_spec(previous: InferenceConfig, config: InferenceConfig) -> ModelSpec:
+    """``nnunet`` over a cascade: the previous stage's pipeline (models prefixed ``previous_stage_``) feeds
+    its SEGMENTATION to ``preprocess_model`` of the cascade stage as PREVIOUS_SEGMENTATION."""
+    n = io_names
+    p = n.PREVIOUS_STAGE_PREFIX
+    base = ensemble_spec(config)
+    steps = (
+        EnsembleStep(p + n.PREPROCESS_MODEL, input_map={n.IMAGE: n.IMAGE, n.SPACING: n.SPACING},
+                     output_map={n.PREPROCESSED: p + n.PREPROCESSED,
+                                 n.CASE_PROPERTIES: p + n.CASE_PROPERTIES}),
+        EnsembleStep(p + n.ORCHESTRATOR_MODEL, input_map={n.PREPROCESSED: p + n.PREPROCESSED},
+                     output_map={n.LOGITS: p + n.LOGITS}),
+        EnsembleStep(p + n.STITCH_MODEL,
+                     input_map={n.LOGITS: p + n.LOGITS, n.CASE_PROPERTIES: p + n.CASE_PROPERTIES},
+                     output_map={n.SEGMENTATION: p + n.SEGMENTATION}),
+        EnsembleStep(n.PREPROCESS_MODEL,
+                     input_map={n.IMAGE: n.IMAGE, n.SPACING: n.SPACING,
+                                n.PREVIOUS_SEGMENTATION: p + n.SEGMENTATION},
+                     output_map={n.PREPROCESSED: n.PREPROCESSED, n.CASE_PROPERTIES: n.CASE_PROPERTIES}),
+        *(base.ensemble_steps or ())[1:],
+    )
+    return replace(base, ensemble_steps=steps)
+
+
+def cascade_repository_specs(previous: InferenceConfig, config: InferenceConfig, options: BuildOptions
+                             ) -> tuple[ModelSpec, ...]:
+    """The previous stage's models (prefixed), the cascade stage's models, and the cascade ``nnunet``."""
+    own = repository_specs(config, options)[:-1]
+    return (*prefixed_pipeline_specs(previous, options, io_names.PREVIOUS_STAGE_PREFIX,
+                                     always_probabilities=False),
+            *own, cascade_ensemble_spec(previous, config))

@@ -41,7 +41,8 @@ DEFAULT_NUM_PROCESSES = 8  # nnunetv2.configuration.default_num_processes (accep
 def _no_cascade(previous: Any) -> None:
     if previous is not None and not (isinstance(previous, list) and all(p is None for p in previous)):
         raise UnsupportedModelError(
-            "TritonPredictor: cascades (segmentation of a previous stage) are not supported."
+            "TritonPredictor: a previous stage's segmentation cannot be passed in; cascades are served whole "
+            "(build the cascade stage's folder: the endpoint runs the previous stage itself)."
         )
 
 

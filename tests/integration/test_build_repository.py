@@ -12,7 +12,7 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from nnunet_triton.errors import ExportError, PlansError
+from nnunet_triton.errors import ExportError, PlansError, UnsupportedModelError
 from nnunet_triton.model_specs import BuildOptions
 from repository import build
 
@@ -148,3 +148,68 @@ def test_build_cli_returns_1_and_logs_when_model_folder_is_missing(tmp_path: Pat
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     assert build.main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "repo")]) == 1
     assert "has no dataset.json" in caplog.text
+
+
+def _write_pp_pkl(path: Path, kwargs: list[dict]) -> Path:
+    from batchgenerators.utilities.file_and_folder_operations import save_pickle
+    from nnunetv2.postprocessing.remove_connected_components import (
+        remove_all_but_largest_component_from_segmentation,
+    )
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_pickle(([remove_all_but_largest_component_from_segmentation] * len(kwargs), kwargs), str(path))
+    return path
+
+
+def test_build_deploys_postprocessing_found_in_nnunets_crossval_folder_and_rebuilds_when_it_changes(
+    tmp_path: Path,
+) -> None:
+    model = _copy_model(tmp_path)
+    out = tmp_path / "repo"
+    pkl = _write_pp_pkl(model / "crossval_results_folds_0" / "postprocessing.pkl",
+                        [{"labels_or_regions": [1, 2]}])
+    first = build.build_repository(model, out, folds=(0,))
+    deployed = json.loads((out / "stitch_model" / "1" / "postprocessing.json").read_text())
+    assert deployed["steps"] == [{"function": "remove_all_but_largest_component_from_segmentation",
+                                  "labels_or_regions": [1, 2], "background_label": 0}]
+    metadata = json.loads((out / build.METADATA_FILE).read_text())
+    assert metadata["postprocessing"]["steps"] == deployed["steps"]
+    _write_pp_pkl(pkl, [{"labels_or_regions": 2}])
+    second = build.build_repository(model, out, folds=(0,))
+    assert second.rebuilt and second.input_hash != first.input_hash
+    none = build.build_repository(model, out, folds=(0,), postprocessing="none")
+    assert none.rebuilt and not (out / "stitch_model" / "1" / "postprocessing.json").exists()
+
+
+def test_build_uses_an_explicit_postprocessing_pkl_and_refuses_an_unknown_function(tmp_path: Path) -> None:
+    import pickle
+
+    model = _copy_model(tmp_path)
+    pkl = _write_pp_pkl(tmp_path / "elsewhere" / "postprocessing.pkl", [{"labels_or_regions": 1}])
+    out = tmp_path / "repo"
+    build.build_repository(model, out, folds=(0,), postprocessing=pkl)
+    assert json.loads((out / "stitch_model" / "1" / "postprocessing.json").read_text())["steps"][0][
+        "labels_or_regions"] == [1]
+    evil = tmp_path / "evil.pkl"
+    evil.write_bytes(pickle.dumps(([os.system], [{"labels_or_regions": 1}])))
+    with pytest.raises(UnsupportedModelError, match="system"):
+        build.build_repository(model, tmp_path / "repo2", folds=(0,), postprocessing=evil)
+    assert not (tmp_path / "repo2").exists()
+
+
+def test_input_hash_changes_with_max_voxels_and_build_writes_it_into_preprocess_config(built) -> None:
+    from network_models.export import ExportOptions
+    from nnunet_triton.plans import read_model_folder
+
+    config, export_options = read_model_folder(MODEL_DIR, folds=(0,)), ExportOptions()
+    hashes = {
+        voxels: build.compute_input_hash(MODEL_DIR, config, BuildOptions(max_voxels=voxels), folds_only=False,
+                                         export_options=export_options)
+        for voxels in (0, 1000, BuildOptions().max_voxels)
+    }
+    assert len(set(hashes.values())) == 3
+    out, result = built
+    assert hashes[BuildOptions().max_voxels] == result.input_hash  # the default build's hash
+    preprocess = text_format.Parse((out / "preprocess_model" / "config.pbtxt").read_text(),
+                                   model_config_pb2.ModelConfig())
+    assert preprocess.parameters["max_voxels"].string_value == str(2**28)

@@ -7,7 +7,8 @@ session finalizer stops the last one.
 
 Repositories are built into ``build/test-repositories/<dataset>`` with the nnU-Net-exact CPU settings
 (``per_sample_forward=True``: every tile runs through the network alone, as in nnU-Net, so logits are
-bit-identical). ``repository/build.py`` skips the rebuild when nothing changed.
+bit-identical) and a small voxel limit (``TEST_MAX_VOXELS``). ``repository/build.py`` skips the rebuild
+when nothing changed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ DATASETS = (SYNTHCT, ANISO)
 BUILD_ROOT = REPO_ROOT / "build" / "test-repositories"
 TILE_BATCH_SIZE = 4
 MAX_INFLIGHT = 4
+# preprocess_model's voxel limit in the test repositories: 20x the largest fixture case (~1e5 voxels),
+# small enough that a request over it is cheap to send (test_bad_input.py).
+TEST_MAX_VOXELS = 2**21
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,11 @@ class Case:
 
 
 def model_dir(dataset: str) -> Path:
-    path = FIXTURES / dataset / MODEL_FOLDER
+    """The model folder of a fixture key: ``<Dataset>`` (its ``MODEL_FOLDER``), ``<Dataset>/<model folder>``
+    or an absolute path to a model folder (a modified copy); held-out cases live in its parent."""
+    path = Path(dataset) if Path(dataset).is_absolute() else FIXTURES / dataset
+    if not (path / "plans.json").is_file():
+        path = path / MODEL_FOLDER
     if not (path / "plans.json").is_file():
         pytest.skip(f"fixture model {path.relative_to(REPO_ROOT)} is missing (tools/make_fixture_model.py)")
     return path
@@ -93,9 +101,11 @@ def build(dataset: str) -> Path:
     from repository.build import build_repository
 
     options = BuildOptions(
-        tile_batch_size=TILE_BATCH_SIZE, per_sample_forward=True, max_inflight=MAX_INFLIGHT
+        tile_batch_size=TILE_BATCH_SIZE, per_sample_forward=True, max_inflight=MAX_INFLIGHT,
+        max_voxels=TEST_MAX_VOXELS,
     )
-    return build_repository(model_dir(dataset), BUILD_ROOT / dataset, options=options).out
+    out = BUILD_ROOT / (Path("copies", *Path(dataset).parts[-2:]) if Path(dataset).is_absolute() else dataset)
+    return build_repository(model_dir(dataset), out, options=options).out
 
 
 _ACTIVE: dict[str, Any] = {}

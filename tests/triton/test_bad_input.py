@@ -5,18 +5,23 @@ the raw HTTP client, so that wire-level mistakes (dtype, shape, missing input, u
 Triton unfiltered. After each rejected request the same connection sends a good request (the probe
 case) and must get nnU-Net's segmentation.
 
+Volumes over the repository's voxel limit (``max_voxels``, ``TEST_MAX_VOXELS`` in the test repository),
+as sent or after resampling to the model's spacing, get INVALID_ARG naming the tensor, its size and the
+limit.
+
 Edge cases that nnU-Net itself segments (all-zero image, constant image, a one-voxel axis, a single
 voxel) must segment here too, and give exactly ``nnUNetPredictor.predict_single_npy_array``'s result.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
-from pipeline_support import SYNTHCT, predictor, probe_case, reference, shared_server
+from pipeline_support import SYNTHCT, TEST_MAX_VOXELS, predictor, probe_case, reference, shared_server
 
 from nnunet_triton import io_names
 from nnunet_triton.client import NnunetClient
@@ -203,7 +208,7 @@ def _bad_requests() -> dict[str, BadRequest]:
             image,
             spacing,
             r"unknown request parameters \['tile_size'\]; supported: "
-            r"\['mirroring', 'tile_step_size', 'folds', 'probabilities'\]",
+            r"\['mirroring', 'tile_step_size', 'folds', 'probabilities', 'postprocessing'\]",
             parameters={"tile_size": 0.5},
         ),
         "mirroring_not_bool": BadRequest(
@@ -212,6 +217,12 @@ def _bad_requests() -> dict[str, BadRequest]:
             r"'mirroring' must be a boolean \(true/false\), "
             r"got 'maybe'",
             parameters={"mirroring": "maybe"},
+        ),
+        "postprocessing_not_bool": BadRequest(
+            image,
+            spacing,
+            r"'postprocessing' must be a boolean \(true/false\), got 'sometimes'",
+            parameters={"postprocessing": "sometimes"},
         ),
     }
 
@@ -242,6 +253,7 @@ BAD_KINDS = (
     "empty_folds",
     "unknown_option",
     "mirroring_not_bool",
+    "postprocessing_not_bool",
 )
 EDGE_KINDS = ("all_zero", "constant", "one_voxel_z_axis", "one_voxel_x_axis", "single_voxel")
 
@@ -339,3 +351,45 @@ def test_client_rejects_non_real_image_before_sending(server):
             client.segment(probe.image.astype(np.complex64), probe.spacing, mirroring=False)
         result = client.segment(probe.image, probe.spacing, mirroring=False)
     np.testing.assert_array_equal(result.segmentation, reference(SYNTHCT, probe.name, False).segmentation)
+
+
+def _assert_over_limit_rejected(client: Any, image: np.ndarray, spacing: np.ndarray, message: str) -> None:
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as info:
+        _infer(client, image, spacing)
+    assert info.value.status() == "400", (info.value.status(), str(info.value))
+    assert message in str(info.value), str(info.value)
+
+
+def test_image_over_voxel_limit_gets_invalid_arg_naming_limit_and_next_request_succeeds(client):
+    shape = (1, 128, 128, 129)  # 2_113_536 voxels (8 MiB), just over TEST_MAX_VOXELS = 2**21
+    voxels = math.prod(shape)
+    assert voxels > TEST_MAX_VOXELS
+    _assert_over_limit_rejected(
+        client, np.zeros(shape, np.float32), np.asarray(probe_case(SYNTHCT).spacing, np.float64),
+        f"IMAGE has {voxels} voxels (shape {shape}), more than the server's limit of {TEST_MAX_VOXELS} "
+        "voxels (model parameter 'max_voxels')",
+    )
+    _assert_probe_segments(client)
+
+
+def test_image_resampled_over_voxel_limit_gets_invalid_arg_naming_limit_and_next_request_succeeds(client):
+    from nnunetv2.preprocessing.resampling.default_resampling import compute_new_shape
+
+    probe = probe_case(SYNTHCT)
+    image = np.full_like(probe.image, 100.0)  # nonzero everywhere: crop_to_nonzero keeps every voxel
+    # voxels 8x coarser than the model's spacing: resampling upsamples each axis 8x (~512x the voxels)
+    spacing = np.asarray(probe.spacing, np.float64) * 8
+    p = predictor(SYNTHCT, None, False, 0.5)
+    transpose = p.plans_manager.transpose_forward
+    shape_t, spacing_t = [image.shape[1 + t] for t in transpose], [spacing[t] for t in transpose]
+    new_shape = tuple(int(s) for s in compute_new_shape(shape_t, spacing_t, p.configuration_manager.spacing))
+    voxels = math.prod(new_shape)
+    assert image.size <= TEST_MAX_VOXELS < voxels, (image.size, voxels)
+    _assert_over_limit_rejected(
+        client, image, spacing,
+        f"resampled image has {voxels} voxels (shape {(1, *new_shape)}), more than the server's limit of "
+        f"{TEST_MAX_VOXELS} voxels (model parameter 'max_voxels')",
+    )
+    _assert_probe_segments(client)

@@ -3,6 +3,9 @@
 Uses its OWN server in explicit model-control mode (so a test can unload and reload ``fold_0``) over the
 SynthCT test repository that pipeline_support builds. Requests use the probe case without mirroring
 (one tile per fold): cheap on 2 shared cores, same code path.
+
+Cancellation goes to ``orchestrator_model`` directly over gRPC (the client's ``cancel()`` reaches the
+model as ``request.is_cancelled()``); Triton's statistics API counts the tiles ``fold_0`` ran for it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from pipeline_support import SYNTHCT, build, probe_case, reference
+from pipeline_support import SYNTHCT, build, model_dir, probe_case, reference
 
 from nnunet_triton import io_names
 from nnunet_triton.client import NnunetClient
@@ -96,4 +99,69 @@ def test_grpc_client_deadline_mid_request_does_not_wedge_the_orchestrator(explic
         with pytest.raises(ClientError, match=r"Deadline Exceeded") as info:
             client.segment(case.image, case.spacing, mirroring=True)
     assert info.value.status == "StatusCode.DEADLINE_EXCEEDED", (info.value.status, str(info.value))
+    _assert_probe_segments(explicit_server, "grpc")
+
+
+def _fold_items(stats_client, model: str = "fold_0") -> int:
+    """Network inputs (tiles) ``model`` has run since the server started."""
+    (stats,) = stats_client.get_inference_statistics(model)["model_stats"]
+    return int(stats["inference_count"])
+
+
+def _orchestrator_requests_done(stats_client) -> int:
+    (stats,) = stats_client.get_inference_statistics(io_names.ORCHESTRATOR_MODEL)["model_stats"]
+    return sum(int(stats["inference_stats"][k]["count"]) for k in ("success", "fail"))
+
+
+def _wait_until(condition, what: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached after {timeout_s} s")
+        time.sleep(0.05)
+
+
+def test_grpc_cancel_stops_orchestrator_sending_tiles_and_next_request_is_correct(explicit_server,
+                                                                                 record_property):
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+
+    from nnunet_triton.plans import read_model_folder
+    from nnunet_triton.sliding_window import mirror_combinations
+    from nnunet_triton.tiling import tile_slicers
+
+    config = read_model_folder(model_dir(SYNTHCT))
+    data = np.random.default_rng(0).standard_normal((1, 96, 128, 128), dtype=np.float32)
+    variants = 1 + len(mirror_combinations(config.mirror_axes))
+    full = len(tile_slicers(data.shape[1:], config.patch_size, 0.5)) * variants  # 343 tiles x 8 = 2744
+    stats = http.InferenceServerClient(explicit_server.http_url, network_timeout=900)
+    client = grpc.InferenceServerClient(explicit_server.grpc_url)
+    results: list = []
+    try:
+        items_before, done_before = _fold_items(stats), _orchestrator_requests_done(stats)
+        tensor = grpc.InferInput(io_names.PREPROCESSED, list(data.shape), "FP32")
+        tensor.set_data_from_numpy(data)
+        call = client.async_infer(
+            io_names.ORCHESTRATOR_MODEL, [tensor], callback=lambda result, error: results.append(error),
+            parameters={"mirroring": True, "folds": "0"},
+        )
+        _wait_until(lambda: _fold_items(stats) > items_before, "fold_0 running the request's tiles")
+        call.cancel()
+        try:  # without the cancellation check the request runs all its tiles (several minutes here)
+            _wait_until(lambda: _orchestrator_requests_done(stats) > done_before, "end", timeout_s=120.0)
+        except TimeoutError:
+            raise AssertionError(
+                f"orchestrator request still running 120 s after the cancel: fold_0 ran "
+                f"{_fold_items(stats) - items_before} of its {full} tiles"
+            ) from None
+        ran = _fold_items(stats) - items_before
+        _wait_until(lambda: bool(results), "client callback")
+    finally:
+        client.close()
+        stats.close()
+    record_property("fold_items_run", ran)
+    record_property("fold_items_full_request", full)
+    assert "CANCELLED" in str(results[0].status()), results
+    # fold_0 ran a few batches of 4 (those sent before the cancel was seen), not the full request
+    assert 0 < ran < full // 4, (ran, full)
     _assert_probe_segments(explicit_server, "grpc")

@@ -14,6 +14,7 @@ from nnunet_triton.model_specs import (
     BuildOptions,
     FoldRunner,
     Target,
+    ensemble_repository_specs,
     ensemble_spec,
     fold_spec,
     libtorch_fold_spec,
@@ -24,6 +25,7 @@ from nnunet_triton.model_specs import (
     stitch_spec,
 )
 from nnunet_triton.plans import InferenceConfig, load_inference_config
+from nnunet_triton.validation import max_voxels_from_parameters
 
 PATCH = (16, 24, 32)
 _CONFIGURATION = {
@@ -205,6 +207,18 @@ def test_orchestrator_parameters_list_fold_models_in_config_order() -> None:
     }
 
 
+@pytest.mark.parametrize(("options", "expected"), [
+    (BuildOptions(), str(2**28)),
+    (BuildOptions(max_voxels=1000), "1000"),
+    (BuildOptions(max_voxels=0), "0"),
+])
+def test_preprocess_parameters_carry_max_voxels_from_build_options(options: BuildOptions,
+                                                                    expected: str) -> None:
+    message = _parse(preprocess_spec(_config(), options))
+    assert _params(message) == {"FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "max_voxels": expected}
+    assert max_voxels_from_parameters(_params(message)) == int(expected)
+
+
 def test_segmentation_is_uint16_when_a_label_exceeds_255() -> None:
     labels = {"background": 0, **{f"l{i}": i for i in range(1, 300)}}
     config = _config(labels=labels)
@@ -274,8 +288,41 @@ def test_python_fold_runs_per_sample_by_default_only_on_cpu(kwargs: dict, expect
         ({"max_forward_batch": 4}, "max_forward_batch must be 0 or 1"),
         ({"per_sample_forward": False, "max_forward_batch": 1}, "contradicts"),
         ({"target": "tpu"}, "'tpu' is not a valid Target"),
+        ({"max_voxels": -1}, r"max_voxels must be >= 0 \(0 = no limit\), got -1"),
     ],
 )
 def test_build_options_raise_when_invalid(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         BuildOptions(**kwargs)
+
+
+def test_configuration_ensemble_prefixes_member_models_and_feeds_combine_model() -> None:
+    configs, options = [_config(), _config(folds=(0,))], BuildOptions()
+    specs = ensemble_repository_specs(configs, options)
+    assert [s.name for s in specs] == [
+        "member0_fold_0", "member0_fold_1", "member0_preprocess_model", "member0_orchestrator_model",
+        "member0_stitch_model", "member1_fold_0", "member1_preprocess_model", "member1_orchestrator_model",
+        "member1_stitch_model", "combine_model", "nnunet",
+    ]
+    models = {spec.name: _parse(spec) for spec in specs}
+    assert _params(models["member0_orchestrator_model"])["fold_models"] == "member0_fold_0,member0_fold_1"
+    assert _params(models["member1_orchestrator_model"])["fold_models"] == "member1_fold_0"
+    assert _params(models["member1_stitch_model"])["always_probabilities"] == "true"
+    assert "always_probabilities" not in _params(_parse(stitch_spec(configs[0], options)))
+    ensemble = models[io_names.ENDPOINT_MODEL]
+    steps = [(s.model_name, dict(s.input_map), dict(s.output_map)) for s in ensemble.ensemble_scheduling.step]
+    assert steps[2] == ("member0_stitch_model",
+                        {"LOGITS": "member0_LOGITS", "CASE_PROPERTIES": "member0_CASE_PROPERTIES"},
+                        {"PROBABILITIES": "PROBABILITIES_0"})
+    assert steps[-1] == ("combine_model",
+                         {"PROBABILITIES_0": "PROBABILITIES_0", "PROBABILITIES_1": "PROBABILITIES_1"},
+                         {"SEGMENTATION": "SEGMENTATION", "PROBABILITIES": "PROBABILITIES"})
+    declared = {t.name: (t.data_type, list(t.dims)) for t in [*ensemble.input, *ensemble.output]}
+    for step in ensemble.ensemble_scheduling.step:
+        composing = models[step.model_name]
+        inputs = {t.name: (t.data_type, list(t.dims)) for t in composing.input}
+        outputs = {t.name: (t.data_type, list(t.dims)) for t in composing.output}
+        assert set(step.input_map) == set(inputs) and set(step.output_map) <= set(outputs), step.model_name
+        for tensors, mapping in ((inputs, step.input_map), (outputs, step.output_map)):
+            for model_tensor, ensemble_tensor in mapping.items():
+                assert declared.setdefault(ensemble_tensor, tensors[model_tensor]) == tensors[model_tensor]

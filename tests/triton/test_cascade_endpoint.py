@@ -1,0 +1,94 @@
+"""A cascade (low-res stage -> cascade stage) runs inside ONE ``nnunet`` call and equals nnU-Net's cascade.
+
+Fixture ``Dataset904_SynthCascade`` (``tools/make_cascade_fixture.py``): ``3d_lowres_tiny`` and
+``3d_cascade_tiny`` (``previous_stage``), both trained by nnU-Net on fold ``all``. nnU-Net's way as the
+reference: ``nnUNetPredictor`` of the low-res stage segments the image; its segmentation, as
+``nnUNetv2_predict -prev_stage_predictions`` reads it back from the written file (``SimpleITKIO.read_seg``:
+float32, shape (1, *spatial)), is the ``segmentation_previous_stage`` of the cascade stage's
+``predict_single_npy_array``. The endpoint's SEGMENTATION must be identical, with and without mirroring.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+from pipeline_support import BUILD_ROOT, FIXTURES, cases
+
+from nnunet_triton.client import NnunetClient
+from nnunet_triton.errors import PlansError
+
+DATASET = "Dataset904_SynthCascade"
+LOWRES = f"{DATASET}/nnUNetTrainer__nnUNetPlans__3d_lowres_tiny"
+CASCADE = f"{DATASET}/nnUNetTrainer__nnUNetPlans__3d_cascade_tiny"
+FOLDS = ("all",)
+TIMEOUT_S = 1800.0
+
+
+@pytest.fixture(scope="module")
+def cascade_server(triton_server):
+    from nnunet_triton.model_specs import BuildOptions
+    from repository.build import build_repository
+
+    if not (FIXTURES / CASCADE / "plans.json").is_file():
+        pytest.skip(f"fixture {CASCADE} is missing (tools/make_cascade_fixture.py)")
+    options = BuildOptions(tile_batch_size=4, per_sample_forward=True)
+    result = build_repository(FIXTURES / CASCADE, BUILD_ROOT / "cascade", options=options, folds=FOLDS)
+    with triton_server(result.out) as handle:
+        yield handle
+
+
+@cache
+def _predictor(folder: str, mirroring: bool):
+    import torch
+    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
+
+    p = nnUNetPredictor(tile_step_size=0.5, use_gaussian=True, use_mirroring=mirroring,
+                        perform_everything_on_device=False, device=torch.device("cpu"), verbose=False,
+                        verbose_preprocessing=False, allow_tqdm=False)
+    p.initialize_from_trained_model_folder(str(FIXTURES / folder), use_folds=FOLDS)
+    return p
+
+
+def _nnunet_cascade(image: np.ndarray, spacing, mirroring: bool) -> tuple[np.ndarray, np.ndarray]:
+    props = {"spacing": list(spacing)}
+    low = np.asarray(_predictor(LOWRES, mirroring).predict_single_npy_array(image, props))
+    previous = low[None].astype(np.float32)  # what read_seg returns for the written low-res file
+    final = _predictor(CASCADE, mirroring).predict_single_npy_array(image, props, previous)
+    return low, np.asarray(final)
+
+
+@pytest.mark.parametrize(("index", "mirroring"), [(0, False), (1, False), (0, True)],
+                         ids=["case0-no_mirroring", "case1-no_mirroring", "case0-mirroring"])
+def test_cascade_endpoint_equals_nnunet_cascade_in_one_call(cascade_server, index, mirroring):
+    case = cases(CASCADE)[index]
+    low, expected = _nnunet_cascade(case.image, case.spacing, mirroring)
+    with NnunetClient(cascade_server.grpc_url, protocol="grpc", timeout_s=TIMEOUT_S) as client:
+        result = client.segment(case.image, case.spacing, mirroring=mirroring)
+    np.testing.assert_array_equal(result.segmentation, expected)
+    assert not np.array_equal(low, expected)  # the cascade stage changed the low-res answer
+
+
+def test_cascade_repository_holds_both_stages_and_chains_them(cascade_server):
+    import json
+
+    metadata = json.loads((BUILD_ROOT / "cascade" / "repository_metadata.json").read_text())
+    assert metadata["previous_stage"] == {"model_folder": "nnUNetTrainer__nnUNetPlans__3d_lowres_tiny",
+                                          "configuration": "3d_lowres_tiny", "folds": ["all"]}
+    expected = {"previous_stage_preprocess_model", "previous_stage_orchestrator_model",
+                "previous_stage_fold_all", "previous_stage_stitch_model", "preprocess_model", "fold_all",
+                "nnunet"}
+    assert expected <= set(metadata["models"])
+
+
+def test_cascade_build_refuses_when_the_previous_stage_folder_is_missing(tmp_path):
+    import shutil
+
+    from repository.build import build_repository
+
+    copy = tmp_path / CASCADE.split("/")[1]
+    shutil.copytree(FIXTURES / CASCADE, copy)
+    with pytest.raises(PlansError, match="3d_lowres_tiny"):
+        build_repository(copy, tmp_path / "repo", folds=FOLDS)
+    assert not (tmp_path / "repo").exists()

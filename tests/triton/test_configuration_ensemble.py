@@ -1,0 +1,78 @@
+"""An ensemble of configurations behind the one ``nnunet`` endpoint equals ``nnUNetv2_ensemble``.
+
+Members: the 3D and the 2D model of ``Dataset903_SynthMulti`` (two channels, regions; the classic
+"2d + 3d_fullres" ensemble that ``nnUNetv2_find_best_configuration`` proposes). nnU-Net's way, as the
+reference: ``nnUNetPredictor.predict_single_npy_array(..., save_or_return_probabilities=True)`` per
+member, the probabilities saved as ``.npz`` and merged with ``nnunetv2.ensembling.ensemble``'s
+``average_probabilities``, then ``LabelManager.convert_probabilities_to_segmentation``. The endpoint's
+SEGMENTATION must be identical; its PROBABILITIES (the average) within 1e-6 (float32 ``exp``, see
+test_pipeline_parity.py). Plus the build-time refusal of members that predict different labels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pipeline_support import BUILD_ROOT, FIXTURES, cases, predictor
+
+from nnunet_triton.client import NnunetClient
+from nnunet_triton.errors import PlansError
+
+MULTI = "Dataset903_SynthMulti"
+MEMBERS = (f"{MULTI}/nnUNetTrainer__nnUNetPlans__3d_tiny", f"{MULTI}/nnUNetTrainer__nnUNetPlans__2d_tiny")
+TIMEOUT_S = 1800.0
+PROBABILITY_TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def ensemble_server(triton_server):
+    from nnunet_triton.model_specs import BuildOptions
+    from repository.build import build_ensemble_repository
+
+    for member in MEMBERS:
+        if not (FIXTURES / member / "plans.json").is_file():
+            pytest.skip(f"fixture {member} is missing (tools/make_variety_fixtures.py)")
+    options = BuildOptions(tile_batch_size=4, per_sample_forward=True)
+    result = build_ensemble_repository([FIXTURES / m for m in MEMBERS], BUILD_ROOT / "ensemble-2d-3d",
+                                       options=options)
+    with triton_server(result.out) as handle:
+        yield handle
+
+
+def _nnunet_ensemble(image: np.ndarray, spacing, mirroring: bool, tmp_path) -> tuple[np.ndarray, np.ndarray]:
+    from nnunetv2.ensembling.ensemble import average_probabilities
+
+    files = []
+    for index, member in enumerate(MEMBERS):
+        p = predictor(member, None, mirroring)
+        _, probabilities = p.predict_single_npy_array(image, {"spacing": list(spacing)}, None, None, True)
+        files.append(str(tmp_path / f"member{index}.npz"))
+        np.savez_compressed(files[-1], probabilities=probabilities)
+    average = average_probabilities(files)
+    label_manager = predictor(MEMBERS[0], None, mirroring).label_manager
+    return np.asarray(label_manager.convert_probabilities_to_segmentation(average)), average
+
+
+@pytest.mark.parametrize(("index", "mirroring"), [(0, False), (1, False), (0, True)],
+                         ids=["case0-no_mirroring", "case1-no_mirroring", "case0-mirroring"])
+def test_configuration_ensemble_equals_nnunetv2_ensemble(ensemble_server, index, mirroring, tmp_path):
+    case = cases(MEMBERS[0])[index]
+    expected, average = _nnunet_ensemble(case.image, case.spacing, mirroring, tmp_path)
+    with NnunetClient(ensemble_server.grpc_url, protocol="grpc", timeout_s=TIMEOUT_S) as client:
+        result = client.segment(case.image, case.spacing, mirroring=mirroring, probabilities=True)
+    np.testing.assert_array_equal(result.segmentation, expected)
+    assert result.probabilities.shape == average.shape
+    assert float(np.abs(result.probabilities - average).max()) <= PROBABILITY_TOLERANCE
+    member_segmentations = [predictor(m, None, mirroring).predict_single_npy_array(
+        case.image, {"spacing": list(case.spacing)}) for m in MEMBERS]
+    if index == 0 and not mirroring:  # the ensemble is not just one member's answer
+        assert any(not np.array_equal(expected, s) for s in member_segmentations)
+
+
+def test_ensemble_build_refuses_members_with_different_labels(tmp_path):
+    from repository.build import build_ensemble_repository
+
+    other = FIXTURES / "Dataset901_SynthCT" / "nnUNetTrainer__nnUNetPlans__3d_tiny"
+    with pytest.raises(PlansError, match="labels"):
+        build_ensemble_repository([FIXTURES / MEMBERS[0], other], tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
