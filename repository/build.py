@@ -498,6 +498,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--postprocessing", default="auto",
                    help="nnU-Net postprocessing.pkl to apply: 'auto' (<model>/crossval_results_folds_<folds>/"
                         "postprocessing.pkl if present), 'none', or a path")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="no custom nnunet_* metrics in the Python models")
     p.add_argument("--previous-stage-model", type=Path, default=None,
                    help="cascade: the previous stage's results folder (default: nnU-Net's sibling folder)")
     p.add_argument("--folds-only", action="store_true", help="only the fold models")
@@ -516,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             per_sample_forward=None if args.per_sample_forward is None else args.per_sample_forward == "true",
             fold_instances=args.fold_instances,
             orchestrator_instances=args.orchestrator_instances, max_inflight=args.max_inflight,
-            max_voxels=args.max_voxels,
+            max_voxels=args.max_voxels, metrics=not args.no_metrics,
         )
         if len(args.model) > 1:
             pp = None if args.postprocessing == "auto" else args.postprocessing

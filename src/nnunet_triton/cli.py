@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         help="no test-time mirroring (faster, slightly less accurate)",
     )
     predict.add_argument(
+        "--disable-postprocessing",
+        action="store_true",
+        dest="disable_postprocessing",
+        help="skip the postprocessing deployed with the model (nnU-Net's postprocessing.pkl)",
+    )
+    predict.add_argument(
         "--save-probabilities",
         "--save_probabilities",
         action="store_true",
@@ -180,6 +186,7 @@ def _run_job(job: Job, client: Any, description: Any, args: argparse.Namespace) 
         tile_step_size=args.step_size,
         folds=args.folds,
         probabilities=args.save_probabilities,
+        postprocessing=False if args.disable_postprocessing else None,
     )
     target = _outputs(args.output, job, args)[0]
     if args.save_probabilities:

@@ -99,6 +99,8 @@ class BuildOptions:
         max_inflight: orchestrator's in-flight BLS batches per instance (< python thread-pool-size 32).
         max_voxels: preprocess_model's ``max_voxels`` parameter: the most voxels an IMAGE, and the
             volume it resamples to, may have (``nnunet_triton.validation``); 0 = no limit.
+        metrics: the Python pipeline models export the custom ``nnunet_*`` metrics (``serving.metrics``);
+            False writes their ``metrics`` parameter as "false".
     """
 
     target: Target = Target.CPU
@@ -116,6 +118,7 @@ class BuildOptions:
     max_inflight: int = 4
     max_voxels: int = DEFAULT_MAX_VOXELS
     gpus: tuple[int, ...] = ()
+    metrics: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", Target(self.target))
@@ -195,7 +198,8 @@ def _python_spec(name: str, options: BuildOptions, count: int, *, inputs: tuple[
         inputs=inputs,
         outputs=outputs,
         instance_groups=(InstanceGroup(count=count, kind=options.instance_kind, gpus=options.gpus),),
-        parameters={"FORCE_CPU_ONLY_INPUT_TENSORS": options.force_cpu_inputs, **(parameters or {})},
+        parameters={"FORCE_CPU_ONLY_INPUT_TENSORS": options.force_cpu_inputs,
+                    **({} if options.metrics else {"metrics": "false"}), **(parameters or {})},
     )
 
 

@@ -152,3 +152,41 @@ def test_2d_model_segments_a_true_2d_image_like_nnunet(triton_server, request):
     assert result.segmentation.shape == image.shape[1:]
     np.testing.assert_array_equal(result.segmentation, expected)
     assert expected.any()
+
+
+def test_cli_writes_postprocessed_segmentations_unless_disable_postprocessing(
+    postprocessing_server, tmp_path
+):
+    import os
+    import subprocess
+    import sys
+
+    import SimpleITK as sitk
+    from nnunetv2.postprocessing.remove_connected_components import apply_postprocessing
+    from nnunetv2.postprocessing.remove_connected_components import (
+        remove_all_but_largest_component_from_segmentation as largest,
+    )
+    from pipeline_support import REPO_ROOT, predictor
+
+    key, server = postprocessing_server
+    case = cases(key)[0]
+    image = _with_second_smaller_lesion(case)
+    reference = sitk.ReadImage(str(FIXTURES / MULTI / "imagesTs" / f"{case.name}_0000.nii.gz"))
+    (tmp_path / "in").mkdir()
+    for channel in range(image.shape[0]):
+        written = sitk.GetImageFromArray(image[channel])
+        written.CopyInformation(reference)
+        sitk.WriteImage(written, str(tmp_path / "in" / f"{case.name}_{channel:04d}.nii.gz"))
+    raw = predictor(key, None, False).predict_single_npy_array(image, {"spacing": list(case.spacing)})
+    python_path = os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": python_path}
+    for out, flags, expected in (
+        ("pp", [], apply_postprocessing(raw, [largest] * len(PP_KWARGS), PP_KWARGS)),
+        ("raw", ["--disable-postprocessing"], raw),
+    ):
+        command = [sys.executable, "-m", "nnunet_triton.cli", "predict", "--url", server.http_url,
+                   "-i", str(tmp_path / "in"), "-o", str(tmp_path / out), "--disable-tta", *flags]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
+        assert result.returncode == 0, result.stderr
+        written = sitk.GetArrayFromImage(sitk.ReadImage(str(tmp_path / out / f"{case.name}.nii.gz")))
+        np.testing.assert_array_equal(written, expected)

@@ -326,3 +326,11 @@ def test_configuration_ensemble_prefixes_member_models_and_feeds_combine_model()
         for tensors, mapping in ((inputs, step.input_map), (outputs, step.output_map)):
             for model_tensor, ensemble_tensor in mapping.items():
                 assert declared.setdefault(ensemble_tensor, tensors[model_tensor]) == tensors[model_tensor]
+
+
+def test_python_pipeline_models_switch_metrics_off_only_when_asked() -> None:
+    config = _config()
+    for options, expected in ((BuildOptions(), None), (BuildOptions(metrics=False), "false")):
+        for spec in (preprocess_spec(config, options), orchestrator_spec(config, options),
+                     stitch_spec(config, options)):
+            assert _params(_parse(spec)).get("metrics") == expected, spec.name
