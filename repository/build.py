@@ -225,6 +225,19 @@ def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, i
     }
 
 
+def _up_to_date(out: Path, input_hash: str, force: bool) -> bool:
+    """True when ``out`` was built from exactly these inputs; refuses to replace a foreign directory."""
+    existing = _existing_hash(out) if out.exists() else None
+    if out.exists() and existing is None and not force:
+        raise PlansError(
+            f"output {str(out)!r} exists but has no {METADATA_FILE}; refusing to replace it (use --force)."
+        )
+    if existing == input_hash and not force:
+        LOGGER.info("%s is up to date (input hash %s)", out, input_hash[:12])
+        return True
+    return False
+
+
 def _replace(tmp: Path, out: Path) -> None:
     """Swap the finished ``tmp`` into ``out`` (renames within one directory, old copy removed last)."""
     old = None
@@ -286,13 +299,7 @@ def build_repository(
         previous_hash = compute_input_hash(*previous, options, folds_only=False,
                                            export_options=export_options)
         input_hash = hashlib.sha256(f"{input_hash}\nprevious_stage={previous_hash}".encode()).hexdigest()
-    existing = _existing_hash(out) if out.exists() else None
-    if out.exists() and existing is None and not force:
-        raise PlansError(
-            f"output {str(out)!r} exists but has no {METADATA_FILE}; refusing to replace it (use --force)."
-        )
-    if existing == input_hash and not force:
-        LOGGER.info("%s is up to date (input hash %s)", out, input_hash[:12])
+    if _up_to_date(out, input_hash, force):
         return BuildResult(out=out, rebuilt=False, input_hash=input_hash, seconds=time.perf_counter() - start)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
@@ -422,13 +429,7 @@ def build_ensemble_repository(
     digest.update(f"combine={_sha256_file(REPO_ROOT / COMBINE_ADAPTER)}\n".encode())
     digest.update(f"postprocessing={pp_plan.to_json() if pp_plan else 'none'}\n".encode())
     input_hash = digest.hexdigest()
-    existing = _existing_hash(out) if out.exists() else None
-    if out.exists() and existing is None and not force:
-        raise PlansError(
-            f"output {str(out)!r} exists but has no {METADATA_FILE}; refusing to replace it (use --force)."
-        )
-    if existing == input_hash and not force:
-        LOGGER.info("%s is up to date (input hash %s)", out, input_hash[:12])
+    if _up_to_date(out, input_hash, force):
         return BuildResult(out=out, rebuilt=False, input_hash=input_hash, seconds=time.perf_counter() - start)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))

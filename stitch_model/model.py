@@ -33,7 +33,7 @@ from nnunet_triton.errors import NnunetTritonError, PlansError
 from nnunet_triton.export import convert_logits_to_segmentation
 from nnunet_triton.orchestration import parse_request_options
 from nnunet_triton.plans import InferenceConfig
-from nnunet_triton.postprocessing import POSTPROCESSING_FILE, PostprocessingPlan, apply_postprocessing
+from nnunet_triton.postprocessing import apply_postprocessing, load_deployed_postprocessing
 from nnunet_triton.preprocess import CaseProperties
 
 CONFIG_FILE = "inference_config.json"
@@ -75,10 +75,7 @@ class TritonPythonModel:
             self._always_probabilities = (
                 serving.model_parameters(args).get(PARAM_ALWAYS_PROBABILITIES, "false").lower() == "true"
             )
-            pp_file = Path(__file__).parent / POSTPROCESSING_FILE
-            self._postprocessing = (
-                PostprocessingPlan.from_json(pp_file.read_text()) if pp_file.is_file() else None
-            )
+            self._postprocessing = load_deployed_postprocessing(Path(__file__).parent)
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None
 

@@ -28,7 +28,7 @@ from nnunet_triton.ensembling import average_probabilities, segmentation_from_pr
 from nnunet_triton.errors import NnunetTritonError, PlansError
 from nnunet_triton.orchestration import parse_request_options
 from nnunet_triton.plans import InferenceConfig
-from nnunet_triton.postprocessing import POSTPROCESSING_FILE, PostprocessingPlan, apply_postprocessing
+from nnunet_triton.postprocessing import apply_postprocessing, load_deployed_postprocessing
 
 CONFIG_FILE = "inference_config.json"
 _SEGMENTATION_DTYPES = {"TYPE_UINT8": np.dtype(np.uint8), "TYPE_UINT16": np.dtype(np.uint16)}
@@ -62,10 +62,7 @@ class TritonPythonModel:
             model_config = json.loads(args["model_config"])
             self._inputs = _member_inputs(model_config)
             self._seg_dtype = _segmentation_dtype(model_config)
-            pp_file = here / POSTPROCESSING_FILE
-            self._postprocessing = (
-                PostprocessingPlan.from_json(pp_file.read_text()) if pp_file.is_file() else None
-            )
+            self._postprocessing = load_deployed_postprocessing(Path(__file__).parent)
             self._metrics = serving.StepMetrics.create(args, self._config)
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None

@@ -33,12 +33,12 @@ from nnunet_triton.plans import InferenceConfig
 from nnunet_triton.preprocess import (
     CaseProperties,
     _check_finite,
-    target_spacing,
+    resampled_geometry,
     transpose_case,
     validate_image,
     validate_spacing,
 )
-from nnunet_triton.resampling import compute_new_shape, resample_with_settings
+from nnunet_triton.resampling import resample_with_settings
 from nnunet_triton.validation import check_voxel_limit
 
 __all__ = [
@@ -151,13 +151,7 @@ def preprocess_cascade_case(
     data, mask, bbox = crop_to_nonzero(data)
     seg = crop_previous_segmentation(seg, mask, bbox)
     shape_after = tuple(int(s) for s in data.shape[1:])
-    new_spacing = target_spacing(config, original_spacing)
-    new_shape = compute_new_shape(shape_after, original_spacing, new_spacing)
-    if min(new_shape) < 1:
-        raise InputValidationError(
-            f"image is too small for the model's spacing: the cropped shape {shape_after} at spacing "
-            f"{tuple(original_spacing)} resamples to {new_shape} at {tuple(new_spacing)} (an empty axis)."
-        )
+    new_spacing, new_shape = resampled_geometry(config, shape_after, original_spacing)
     foreground = config.labels.foreground_labels
     check_voxel_limit("resampled image", (data.shape[0] + len(foreground), *new_shape), max_voxels)
     data = normalize(data, seg[0] >= 0, config.normalization)  # nnU-Net's mask: seg >= 0

@@ -401,23 +401,27 @@ def combine_spec(configs: Sequence[InferenceConfig], options: BuildOptions) -> M
     )
 
 
+def _prefixed_steps(prefix: str, stitch_outputs: dict[str, str]) -> list[EnsembleStep]:
+    """Steps of one prefixed pipeline: IMAGE, SPACING in, ``stitch_outputs`` out, tensors prefixed."""
+    n = io_names
+    return [
+        EnsembleStep(prefix + n.PREPROCESS_MODEL, input_map={n.IMAGE: n.IMAGE, n.SPACING: n.SPACING},
+                     output_map={n.PREPROCESSED: prefix + n.PREPROCESSED,
+                                 n.CASE_PROPERTIES: prefix + n.CASE_PROPERTIES}),
+        EnsembleStep(prefix + n.ORCHESTRATOR_MODEL, input_map={n.PREPROCESSED: prefix + n.PREPROCESSED},
+                     output_map={n.LOGITS: prefix + n.LOGITS}),
+        EnsembleStep(prefix + n.STITCH_MODEL,
+                     input_map={n.LOGITS: prefix + n.LOGITS, n.CASE_PROPERTIES: prefix + n.CASE_PROPERTIES},
+                     output_map=stitch_outputs),
+    ]
+
+
 def configuration_ensemble_spec(configs: Sequence[InferenceConfig]) -> ModelSpec:
     """``nnunet`` over several member pipelines and ``combine_model`` (the same public I/O)."""
     n = io_names
     steps: list[EnsembleStep] = []
     for index in range(len(configs)):
-        prefix = n.member_prefix(index)
-        steps += [
-            EnsembleStep(prefix + n.PREPROCESS_MODEL, input_map={n.IMAGE: n.IMAGE, n.SPACING: n.SPACING},
-                         output_map={n.PREPROCESSED: prefix + n.PREPROCESSED,
-                                     n.CASE_PROPERTIES: prefix + n.CASE_PROPERTIES}),
-            EnsembleStep(prefix + n.ORCHESTRATOR_MODEL, input_map={n.PREPROCESSED: prefix + n.PREPROCESSED},
-                         output_map={n.LOGITS: prefix + n.LOGITS}),
-            EnsembleStep(prefix + n.STITCH_MODEL,
-                         input_map={n.LOGITS: prefix + n.LOGITS,
-                                    n.CASE_PROPERTIES: prefix + n.CASE_PROPERTIES},
-                         output_map={n.PROBABILITIES: n.member_probabilities(index)}),
-        ]
+        steps += _prefixed_steps(n.member_prefix(index), {n.PROBABILITIES: n.member_probabilities(index)})
     inputs = {n.member_probabilities(i): n.member_probabilities(i) for i in range(len(configs))}
     steps.append(EnsembleStep(n.COMBINE_MODEL, input_map=inputs,
                               output_map={n.SEGMENTATION: n.SEGMENTATION, n.PROBABILITIES: n.PROBABILITIES}))
@@ -443,14 +447,7 @@ def cascade_ensemble_spec(previous: InferenceConfig, config: InferenceConfig) ->
     p = n.PREVIOUS_STAGE_PREFIX
     base = ensemble_spec(config)
     steps = (
-        EnsembleStep(p + n.PREPROCESS_MODEL, input_map={n.IMAGE: n.IMAGE, n.SPACING: n.SPACING},
-                     output_map={n.PREPROCESSED: p + n.PREPROCESSED,
-                                 n.CASE_PROPERTIES: p + n.CASE_PROPERTIES}),
-        EnsembleStep(p + n.ORCHESTRATOR_MODEL, input_map={n.PREPROCESSED: p + n.PREPROCESSED},
-                     output_map={n.LOGITS: p + n.LOGITS}),
-        EnsembleStep(p + n.STITCH_MODEL,
-                     input_map={n.LOGITS: p + n.LOGITS, n.CASE_PROPERTIES: p + n.CASE_PROPERTIES},
-                     output_map={n.SEGMENTATION: p + n.SEGMENTATION}),
+        *_prefixed_steps(p, {n.SEGMENTATION: p + n.SEGMENTATION}),
         EnsembleStep(n.PREPROCESS_MODEL,
                      input_map={n.IMAGE: n.IMAGE, n.SPACING: n.SPACING,
                                 n.PREVIOUS_SEGMENTATION: p + n.SEGMENTATION},

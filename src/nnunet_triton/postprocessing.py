@@ -36,6 +36,7 @@ __all__ = [
     "PostprocessingPlan",
     "load_postprocessing_pkl",
     "find_postprocessing_pkl",
+    "load_deployed_postprocessing",
     "apply_postprocessing",
     "keep_largest_component",
 ]
@@ -192,6 +193,12 @@ def find_postprocessing_pkl(model_dir: str | Path, folds: Sequence[int | str]) -
     folder = f"crossval_results_folds_{'_'.join(str(f) for f in folds)}"
     candidate = Path(model_dir) / folder / "postprocessing.pkl"
     return candidate if candidate.is_file() else None
+
+
+def load_deployed_postprocessing(model_version_dir: str | Path) -> PostprocessingPlan | None:
+    """The ``postprocessing.json`` the builder put next to a model's ``model.py``, or None."""
+    path = Path(model_version_dir) / POSTPROCESSING_FILE
+    return PostprocessingPlan.from_json(path.read_text()) if path.is_file() else None
 
 
 def keep_largest_component(mask: Any) -> Any:

@@ -161,6 +161,24 @@ def _check_finite(data: Any) -> None:
         )
 
 
+def resampled_geometry(config: InferenceConfig, shape_after_cropping: Sequence[int],
+                       original_spacing: Sequence[float]) -> tuple[list[float], tuple[int, ...]]:
+    """(target spacing, new shape) nnU-Net resamples the cropped data to (``run_case_npy``).
+
+    Raises:
+        InputValidationError: an axis would resample to zero voxels.
+    """
+    new_spacing = target_spacing(config, original_spacing)
+    new_shape = compute_new_shape(shape_after_cropping, original_spacing, new_spacing)
+    if min(new_shape) < 1:
+        raise InputValidationError(
+            f"image is too small for the model's spacing: the cropped shape {tuple(shape_after_cropping)} "
+            f"at spacing {tuple(original_spacing)} resamples to {new_shape} at {tuple(new_spacing)} "
+            "(an empty axis)."
+        )
+    return new_spacing, new_shape
+
+
 def preprocess_case(
     image: Any, spacing: Sequence[float], config: InferenceConfig, *, max_voxels: int = 0
 ) -> tuple[Any, CaseProperties]:
@@ -184,13 +202,7 @@ def preprocess_case(
     shape_before = tuple(int(s) for s in data.shape[1:])
     data, mask, bbox = crop_to_nonzero(data)
     shape_after = tuple(int(s) for s in data.shape[1:])
-    new_spacing = target_spacing(config, original_spacing)
-    new_shape = compute_new_shape(shape_after, original_spacing, new_spacing)
-    if min(new_shape) < 1:
-        raise InputValidationError(
-            f"image is too small for the model's spacing: the cropped shape {shape_after} at spacing "
-            f"{tuple(original_spacing)} resamples to {new_shape} at {tuple(new_spacing)} (an empty axis)."
-        )
+    new_spacing, new_shape = resampled_geometry(config, shape_after, original_spacing)
     check_voxel_limit("resampled image", (data.shape[0], *new_shape), max_voxels)
     data = normalize(data, mask, config.normalization)
     data = resample_with_settings(data, new_shape, original_spacing, new_spacing, config.resampling_data)

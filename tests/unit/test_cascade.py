@@ -25,6 +25,11 @@ from nnunetv2.utilities.label_handling.label_handling import determine_num_input
 from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
 from test_preprocess import _image, make_configuration, make_dataset, make_plans
 
+try:
+    from . import parity_support as ps
+except ImportError:
+    import parity_support as ps
+
 from nnunet_triton._xp import to_numpy
 from nnunet_triton.cascade import convert_labelmap_to_one_hot, preprocess_cascade_case
 from nnunet_triton.errors import InputValidationError, UnsupportedModelError
@@ -40,20 +45,9 @@ LOWRES_DIR = FIXTURE / "nnUNetTrainer__nnUNetPlans__3d_lowres_tiny"
 CASCADE_DIR = FIXTURE / "nnUNetTrainer__nnUNetPlans__3d_cascade_tiny"
 
 
-def _cupy_or_skip():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no CUDA device")
-        cupy.zeros(1).sum().item()
-    except Exception as exc:  # noqa: BLE001 - any CUDA failure means: no usable GPU
-        pytest.skip(f"cupy is installed but no usable GPU: {exc!r}")
-    return cupy
-
-
 @pytest.fixture(params=["numpy", "cupy"])
 def xp(request):
-    return np if request.param == "numpy" else _cupy_or_skip()
+    return ps.xp_from_param(request.param)
 
 
 # --------------------------------------------------------------------------------------------------
