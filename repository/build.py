@@ -26,6 +26,7 @@ root (verified with the embedded 2.51 server), so the metadata file can live the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -34,7 +35,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,19 @@ def _up_to_date(out: Path, input_hash: str, force: bool) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` to build into; swapped in when the block ends, removed on any error."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+    try:
+        yield tmp
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _replace(tmp: Path, out: Path) -> None:
     """Swap the finished ``tmp`` into ``out`` (renames within one directory, old copy removed last)."""
     old = None
@@ -301,9 +315,7 @@ def build_repository(
         input_hash = hashlib.sha256(f"{input_hash}\nprevious_stage={previous_hash}".encode()).hexdigest()
     if _up_to_date(out, input_hash, force):
         return BuildResult(out=out, rebuilt=False, input_hash=input_hash, seconds=time.perf_counter() - start)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
-    try:
+    with _staging(out) as tmp:
         exports = _build_into(tmp, model_dir, config, options, folds_only=folds_only,
                               export_options=export_options, postprocessing=pp_plan, previous=previous)
         metadata = _metadata(model_dir, config, options, input_hash, exports, folds_only=folds_only,
@@ -315,10 +327,6 @@ def build_repository(
             metadata["models"] = sorted(spec.name for spec in model_specs.cascade_repository_specs(
                 previous[1], config, options))
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     seconds = time.perf_counter() - start
     LOGGER.info("built %s in %.1f s (folds %s, target %s)", out, seconds, list(config.folds), options.target)
     return BuildResult(out=out, rebuilt=True, input_hash=input_hash, seconds=seconds)
@@ -431,9 +439,7 @@ def build_ensemble_repository(
     input_hash = digest.hexdigest()
     if _up_to_date(out, input_hash, force):
         return BuildResult(out=out, rebuilt=False, input_hash=input_hash, seconds=time.perf_counter() - start)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
-    try:
+    with _staging(out) as tmp:
         members = []
         for index, (model_dir, config) in enumerate(zip(model_dirs, configs, strict=True)):
             exports = _build_prefixed_into(tmp, model_dir, config, options, io_names.member_prefix(index),
@@ -458,10 +464,6 @@ def build_ensemble_repository(
             "build_seconds": round(time.perf_counter() - start, 3),
         }
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     seconds = time.perf_counter() - start
     LOGGER.info("built ensemble %s of %d members in %.1f s", out, len(configs), seconds)
     return BuildResult(out=out, rebuilt=True, input_hash=input_hash, seconds=seconds)

@@ -50,10 +50,12 @@ from make_fixture_model import (  # noqa: E402  (tools/ is not a package)
     _write_nifti,
     configure_nnunet_environment,
     dice_per_label,
+    export_slim_model_folder,
     sample_geometry,
-    seed_everything,
     synthesize_case,
+    tiny_topology,
     torch_threads,
+    train_nnunet,
 )
 
 LOG = logging.getLogger("make_cascade_fixture")
@@ -175,20 +177,14 @@ def plan() -> None:
 
 def tiny_architecture(stage: StageSpec, spacing: list[float], base: dict[str, Any]) -> dict[str, Any]:
     """PlainConvUNet topology from nnU-Net's ``get_pool_and_conv_props`` for ``spacing`` and the patch."""
-    from nnunetv2.experiment_planning.experiment_planners.network_topology import get_pool_and_conv_props
-
-    _, strides, kernel_sizes, patch_size, _ = get_pool_and_conv_props(spacing, stage.patch_size, 4,
-                                                                       stage.max_numpool)
-    if tuple(int(p) for p in patch_size) != stage.patch_size:
-        raise ValueError(f"{stage.configuration}: patch {stage.patch_size} not divisible for spacing "
-                         f"{spacing}; nnU-Net pads it to {tuple(patch_size)}.")
+    strides, kernel_sizes = tiny_topology(spacing, stage.patch_size, stage.max_numpool)
     n_stages = len(strides)
     architecture = json.loads(json.dumps(base["architecture"]))
     architecture["arch_kwargs"].update(
         n_stages=n_stages,
         features_per_stage=list(stage.features[:n_stages]),
-        kernel_sizes=[list(k) for k in kernel_sizes],
-        strides=[list(s) for s in strides],
+        kernel_sizes=kernel_sizes,
+        strides=strides,
         n_conv_per_stage=[2] * n_stages,
         n_conv_per_stage_decoder=[1] * (n_stages - 1),
     )
@@ -234,25 +230,9 @@ def add_configurations_and_preprocess() -> dict[str, Any]:
 
 def train(stage: StageSpec, index: int, *, validate: bool) -> float:
     """nnU-Net's trainer on fold ``all``; ``validate``: ``perform_actual_validation`` (next-stage export)."""
-    import torch
-    from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
-
-    seed_everything(SEED * 100 + index)
-    plans = json.loads(plans_file().read_text())
-    plans["continue_training"] = False  # popped by nnUNetTrainer.__init__ (see run_training.py)
-    dataset_json = json.loads((plans_file().parent / "dataset.json").read_text())
-    trainer = nnUNetTrainer(plans=plans, configuration=stage.configuration, fold=FOLD,
-                            dataset_json=dataset_json, device=torch.device("cpu"))
-    trainer.num_epochs = stage.num_epochs
-    trainer.num_iterations_per_epoch = stage.num_iterations_per_epoch
-    trainer.num_val_iterations_per_epoch = 2
-    trainer.save_every = stage.num_epochs + 1
-    start = time.perf_counter()
-    with _environment(nnUNet_n_proc_DA="0"):
-        trainer.run_training()
-        if validate:
-            trainer.perform_actual_validation(False)
-    return time.perf_counter() - start
+    return train_nnunet(plans_file(), stage.configuration, FOLD, trainer_name=TRAINER,
+                        seed=SEED * 100 + index, num_epochs=stage.num_epochs,
+                        num_iterations_per_epoch=stage.num_iterations_per_epoch, validate=validate)
 
 
 def check_next_stage_predictions() -> list[str]:
@@ -269,21 +249,11 @@ def check_next_stage_predictions() -> list[str]:
 
 
 def export_model_folder(stage: StageSpec, out_model_dir: Path) -> None:
-    import torch
     from nnunetv2.paths import nnUNet_results
 
     src = Path(str(nnUNet_results)) / DATASET_NAME / stage.folder_name
-    out_model_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("dataset.json", "plans.json", "dataset_fingerprint.json"):
-        shutil.copyfile(src / name, out_model_dir / name)
-    checkpoint = torch.load(src / f"fold_{FOLD}" / "checkpoint_final.pth", map_location="cpu",
-                            weights_only=False)
-    slim = {key: checkpoint[key] for key in CHECKPOINT_KEYS_KEPT}
-    if slim["trainer_name"] != TRAINER or slim["init_args"]["configuration"] != stage.configuration:
-        raise RuntimeError(f"{stage.folder_name}: checkpoint says {slim['trainer_name']!r} / "
-                           f"{slim['init_args']['configuration']!r}")
-    (out_model_dir / f"fold_{FOLD}").mkdir(exist_ok=True)
-    torch.save(slim, out_model_dir / f"fold_{FOLD}" / "checkpoint_final.pth")
+    export_slim_model_folder(src, out_model_dir, (FOLD,), trainer_name=TRAINER,
+                             configuration=stage.configuration)
 
 
 def predict_cascade(dataset_dir: Path) -> dict[str, dict[str, dict[str, float]]]:

@@ -481,6 +481,82 @@ def plan_dataset(spec: FixtureSpec) -> Path:
     return Path(str(nnUNet_preprocessed)) / spec.dataset_name / f"{PLANS_IDENTIFIER}.json"
 
 
+def tiny_topology(spacing: Sequence[float], patch_size: Sequence[int], max_numpool: int,
+                  ) -> tuple[list[list[int]], list[list[int]]]:
+    """(strides, kernel sizes) from nnU-Net's ``get_pool_and_conv_props`` for ``spacing`` and ``patch_size``.
+
+    Raises:
+        ValueError: nnU-Net would pad ``patch_size`` (not divisible by the pooling).
+    """
+    from nnunetv2.experiment_planning.experiment_planners.network_topology import get_pool_and_conv_props
+
+    _, strides, kernel_sizes, padded, _ = get_pool_and_conv_props(spacing, patch_size, 4, max_numpool)
+    if tuple(int(p) for p in padded) != tuple(patch_size):
+        raise ValueError(
+            f"patch_size {tuple(patch_size)} is not divisible by the pooling for spacing {list(spacing)}; "
+            f"nnU-Net would pad it to {tuple(padded)}."
+        )
+    return [list(s) for s in strides], [list(k) for k in kernel_sizes]
+
+
+def train_nnunet(plans_file: Path, configuration: str, fold: int | str, *, trainer_name: str, seed: int,
+                 num_epochs: int, num_iterations_per_epoch: int, num_val_iterations_per_epoch: int = 2,
+                 initial_lr: float | None = None, validate: bool = False) -> float:
+    """Train one fold with nnU-Net's trainer class ``trainer_name`` on CPU; returns wall-clock seconds.
+
+    ``validate`` runs ``perform_actual_validation`` afterwards (validation predictions, and the
+    ``predicted_next_stage`` export of a stage that has a next stage).
+    """
+    import torch
+    from nnunetv2.utilities.find_objects import recursive_find_trainer_class_by_name
+
+    seed_everything(seed)
+    plans = json.loads(plans_file.read_text())
+    plans["continue_training"] = False  # popped again by nnUNetTrainer.__init__ (see run_training.py)
+    dataset_json = json.loads((plans_file.parent / "dataset.json").read_text())
+    trainer_class = recursive_find_trainer_class_by_name(trainer_name)
+    trainer = trainer_class(plans=plans, configuration=configuration, fold=fold, dataset_json=dataset_json,
+                            device=torch.device("cpu"))
+    trainer.num_epochs = num_epochs
+    trainer.num_iterations_per_epoch = num_iterations_per_epoch
+    trainer.num_val_iterations_per_epoch = num_val_iterations_per_epoch
+    if initial_lr is not None:
+        trainer.initial_lr = initial_lr
+    trainer.save_every = num_epochs + 1  # no checkpoint_latest.pth
+    start = time.perf_counter()
+    # nnUNet_n_proc_DA=0: SingleThreadedAugmenter, data augmentation in this process (2 shared cores).
+    with _environment(nnUNet_n_proc_DA="0"):
+        trainer.run_training()
+        if validate:
+            trainer.perform_actual_validation(False)
+    return time.perf_counter() - start
+
+
+def export_slim_model_folder(src: Path, out_model_dir: Path, folds: Sequence[int | str], *, trainer_name: str,
+                             configuration: str | None = None) -> None:
+    """Copy a results folder keeping only what inference needs; checkpoints slimmed to CHECKPOINT_KEYS_KEPT.
+
+    Raises:
+        RuntimeError: a checkpoint names another trainer (or configuration, when given).
+    """
+    import torch
+
+    out_model_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("dataset.json", "plans.json", "dataset_fingerprint.json"):
+        shutil.copyfile(src / name, out_model_dir / name)
+    for fold in folds:
+        checkpoint = torch.load(src / f"fold_{fold}" / "checkpoint_final.pth", map_location="cpu",
+                                weights_only=False)
+        slim = {key: checkpoint[key] for key in CHECKPOINT_KEYS_KEPT}
+        found = (slim["trainer_name"], slim["init_args"]["configuration"])
+        if found[0] != trainer_name or (configuration is not None and found[1] != configuration):
+            raise RuntimeError(
+                f"fold {fold}: checkpoint says {found}, expected {(trainer_name, configuration)}"
+            )
+        (out_model_dir / f"fold_{fold}").mkdir(exist_ok=True)
+        torch.save(slim, out_model_dir / f"fold_{fold}" / "checkpoint_final.pth")
+
+
 def tiny_configuration(spec: FixtureSpec, fullres: dict[str, Any]) -> dict[str, Any]:
     """Build the ``3d_tiny`` configuration: 3d_fullres spacing/normalisation, a small patch and PlainConvUNet.
 
@@ -488,16 +564,7 @@ def tiny_configuration(spec: FixtureSpec, fullres: dict[str, Any]) -> dict[str, 
     3d_fullres spacing, as ``ExperimentPlanner.get_plans_for_configuration`` computes it, capped at
     ``spec.max_numpool`` poolings per axis.
     """
-    from nnunetv2.experiment_planning.experiment_planners.network_topology import get_pool_and_conv_props
-
-    _, strides, kernel_sizes, patch_size, _ = get_pool_and_conv_props(
-        fullres["spacing"], spec.patch_size, 4, spec.max_numpool
-    )
-    if tuple(int(p) for p in patch_size) != spec.patch_size:
-        raise ValueError(
-            f"patch_size {spec.patch_size} is not divisible by the pooling for spacing "
-            f"{fullres['spacing']}; nnU-Net would pad it to {tuple(patch_size)}."
-        )
+    strides, kernel_sizes = tiny_topology(fullres["spacing"], spec.patch_size, spec.max_numpool)
     n_stages = len(strides)
     if n_stages > len(spec.features_per_stage_cap):
         raise ValueError(
@@ -507,8 +574,8 @@ def tiny_configuration(spec: FixtureSpec, fullres: dict[str, Any]) -> dict[str, 
     architecture["arch_kwargs"].update(
         n_stages=n_stages,
         features_per_stage=list(spec.features_per_stage_cap[:n_stages]),
-        kernel_sizes=[list(k) for k in kernel_sizes],
-        strides=[list(s) for s in strides],
+        kernel_sizes=kernel_sizes,
+        strides=strides,
         n_conv_per_stage=[2] * n_stages,
         n_conv_per_stage_decoder=[2] * (n_stages - 1),
     )
@@ -541,52 +608,19 @@ def add_tiny_configuration_and_preprocess(spec: FixtureSpec, plans_file: Path) -
 
 def train_fold(spec: FixtureSpec, plans_file: Path, fold: int) -> float:
     """Train one fold with nnU-Net's own ``nnUNetTrainer`` on CPU; returns wall-clock seconds."""
-    import torch
-    from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
-
-    seed_everything(spec.seed * 100 + fold)
-    plans = json.loads(plans_file.read_text())
-    plans["continue_training"] = False  # popped again by nnUNetTrainer.__init__ (see run_training.py)
-    dataset_json = json.loads((plans_file.parent / "dataset.json").read_text())
-    trainer = nnUNetTrainer(
-        plans=plans,
-        configuration=CONFIGURATION,
-        fold=fold,
-        dataset_json=dataset_json,
-        device=torch.device("cpu"),
-    )
-    trainer.num_epochs = spec.num_epochs
-    trainer.num_iterations_per_epoch = spec.num_iterations_per_epoch
-    trainer.num_val_iterations_per_epoch = spec.num_val_iterations_per_epoch
-    trainer.initial_lr = spec.initial_lr
-    trainer.save_every = spec.num_epochs + 1  # no checkpoint_latest.pth
-    start = time.perf_counter()
-    # nnUNet_n_proc_DA=0: SingleThreadedAugmenter, data augmentation in this process (2 shared cores).
-    with _environment(nnUNet_n_proc_DA="0"):
-        trainer.run_training()
-    return time.perf_counter() - start
+    return train_nnunet(plans_file, CONFIGURATION, fold, trainer_name=TRAINER_NAME,
+                        seed=spec.seed * 100 + fold, num_epochs=spec.num_epochs,
+                        num_iterations_per_epoch=spec.num_iterations_per_epoch,
+                        num_val_iterations_per_epoch=spec.num_val_iterations_per_epoch,
+                        initial_lr=spec.initial_lr)
 
 
 def export_model_folder(spec: FixtureSpec, out_model_dir: Path) -> None:
     """Copy the trainer's results folder, keeping only what inference needs and slimming the checkpoints."""
-    import torch
     from nnunetv2.paths import nnUNet_results
 
     src = Path(str(nnUNet_results)) / spec.dataset_name / spec.model_folder_name
-    out_model_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("dataset.json", "plans.json", "dataset_fingerprint.json"):
-        shutil.copyfile(src / name, out_model_dir / name)
-    for fold in spec.folds:
-        checkpoint = torch.load(
-            src / f"fold_{fold}" / "checkpoint_final.pth", map_location="cpu", weights_only=False
-        )
-        slim = {key: checkpoint[key] for key in CHECKPOINT_KEYS_KEPT}
-        if slim["trainer_name"] != TRAINER_NAME:
-            raise RuntimeError(
-                f"fold {fold}: trainer_name must be {TRAINER_NAME!r}, got {slim['trainer_name']!r}"
-            )
-        (out_model_dir / f"fold_{fold}").mkdir(exist_ok=True)
-        torch.save(slim, out_model_dir / f"fold_{fold}" / "checkpoint_final.pth")
+    export_slim_model_folder(src, out_model_dir, spec.folds, trainer_name=TRAINER_NAME)
 
 
 def dice_per_label(prediction: np.ndarray, reference: np.ndarray) -> dict[str, float]:

@@ -43,17 +43,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from make_fixture_model import (  # noqa: E402  (tools/ is not a package)
-    CHECKPOINT_KEYS_KEPT,
     CaseGeometry,
     GeometryRanges,
     HeldOutCase,
     _environment,
     _write_nifti,
     configure_nnunet_environment,
+    export_slim_model_folder,
     sample_geometry,
-    seed_everything,
     synthesize_case,
+    tiny_topology,
     torch_threads,
+    train_nnunet,
 )
 
 LOG = logging.getLogger("make_variety_fixtures")
@@ -214,22 +215,15 @@ def plan(planner: str) -> str:
 
 def tiny_configuration(model: ModelSpec, base: dict[str, Any]) -> dict[str, Any]:
     """A small configuration inheriting from ``model.base_configuration``; nnU-Net's topology rules."""
-    from nnunetv2.experiment_planning.experiment_planners.network_topology import get_pool_and_conv_props
-
-    _, strides, kernel_sizes, patch_size, _ = get_pool_and_conv_props(
-        base["spacing"], model.patch_size, 4, model.max_numpool
-    )
-    if tuple(int(p) for p in patch_size) != model.patch_size:
-        raise ValueError(f"{model.folder_name}: patch {model.patch_size} not divisible; nnU-Net pads to "
-                         f"{tuple(patch_size)}.")
+    strides, kernel_sizes = tiny_topology(base["spacing"], model.patch_size, model.max_numpool)
     n_stages = len(strides)
     architecture = json.loads(json.dumps(base["architecture"]))
     kwargs = architecture["arch_kwargs"]
     kwargs.update(
         n_stages=n_stages,
         features_per_stage=list(model.features[:n_stages]),
-        kernel_sizes=[list(k) for k in kernel_sizes],
-        strides=[list(s) for s in strides],
+        kernel_sizes=kernel_sizes,
+        strides=strides,
         n_conv_per_stage_decoder=[1] * (n_stages - 1),
     )
     if "n_blocks_per_stage" in kwargs:  # ResidualEncoderUNet
@@ -259,28 +253,14 @@ def add_configuration_and_preprocess(model: ModelSpec) -> None:
                            num_processes=(1,), verbose=False, show_progress_bar=False)
 
 
-def train(model: ModelSpec, index: int) -> Any:
-    import torch
+def train(model: ModelSpec, index: int) -> float:
     from nnunetv2.paths import nnUNet_preprocessed
-    from nnunetv2.utilities.find_objects import recursive_find_trainer_class_by_name
 
-    seed_everything(SEED * 100 + index)
     plans_file = Path(str(nnUNet_preprocessed)) / DATASET_NAME / f"{model.plans_identifier}.json"
-    plans = json.loads(plans_file.read_text())
-    plans["continue_training"] = False  # popped by nnUNetTrainer.__init__ (see run_training.py)
-    dataset_json = json.loads((plans_file.parent / "dataset.json").read_text())
-    trainer_class = recursive_find_trainer_class_by_name(model.trainer)
-    trainer = trainer_class(plans=plans, configuration=model.configuration, fold=FOLD,
-                            dataset_json=dataset_json, device=torch.device("cpu"))
-    trainer.num_epochs = model.num_epochs
-    trainer.num_iterations_per_epoch = model.num_iterations_per_epoch
-    trainer.num_val_iterations_per_epoch = 2
-    trainer.save_every = model.num_epochs + 1
-    with _environment(nnUNet_n_proc_DA="0"):
-        trainer.run_training()
-        if model.postprocessing:
-            trainer.perform_actual_validation(False)
-    return trainer
+    return train_nnunet(plans_file, model.configuration, FOLD, trainer_name=model.trainer,
+                        seed=SEED * 100 + index, num_epochs=model.num_epochs,
+                        num_iterations_per_epoch=model.num_iterations_per_epoch,
+                        validate=model.postprocessing)
 
 
 def determine_postprocessing_for(model: ModelSpec, results_dir: Path) -> dict[str, Any]:
@@ -297,20 +277,11 @@ def determine_postprocessing_for(model: ModelSpec, results_dir: Path) -> dict[st
 
 
 def export_model_folder(model: ModelSpec, out_model_dir: Path) -> None:
-    import torch
     from nnunetv2.paths import nnUNet_results
 
     src = Path(str(nnUNet_results)) / DATASET_NAME / model.folder_name
-    out_model_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("dataset.json", "plans.json", "dataset_fingerprint.json"):
-        shutil.copyfile(src / name, out_model_dir / name)
-    checkpoint = torch.load(src / f"fold_{FOLD}" / "checkpoint_final.pth", map_location="cpu",
-                            weights_only=False)
-    slim = {key: checkpoint[key] for key in CHECKPOINT_KEYS_KEPT}
-    if slim["trainer_name"] != model.trainer:
-        raise RuntimeError(f"{model.folder_name}: trainer_name {slim['trainer_name']!r} != {model.trainer!r}")
-    (out_model_dir / f"fold_{FOLD}").mkdir(exist_ok=True)
-    torch.save(slim, out_model_dir / f"fold_{FOLD}" / "checkpoint_final.pth")
+    export_slim_model_folder(src, out_model_dir, (FOLD,), trainer_name=model.trainer,
+                             configuration=model.configuration)
     if model.postprocessing:
         pp_dir = out_model_dir / f"crossval_results_folds_{FOLD}"
         pp_dir.mkdir(exist_ok=True)
