@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -479,6 +479,25 @@ def plan_dataset(spec: FixtureSpec) -> Path:
     if plans_identifier != PLANS_IDENTIFIER:
         raise RuntimeError(f"expected plans identifier {PLANS_IDENTIFIER!r}, got {plans_identifier!r}")
     return Path(str(nnUNet_preprocessed)) / spec.dataset_name / f"{PLANS_IDENTIFIER}.json"
+
+
+def run_generator(dataset_name: str, build: Callable[[Path, Path], dict[str, Any]], argv: list[str] | None,
+                  description: str) -> dict[str, Any]:
+    """CLI of the other fixture generators: ``--out`` and ``--work-dir``, one torch thread, nnU-Net's
+    worker pools at one process, nnU-Net's folders in ``<work dir>/<dataset>``; returns ``build``'s record."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=Path("tests/fixtures"), help="fixture root folder")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="keep nnUNet_raw/_preprocessed/_results here instead of a temporary folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    with tempfile.TemporaryDirectory(prefix="nnunet_fixture_") as tmp, torch_threads(1), \
+            _environment(nnUNet_def_n_proc="1"):
+        work_dir = (args.work_dir or Path(tmp)).resolve() / dataset_name
+        if work_dir.exists():
+            shutil.rmtree(work_dir)
+        configure_nnunet_environment(work_dir)
+        return build(args.out.resolve(), work_dir)
 
 
 def tiny_topology(spacing: Sequence[float], patch_size: Sequence[int], max_numpool: int,

@@ -26,12 +26,10 @@ Usage (from the repository root)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -46,14 +44,12 @@ from make_fixture_model import (  # noqa: E402  (tools/ is not a package)
     CaseGeometry,
     GeometryRanges,
     HeldOutCase,
-    _environment,
     _write_nifti,
-    configure_nnunet_environment,
     export_slim_model_folder,
+    run_generator,
     sample_geometry,
     synthesize_case,
     tiny_topology,
-    torch_threads,
     train_nnunet,
 )
 
@@ -402,18 +398,7 @@ def write_readme(dataset_dir: Path, record: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("tests/fixtures"))
-    parser.add_argument("--work-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    with tempfile.TemporaryDirectory(prefix="nnunet_variety_") as tmp, torch_threads(1), \
-            _environment(nnUNet_def_n_proc="1"):
-        work_dir = (args.work_dir or Path(tmp)).resolve() / DATASET_NAME
-        if work_dir.exists():
-            shutil.rmtree(work_dir)
-        configure_nnunet_environment(work_dir)
-        build(args.out.resolve(), work_dir)
+    run_generator(DATASET_NAME, build, argv, (__doc__ or "").split("\n\n")[0])
     return 0
 
 
