@@ -53,9 +53,16 @@ def _params() -> list:
 
 
 @pytest.fixture(scope="session")
-def model_server(request, triton_server):
+def session_request(request):
+    """The session's request: the shared server's finalizer belongs there, not to one test."""
+    return request
+
+
+@pytest.fixture
+def model_server(request, triton_server, session_request):
+    """(model key, running server); the shared server is (re)started for this model when needed."""
     kind = request.param
-    return MODELS[kind], shared_server(MODELS[kind], triton_server, request)
+    return MODELS[kind], shared_server(MODELS[kind], triton_server, session_request)
 
 
 @pytest.mark.parametrize(("model_server", "index", "mirroring"), _params(), indirect=["model_server"])
@@ -73,8 +80,8 @@ def test_endpoint_equals_nnunet_for_every_model_kind(model_server, index, mirror
 
 
 @pytest.fixture(scope="session")
-def postprocessing_server(request, triton_server):
-    """The 3D model from a copy with a non-empty postprocessing.pkl (see the module docstring)."""
+def postprocessing_model() -> str:
+    """A copy of the 3D model with a non-empty postprocessing.pkl (see the module docstring)."""
     from batchgenerators.utilities.file_and_folder_operations import save_pickle
     from nnunetv2.postprocessing.remove_connected_components import (
         remove_all_but_largest_component_from_segmentation as largest,
@@ -91,7 +98,12 @@ def postprocessing_server(request, triton_server):
     pp_dir = model / "crossval_results_folds_0"
     pp_dir.mkdir(exist_ok=True)
     save_pickle(([largest] * len(PP_KWARGS), PP_KWARGS), str(pp_dir / "postprocessing.pkl"))
-    return str(model), shared_server(str(model), triton_server, request)
+    return str(model)
+
+
+@pytest.fixture
+def postprocessing_server(postprocessing_model, triton_server, session_request):
+    return postprocessing_model, shared_server(postprocessing_model, triton_server, session_request)
 
 
 def _with_second_smaller_lesion(case):
@@ -136,12 +148,12 @@ def test_endpoint_applies_nnunet_postprocessing_unless_the_request_turns_it_off(
         assert int((raw_expected != expected).sum()) > 0, "postprocessing removed nothing: weak test"
 
 
-def test_2d_model_segments_a_true_2d_image_like_nnunet(triton_server, request):
+def test_2d_model_segments_a_true_2d_image_like_nnunet(triton_server, session_request):
     """A 2D image as nnU-Net's ``NaturalImage2DIO`` presents it: ``(C, 1, X, Y)``, spacing ``(999, 1, 1)``."""
     from pipeline_support import predictor
 
     key = MODELS["2d_plain"]
-    server = shared_server(key, triton_server, request)
+    server = shared_server(key, triton_server, session_request)
     volume = cases(key)[0]
     middle = volume.image.shape[1] // 2
     image = np.ascontiguousarray(volume.image[:, middle:middle + 1])
