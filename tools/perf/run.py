@@ -174,7 +174,10 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "fold_instances=2,torch_threads=1": {"fold_instances": 2, "torch_threads": 1},
     "orchestrator_instances=2": {"orchestrator_instances": 2},
     "preprocess+stitch_instances=2": {"preprocess_instances": 2, "stitch_instances": 2},
+    "client_shm=system": {},  # default build; perf_analyzer sends/receives through /dev/shm (below)
 }
+# perf_analyzer settings of a variant (client <-> server copies), on top of the scenario's
+ANALYZER_VARIANTS: dict[str, dict[str, Any]] = {"client_shm=system": {"shared_memory": "system"}}
 REALISTIC_TUNING_VARIANTS = ("default", "per_sample_forward=false", "tile_batch_size=8",
                              "fold_instances=2,torch_threads=1")
 
@@ -361,6 +364,7 @@ def _measure_level(ctx: _Context, handle: Any, system: str, scenario: Scenario, 
         # version") on a composing model that has not run yet (e.g. fold_2 when a request asks for fold 0)
         bls_composing_models=tuple(f"{io_names.fold_model_name(f)}:1" for f in ctx.served_folds)
         if system == "endpoint" else (),
+        **ANALYZER_VARIANTS.get(ctx.variant, {}),
         **(scenario.load.settings(concurrency) if round_index is None
            else {"measurement_request_count": 1, "request_count": 1, "max_trials": 1}),
     )
