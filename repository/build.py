@@ -179,7 +179,7 @@ def _build_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: Bu
     if previous is not None and not folds_only:  # cascade: the previous stage's pipeline feeds this one
         specs[-1] = model_specs.cascade_ensemble_spec(previous[1], config)
         exports += _build_prefixed_into(tmp, *previous, options, io_names.PREVIOUS_STAGE_PREFIX,
-                                        export_options, always_probabilities=False)
+                                        export_options, probabilities="never")
     for spec in specs:
         config_gen.write_config(spec, tmp / spec.name)
         (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)  # Triton needs a version dir, ensembles too
@@ -379,13 +379,13 @@ def _postprocessing_plan(model_dir: Path, config: InferenceConfig,
 
 def _build_prefixed_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: BuildOptions,
                          prefix: str, export_options: export.ExportOptions, *,
-                         always_probabilities: bool) -> list[dict[str, Any]]:
+                         probabilities: str) -> list[dict[str, Any]]:
     """One pipeline's models with ``prefix`` on every name (ensemble member, cascade's previous stage)."""
     adapters = _adapters_needed(options, folds_only=False)
     by_name = {prefix + name: path for name, path in adapters.items()}
     exports = []
     specs = model_specs.prefixed_pipeline_specs(config, options, prefix,
-                                                always_probabilities=always_probabilities)
+                                                probabilities=probabilities)
     for spec in specs:
         config_gen.write_config(spec, tmp / spec.name)
         (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)
@@ -443,7 +443,7 @@ def build_ensemble_repository(
         members = []
         for index, (model_dir, config) in enumerate(zip(model_dirs, configs, strict=True)):
             exports = _build_prefixed_into(tmp, model_dir, config, options, io_names.member_prefix(index),
-                                           export_options, always_probabilities=True)
+                                           export_options, probabilities="always")
             members.append(_metadata(model_dir, config, options, "", exports, folds_only=False, seconds=0.0))
         combine = model_specs.combine_spec(configs, options)
         config_gen.write_config(combine, tmp / combine.name)

@@ -37,8 +37,11 @@ from nnunet_triton.postprocessing import apply_postprocessing, load_deployed_pos
 from nnunet_triton.preprocess import CaseProperties
 
 CONFIG_FILE = "inference_config.json"
-# config parameter: "true" in an ensemble member, whose PROBABILITIES feed combine_model on every request
-PARAM_ALWAYS_PROBABILITIES = "always_probabilities"
+# config parameter: "request" (default: the `probabilities` request option decides), "always" (an ensemble
+# member, whose PROBABILITIES feed combine_model), "never" (a cascade's previous stage: only SEGMENTATION
+# is used, so a client's probabilities=true must not make it compute them)
+PARAM_PROBABILITIES_OUTPUT = "probabilities_output"
+_PROBABILITIES_OUTPUT_VALUES = ("request", "always", "never")
 _SEGMENTATION_DTYPES = {"TYPE_UINT8": np.dtype(np.uint8), "TYPE_UINT16": np.dtype(np.uint16)}
 
 
@@ -72,9 +75,13 @@ class TritonPythonModel:
                     f"{max_label}."
                 )
             self._metrics = serving.StepMetrics.create(args, self._config)
-            self._always_probabilities = (
-                serving.model_parameters(args).get(PARAM_ALWAYS_PROBABILITIES, "false").lower() == "true"
-            )
+            mode = serving.model_parameters(args).get(PARAM_PROBABILITIES_OUTPUT, "request")
+            if mode not in _PROBABILITIES_OUTPUT_VALUES:
+                raise PlansError(
+                    f"config parameter {PARAM_PROBABILITIES_OUTPUT!r} must be one of "
+                    f"{_PROBABILITIES_OUTPUT_VALUES}, got {mode!r}."
+                )
+            self._probabilities_output = mode
             self._postprocessing = load_deployed_postprocessing(Path(__file__).parent)
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None
@@ -87,7 +94,9 @@ class TritonPythonModel:
             options = parse_request_options(serving.request_parameters(request), self._config)
             logits = serving.input_array(request, io_names.LOGITS)
             props = CaseProperties.from_array(serving.input_array(request, io_names.CASE_PROPERTIES))
-            want_probabilities = options.probabilities or self._always_probabilities
+            want_probabilities = self._probabilities_output == "always" or (
+                options.probabilities and self._probabilities_output == "request"
+            )
             with record.timed():
                 result = convert_logits_to_segmentation(
                     logits, props, self._config, return_probabilities=want_probabilities

@@ -365,11 +365,11 @@ def repository_specs(config: InferenceConfig, options: BuildOptions, *, folds_on
 
 def member_specs(config: InferenceConfig, options: BuildOptions, index: int) -> tuple[ModelSpec, ...]:
     """The models of ensemble member ``index``: the single-configuration models, names prefixed."""
-    return prefixed_pipeline_specs(config, options, io_names.member_prefix(index), always_probabilities=True)
+    return prefixed_pipeline_specs(config, options, io_names.member_prefix(index), probabilities="always")
 
 
 def prefixed_pipeline_specs(config: InferenceConfig, options: BuildOptions, prefix: str, *,
-                            always_probabilities: bool) -> tuple[ModelSpec, ...]:
+                            probabilities: str) -> tuple[ModelSpec, ...]:
     """Fold, preprocess, orchestrator and stitch models of one pipeline with ``prefix`` on every name."""
     folds = tuple(replace(fold_spec(config, fold, options), name=prefix + io_names.fold_model_name(fold))
                   for fold in config.folds)
@@ -382,8 +382,7 @@ def prefixed_pipeline_specs(config: InferenceConfig, options: BuildOptions, pref
         replace(orchestrator, name=prefix + io_names.ORCHESTRATOR_MODEL,
                 parameters={**orchestrator.parameters, "fold_models": fold_models}),
         replace(stitch, name=prefix + io_names.STITCH_MODEL,
-                parameters={**stitch.parameters, **({"always_probabilities": "true"} if always_probabilities
-                                                    else {})}),
+                parameters={**stitch.parameters, "probabilities_output": probabilities}),
     )
 
 
@@ -462,5 +461,5 @@ def cascade_repository_specs(previous: InferenceConfig, config: InferenceConfig,
     """The previous stage's models (prefixed), the cascade stage's models, and the cascade ``nnunet``."""
     own = repository_specs(config, options)[:-1]
     return (*prefixed_pipeline_specs(previous, options, io_names.PREVIOUS_STAGE_PREFIX,
-                                     always_probabilities=False),
+                                     probabilities="never"),
             *own, cascade_ensemble_spec(previous, config))

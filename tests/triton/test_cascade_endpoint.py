@@ -80,6 +80,22 @@ def test_cascade_repository_holds_both_stages_and_chains_them(cascade_server):
                 "previous_stage_fold_all", "previous_stage_stitch_model", "preprocess_model", "fold_all",
                 "nnunet"}
     assert expected <= set(metadata["models"])
+    # only the cascade stage answers probabilities=true; the previous stage's are never computed
+    previous_stitch = (BUILD_ROOT / "cascade" / "previous_stage_stitch_model" / "config.pbtxt").read_text()
+    assert 'key: "probabilities_output"' in previous_stitch and 'string_value: "never"' in previous_stitch
+
+
+def test_cascade_endpoint_returns_the_cascade_stages_probabilities(cascade_server):
+    """probabilities=true gives the cascade stage's probabilities (nnU-Net's, within 1e-6)."""
+    case = cases(CASCADE)[0]
+    low, _ = _nnunet_cascade(case.image, case.spacing, False)
+    cascade = _predictor(CASCADE, False)
+    _, expected = cascade.predict_single_npy_array(case.image, {"spacing": list(case.spacing)},
+                                                   low[None].astype(np.float32), None, True)
+    with NnunetClient(cascade_server.grpc_url, protocol="grpc", timeout_s=TIMEOUT_S) as client:
+        result = client.segment(case.image, case.spacing, mirroring=False, probabilities=True)
+    assert result.probabilities.shape == expected.shape
+    assert float(np.abs(result.probabilities - expected).max()) <= 1e-6
 
 
 def test_cascade_build_refuses_when_the_previous_stage_folder_is_missing(tmp_path):

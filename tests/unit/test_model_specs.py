@@ -307,8 +307,8 @@ def test_configuration_ensemble_prefixes_member_models_and_feeds_combine_model()
     models = {spec.name: _parse(spec) for spec in specs}
     assert _params(models["member0_orchestrator_model"])["fold_models"] == "member0_fold_0,member0_fold_1"
     assert _params(models["member1_orchestrator_model"])["fold_models"] == "member1_fold_0"
-    assert _params(models["member1_stitch_model"])["always_probabilities"] == "true"
-    assert "always_probabilities" not in _params(_parse(stitch_spec(configs[0], options)))
+    assert _params(models["member1_stitch_model"])["probabilities_output"] == "always"
+    assert "probabilities_output" not in _params(_parse(stitch_spec(configs[0], options)))
     ensemble = models[io_names.ENDPOINT_MODEL]
     steps = [(s.model_name, dict(s.input_map), dict(s.output_map)) for s in ensemble.ensemble_scheduling.step]
     assert steps[2] == ("member0_stitch_model",
