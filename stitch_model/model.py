@@ -42,20 +42,6 @@ CONFIG_FILE = "inference_config.json"
 # is used, so a client's probabilities=true must not make it compute them)
 PARAM_PROBABILITIES_OUTPUT = "probabilities_output"
 _PROBABILITIES_OUTPUT_VALUES = ("request", "always", "never")
-_SEGMENTATION_DTYPES = {"TYPE_UINT8": np.dtype(np.uint8), "TYPE_UINT16": np.dtype(np.uint16)}
-
-
-def _declared_segmentation_dtype(model_config: dict[str, Any]) -> np.dtype:
-    for output in model_config.get("output", []):
-        if output["name"] == io_names.SEGMENTATION:
-            dtype = _SEGMENTATION_DTYPES.get(output["data_type"])
-            if dtype is None:
-                raise PlansError(
-                    f"output {io_names.SEGMENTATION!r} must be TYPE_UINT8 or TYPE_UINT16, "
-                    f"got {output['data_type']!r}."
-                )
-            return dtype
-    raise PlansError(f"config.pbtxt declares no output {io_names.SEGMENTATION!r}.")
 
 
 class TritonPythonModel:
@@ -67,7 +53,7 @@ class TritonPythonModel:
 
             self._logger = pb_utils.Logger
             self._config = InferenceConfig.from_json((Path(__file__).parent / CONFIG_FILE).read_text())
-            self._seg_dtype = _declared_segmentation_dtype(json.loads(args["model_config"]))
+            self._seg_dtype = serving.declared_segmentation_dtype(json.loads(args["model_config"]))
             max_label = self._config.labels.max_label
             if max_label > np.iinfo(self._seg_dtype).max:
                 raise PlansError(

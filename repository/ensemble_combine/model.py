@@ -21,8 +21,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from nnunet_triton import io_names, serving
 from nnunet_triton.ensembling import average_probabilities, segmentation_from_probabilities
 from nnunet_triton.errors import NnunetTritonError, PlansError
@@ -31,7 +29,6 @@ from nnunet_triton.plans import InferenceConfig
 from nnunet_triton.postprocessing import apply_postprocessing, load_deployed_postprocessing
 
 CONFIG_FILE = "inference_config.json"
-_SEGMENTATION_DTYPES = {"TYPE_UINT8": np.dtype(np.uint8), "TYPE_UINT16": np.dtype(np.uint16)}
 
 
 def _member_inputs(model_config: dict[str, Any]) -> list[str]:
@@ -41,12 +38,6 @@ def _member_inputs(model_config: dict[str, Any]) -> list[str]:
         raise PlansError(f"combine_model inputs must be {expected} (two or more members), got {names}.")
     return names
 
-
-def _segmentation_dtype(model_config: dict[str, Any]) -> np.dtype:
-    for output in model_config.get("output", []):
-        if output["name"] == io_names.SEGMENTATION and output["data_type"] in _SEGMENTATION_DTYPES:
-            return _SEGMENTATION_DTYPES[output["data_type"]]
-    raise PlansError(f"combine_model must declare {io_names.SEGMENTATION!r} as TYPE_UINT8 or TYPE_UINT16.")
 
 
 class TritonPythonModel:
@@ -61,7 +52,7 @@ class TritonPythonModel:
             self._config = InferenceConfig.from_json((here / CONFIG_FILE).read_text())
             model_config = json.loads(args["model_config"])
             self._inputs = _member_inputs(model_config)
-            self._seg_dtype = _segmentation_dtype(model_config)
+            self._seg_dtype = serving.declared_segmentation_dtype(model_config)
             self._postprocessing = load_deployed_postprocessing(Path(__file__).parent)
             self._metrics = serving.StepMetrics.create(args, self._config)
         except Exception:

@@ -27,6 +27,7 @@ from nnunet_triton.serving.responses import (
     triton_error,
 )
 from nnunet_triton.serving.tensors import (
+    declared_segmentation_dtype,
     input_array,
     model_parameters,
     output_tensor,
@@ -44,6 +45,7 @@ __all__ = [
     "internal_error_response",
     "ok_response",
     "triton_error",
+    "declared_segmentation_dtype",
     "input_array",
     "model_parameters",
     "output_tensor",

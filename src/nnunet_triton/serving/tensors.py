@@ -14,10 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from nnunet_triton.errors import InputValidationError
+from nnunet_triton import io_names
+from nnunet_triton.errors import InputValidationError, PlansError
 from nnunet_triton.serving._pb import pb_utils
 
-__all__ = ["tensor_to_array", "input_array", "output_tensor", "request_parameters", "model_parameters"]
+__all__ = ["tensor_to_array", "input_array", "output_tensor", "request_parameters", "model_parameters",
+           "declared_segmentation_dtype"]
+
+_SEGMENTATION_DTYPES = {"TYPE_UINT8": np.dtype(np.uint8), "TYPE_UINT16": np.dtype(np.uint16)}
 
 
 def tensor_to_array(tensor: Any, *, xp: ModuleType | None = None, copy: bool = False) -> Any:
@@ -110,3 +114,20 @@ def model_parameters(args: Mapping[str, str]) -> dict[str, str]:
     """
     config = json.loads(args["model_config"])
     return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+
+
+def declared_segmentation_dtype(model_config: Mapping[str, Any]) -> np.dtype:
+    """NumPy dtype of the SEGMENTATION output the model's config.pbtxt declares (UINT8 or UINT16).
+
+    ``model_config`` is ``json.loads(args["model_config"])`` of ``initialize``.
+    """
+    for output in model_config.get("output", []):
+        if output["name"] == io_names.SEGMENTATION:
+            dtype = _SEGMENTATION_DTYPES.get(output["data_type"])
+            if dtype is None:
+                raise PlansError(
+                    f"output {io_names.SEGMENTATION!r} must be TYPE_UINT8 or TYPE_UINT16, "
+                    f"got {output['data_type']!r}."
+                )
+            return dtype
+    raise PlansError(f"config.pbtxt declares no output {io_names.SEGMENTATION!r}.")
