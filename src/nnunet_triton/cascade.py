@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from nnunet_triton._xp import get_array_module
+from nnunet_triton._xp import get_array_module, to_numpy
 from nnunet_triton.cropping import BBox, bbox_to_slices, crop_to_nonzero
 from nnunet_triton.errors import InputValidationError, UnsupportedModelError
 from nnunet_triton.normalization import normalize
@@ -77,16 +77,12 @@ def validate_previous_segmentation(
     allowed = xp.asarray(np.asarray(sorted(int(v) for v in labels), dtype=np.float32))
     bad = int((~xp.isin(seg, allowed)).sum())
     if bad:
-        found = sorted(float(v) for v in np.unique(_to_host(seg)))[:20]
+        found = sorted(float(v) for v in np.unique(to_numpy(seg)))[:20]
         raise InputValidationError(
             f"previous-stage segmentation may only contain the model's labels {sorted(labels)}, got {bad} "
             f"voxels with other values (values present: {found})."
         )
     return seg
-
-
-def _to_host(array: Any) -> np.ndarray:
-    return array.get() if hasattr(array, "get") else np.asarray(array)
 
 
 def crop_previous_segmentation(seg: Any, mask: Any, bbox: BBox) -> Any:
