@@ -31,6 +31,7 @@ TARGET ?= embedded
 BUILD_TARGET ?= cpu
 DEPLOY_ARGS ?=
 OUT ?= $(MODEL_REPOSITORY)
+EXPORT_OUT ?= build/export
 QUICK ?=
 PERF_ARGS ?=
 SOAK_DURATION ?= 600
@@ -89,8 +90,9 @@ test-unit: $(SETUP_STAMP) ## Run the unit tests only (no server)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 serve: $(SETUP_STAMP) ## Start tritonserver on MODEL_REPOSITORY (with MODEL=<results folder>: build it first); `make stop` stops it
-	$(if $(MODEL),$(MAKE) --no-print-directory repository MODEL=$(MODEL) OUT=$(MODEL_REPOSITORY))
-	$(SERVER) start --model-repository $(MODEL_REPOSITORY) --host $(TRITON_HOST) \
+	$(if $(MODEL),$(MAKE) --no-print-directory repository MODEL="$(MODEL)" OUT="$(MODEL_REPOSITORY)" \
+		CONFIG="$(CONFIG)" FOLDS="$(FOLDS)" BUILD_TARGET="$(BUILD_TARGET)")
+	$(SERVER) start --model-repository "$(MODEL_REPOSITORY)" --host $(TRITON_HOST) \
 		--http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT)
 
 stop: $(SETUP_STAMP) ## Stop the server started by `make serve`
@@ -100,7 +102,7 @@ status: $(SETUP_STAMP) ## Print the state of the server started by `make serve` 
 	$(SERVER) status
 
 demo: $(SETUP_STAMP) ## From nothing: build the fixture model's repository, serve it, segment one image with one endpoint call, stop
-	$(PY) tools/demo.py $(if $(MODEL),--model $(MODEL))
+	$(PY) tools/demo.py $(if $(MODEL),--model $(MODEL)) $(if $(FOLDS),--folds $(FOLDS))
 
 perf: $(SETUP_STAMP) $(PERF_STAMP) ## perf_analyzer benchmark vs nnUNetPredictor/monolith/network floor -> benchmarks/results, BENCHMARKS.md (QUICK=1: a few minutes)
 	$(PY) -m tools.perf.run $(if $(QUICK),--quick) $(PERF_ARGS)
@@ -109,11 +111,12 @@ soak: $(SETUP_STAMP) ## Bounded soak: mixed valid/invalid requests, answers chec
 	$(PY) tools/soak.py --duration $(SOAK_DURATION) --concurrency $(SOAK_CONCURRENCY) --out build/soak
 
 repository: $(SETUP_STAMP) ## Build a model repository: MODEL=<results folder> [CONFIG=3d_fullres] [FOLDS="0 1"] [OUT=build/model_repository] [BUILD_TARGET=cpu|gpu]
-	$(PY) -m repository.build --model $(or $(MODEL),$(FIXTURE_MODEL)) --out $(OUT) --target $(BUILD_TARGET) \
+	$(PY) -m repository.build --model $(or $(MODEL),$(FIXTURE_MODEL)) --out "$(OUT)" --target $(BUILD_TARGET) \
 		$(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS))
 
-export: $(SETUP_STAMP) ## Export each fold of MODEL=<results folder> to TorchScript under build/export (checked against the eager network)
-	$(PY) -m network_models.export --model $(or $(MODEL),$(FIXTURE_MODEL)) --out build/export $(if $(FOLDS),--folds $(FOLDS))
+export: $(SETUP_STAMP) ## Export each fold of MODEL="<results folder> ..." to TorchScript under EXPORT_OUT=build/export (checked against the eager network)
+	$(PY) -m network_models.export --model $(or $(MODEL),$(FIXTURE_MODEL)) --out "$(EXPORT_OUT)" \
+		$(if $(FOLDS),--folds $(FOLDS))
 
 fixtures: $(SETUP_STAMP) ## Regenerate the committed nnU-Net fixture models under tests/fixtures (trains with nnU-Net; slow)
 	$(PY) tools/make_fixture_model.py --out tests/fixtures --which all

@@ -432,8 +432,9 @@ def _parse_fold(text: str) -> int | str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--model", required=True, type=Path,
-                        help="nnU-Net results folder (plans.json, dataset.json, fold_k/)")
+    parser.add_argument("--model", required=True, type=Path, nargs="+",
+                        help="nnU-Net results folder(s) (plans.json, dataset.json, fold_k/); several: "
+                             "each goes to <out>/<folder name>/")
     parser.add_argument("--folds", nargs="+", type=_parse_fold, default=None,
                         help="folds to export (default: every fold_k with a checkpoint)")
     parser.add_argument("--out", required=True, type=Path, help="output folder for fold_<k>.pt")
@@ -453,15 +454,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = ExportOptions(precision=args.precision, device=args.device, tolerance=args.tolerance,
                             checkpoint_name=args.checkpoint_name)
-    folds = args.folds or detect_folds(args.model, args.checkpoint_name)
-    try:
-        results = export_folds(args.model, folds, args.out, options=options)
-    except (ExportError, PlansError) as exc:
-        LOGGER.error("%s", exc)
-        return 1
-    (args.out / "export_metadata.json").write_text(
-        json.dumps([r.to_dict() for r in results], indent=2, sort_keys=True)
-    )
+    for model in args.model:
+        out = args.out / model.name if len(args.model) > 1 else args.out
+        try:
+            folds = args.folds or detect_folds(model, args.checkpoint_name)
+            results = export_folds(model, folds, out, options=options)
+        except (ExportError, PlansError) as exc:
+            LOGGER.error("%s", exc)
+            return 1
+        (out / "export_metadata.json").write_text(
+            json.dumps([r.to_dict() for r in results], indent=2, sort_keys=True)
+        )
     return 0
 
 

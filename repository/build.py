@@ -478,7 +478,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, type=Path, nargs="+",
                    help="results folder with plans.json, dataset.json and fold_<k>/checkpoint_final.pth; "
                         "two or more folders build an ensemble of configurations (nnUNetv2_ensemble)")
-    p.add_argument("--configuration", default=None, help="check that the checkpoints use this configuration")
+    p.add_argument("--configuration", nargs="+", default=None,
+                   help="check that the checkpoints use this configuration (one per --model, or one for all)")
     p.add_argument("--folds", nargs="+", type=_parse_fold, default=None, help="default: all fold_<k> found")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "model_repository")
     p.add_argument("--target", choices=[t.value for t in Target], default=Target.CPU.value)
@@ -510,6 +511,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _configurations(models: Sequence[Path], given: Sequence[str] | None) -> list[str | None]:
+    """``--configuration`` per model; with several models each is checked against its checkpoints here."""
+    if not given:
+        return [None] * len(models)
+    if len(given) not in (1, len(models)):
+        raise PlansError(
+            f"--configuration takes one value or one per --model ({len(models)}), got {list(given)}.")
+    wanted = list(given) * len(models) if len(given) == 1 else list(given)
+    if len(models) > 1:
+        for model, configuration in zip(models, wanted, strict=True):
+            found = read_model_folder(model).configuration
+            if found != configuration:
+                raise PlansError(f"--configuration {configuration!r} does not match the configuration "
+                                 f"{found!r} the checkpoints in {str(model)!r} were trained with.")
+    return wanted
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns 0 on success (built or up to date), 1 on a reported error."""
     args = _parser().parse_args(argv)
@@ -523,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             orchestrator_instances=args.orchestrator_instances, max_inflight=args.max_inflight,
             max_voxels=args.max_voxels, metrics=not args.no_metrics,
         )
+        configurations = _configurations(args.model, args.configuration)
         if len(args.model) > 1:
             pp = None if args.postprocessing == "auto" else args.postprocessing
             result = build_ensemble_repository(args.model, args.out, options=options, folds=args.folds,
@@ -530,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                                                postprocessing=pp)
         else:
             result = build_repository(args.model[0], args.out, options=options, folds=args.folds,
-                                      configuration=args.configuration, force=args.force,
+                                      configuration=configurations[0], force=args.force,
                                       folds_only=args.folds_only, export_device=args.export_device,
                                       postprocessing=args.postprocessing,
                                       previous_stage_model=args.previous_stage_model)

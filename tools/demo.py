@@ -34,7 +34,9 @@ DEFAULT_OUT = Path("build/demo")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="nnU-Net results folder (model)")
+    p.add_argument("--model", type=Path, nargs="+", default=[DEFAULT_MODEL],
+                   help="nnU-Net results folder; several folders: an ensemble of configurations")
+    p.add_argument("--folds", nargs="+", default=None, help="folds to serve (default: all found)")
     p.add_argument("--image", type=Path, default=None,
                    help="first channel file <case>_0000.<ext> (default: first case in <dataset>/imagesTs)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for repository, segmentation, log")
@@ -92,13 +94,17 @@ def _case_name(first: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     from nnunet_triton import embedded_server
     from nnunet_triton.client import NnunetClient
-    from repository.build import build_repository
+    from repository.build import build_ensemble_repository, build_repository
 
-    model_dir = _resolve(args.model)
+    model_dirs = [_resolve(m) for m in args.model]
+    folds = [f if f == "all" else int(f) for f in args.folds] if args.folds else None
     out = _resolve(args.out)
-    image_path = _resolve(args.image) if args.image else _default_image(model_dir)
+    image_path = _resolve(args.image) if args.image else _default_image(model_dirs[0])
     start = time.perf_counter()
-    built = build_repository(model_dir, out / "model_repository")
+    if len(model_dirs) > 1:
+        built = build_ensemble_repository(model_dirs, out / "model_repository", folds=folds)
+    else:
+        built = build_repository(model_dirs[0], out / "model_repository", folds=folds)
     print(f"repository: {built.out} ({'built' if built.rebuilt else 'up to date'}, {built.seconds:.1f} s)")
     reference, image, spacing = _read_case(image_path)
     print(f"image: {image_path.name} shape (C, z, y, x) {image.shape} spacing (z, y, x) {spacing}")

@@ -53,6 +53,14 @@ def _build_options(args: argparse.Namespace, target: str) -> object:
 def _read_config(args: argparse.Namespace):  # -> InferenceConfig
     from nnunet_triton.plans import read_model_folder
 
+    if len(args.models) > 1 and args.target != "embedded":
+        raise NnunetTritonError(
+            f"--target {args.target} serves one model folder, got {len(args.models)} "
+            f"({', '.join(map(str, args.models))}); an ensemble of configurations is deployed with "
+            "--target embedded or built with `make repository MODEL=\"A B\"`.")
+    for model in args.models[1:]:
+        if not (model / "plans.json").is_file():
+            raise NnunetTritonError(f"--model {str(model)!r} is not an nnU-Net results folder.")
     if not (args.model / "plans.json").is_file():
         fixture = args.model == DEFAULT_MODEL
         hint = " (make it: python tools/make_fixture_model.py --out tests/fixtures)" if fixture else ""
@@ -65,8 +73,13 @@ def _read_config(args: argparse.Namespace):  # -> InferenceConfig
 
 
 def _build(args: argparse.Namespace, target: str, export_device: str | None = None) -> None:
-    from repository.build import build_repository
+    from repository.build import build_ensemble_repository, build_repository
 
+    if len(args.models) > 1:
+        result = build_ensemble_repository(args.models, args.out, options=_build_options(args, target),
+                                           folds=args.folds, export_device=export_device)
+        print(f"repository {'built' if result.rebuilt else 'up to date (input hash matches)'}: {result.out}")
+        return
     result = build_repository(args.model, args.out, options=_build_options(args, target), folds=args.folds,
                               configuration=args.configuration, export_device=export_device)
     print(f"repository {'built' if result.rebuilt else 'up to date (input hash matches)'}: {result.out}")
@@ -247,7 +260,8 @@ def _parser(undeploy: bool) -> argparse.ArgumentParser:
     p.add_argument("--execute", action="store_true", help="docker/k8s: run the printed commands")
     if undeploy:
         return p
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="nnU-Net results folder")
+    p.add_argument("--model", type=Path, nargs="+", default=[DEFAULT_MODEL],
+                   help="nnU-Net results folder; several (embedded): an ensemble of configurations")
     p.add_argument("--configuration", default=None)
     p.add_argument("--folds", nargs="+", type=lambda s: s if s == "all" else int(s), default=None)
     p.add_argument("--tile-batch-size", type=int, default=4)
@@ -286,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     undeploy = bool(argv) and argv[0] == "undeploy"
     args = _parser(undeploy).parse_args(argv[1:] if undeploy or argv[:1] == ["deploy"] else argv)
     args.out = Path(args.out or REPO_ROOT / DEFAULT_OUT[args.target])
+    if not undeploy:
+        args.models, args.model = list(args.model), args.model[0]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     flows = {"embedded": _deploy_embedded, "docker": _deploy_docker, "k8s": _deploy_k8s}
     try:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from nnunet_triton.errors import ServerError
+from nnunet_triton.thread_budget import ThreadBudget, plan_budget, repository_fold_instances
 from nnunet_triton.triton_install import (
     DEFAULT_HOME,
     HOME_ENV,
@@ -106,6 +107,7 @@ class ServerHandle:
     pid_file: str | None = None
     state_file: str | None = None
     exit_timeout_s: int = EXIT_TIMEOUT_S
+    thread_budget: dict[str, object] | None = None  # nnunet_triton.thread_budget: what was chosen and why
     _process: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -248,6 +250,7 @@ class _Launch:
     extra_args: tuple[str, ...]
     exit_timeout_s: int
     detach: bool
+    thread_budget: ThreadBudget
 
     def command(self) -> list[str]:
         return [
@@ -281,13 +284,14 @@ def _spawn(launch: _Launch) -> ServerHandle:
         path.parent.mkdir(parents=True, exist_ok=True)
     command = launch.command()
     LOGGER.info("starting %s", " ".join(command))
+    LOGGER.info("thread budget: %s", launch.thread_budget.reason)
     with open(launch.log_file, "wb") as log:
         process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=server_env(launch.installation),
+            env={**server_env(launch.installation), **launch.thread_budget.environment()},
             start_new_session=True,  # own process group: stop() can kill the server and its stubs together
             preexec_fn=None if launch.detach else _die_with_parent,
         )
@@ -304,6 +308,7 @@ def _spawn(launch: _Launch) -> ServerHandle:
             pid_file=str(launch.pid_file),
             state_file=str(launch.state_file),
             exit_timeout_s=launch.exit_timeout_s,
+            thread_budget=launch.thread_budget.to_dict(),
             _process=process,
         )
         launch.pid_file.write_text(f"{process.pid}\n")
@@ -351,8 +356,14 @@ def start(
         detach: keep running after this Python process exits (CLI ``start``); otherwise the server
             gets SIGTERM when the starting thread exits.
 
+    The server's environment carries the thread budget (``nnunet_triton.thread_budget``: fold threads
+    from the CPUs really available and the repository's fold instances, ``OMP_WAIT_POLICY=PASSIVE``),
+    with the user's ``NNUNET_TRITON_THREAD_POLICY``/``NNUNET_TRITON_FOLD_THREADS``/``OMP_WAIT_POLICY``
+    as overrides; the handle's ``thread_budget`` records the choice and the reason.
+
     Raises:
         ServerError: the process died or was not ready in time; the message holds the log's last lines.
+        ThreadBudgetError: a thread override that cannot be honoured (names the setting and value).
         ValueError: bad ``model_repository``/``model_control_mode``/``load_models``.
     """
     repo = Path(model_repository).absolute()
@@ -376,6 +387,7 @@ def start(
         "extra_args": tuple(extra_args),
         "exit_timeout_s": exit_timeout_s,
         "detach": detach,
+        "thread_budget": plan_budget(repository_fold_instances(repo)),
     }
     auto_ports = (http_port, grpc_port, metrics_port) == (None, None, None)  # only then is a retry useful
     for attempt in range(3 if auto_ports else 1):

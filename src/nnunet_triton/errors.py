@@ -15,6 +15,7 @@ __all__ = [
     "SubmodelError",
     "ResourceExhaustedError",
     "ExportError",
+    "ThreadBudgetError",
     "ServerError",
     "NumericalError",
     "ClientError",
@@ -63,6 +64,12 @@ class ExportError(NnunetTritonError):
     """A network could not be exported, or the exported file disagrees with the eager network."""
 
     triton_code = "INTERNAL"
+
+
+class ThreadBudgetError(NnunetTritonError, ValueError):
+    """A thread setting that cannot be honoured (malformed, or more threads than available CPUs)."""
+
+    triton_code = "INVALID_ARG"
 
 
 class ServerError(NnunetTritonError):

@@ -112,6 +112,9 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
     spec = docker_spec(tmp_path, gpus=(2, 3), http_port=18000)
     argv = docker.docker_run_command(spec)
     server = argv[argv.index("tritonserver") :]
+    image_at = argv.index(spec.image_tag)
+    assert argv[image_at + 1 : argv.index("tritonserver")] == (
+        "python3", "-m", "nnunet_triton.thread_budget", "exec", "--model-repository", "/models", "--")
     loaded = [arg.split("=", 1)[1] for arg in server if arg.startswith("--load-model=")]
     assert loaded == sorted(p.parent.name for p in tmp_path.glob("*/config.pbtxt"))  # BLS callees too
     assert argv[: argv.index("--health-cmd")] == (
@@ -250,6 +253,7 @@ print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() if n.startswi
     )
     assert result.returncode == 0, result.stderr
     files = [*json.loads(result.stdout.splitlines()[-1]), *(str(REPO_ROOT / a) for a in adapters)]
+    files.append(str(REPO_ROOT / "src/nnunet_triton/thread_budget.py"))  # the container's entry point
     assert any(f.endswith("orchestration.py") for f in files)
     vermin = shutil.which("vermin", path=str(Path(sys.executable).parent)) or shutil.which("vermin")
     if vermin is None:

@@ -38,7 +38,7 @@ def test_k8s_deployment_has_gpu_shm_probes_and_repository_volume(tmp_path: Path)
     container = pod["containers"][0]
     assert container["resources"] == {
         "requests": {"cpu": "4", "memory": f"{spec.plan.host_memory_mib}Mi", "nvidia.com/gpu": 1},
-        "limits": {"memory": f"{spec.plan.host_memory_mib}Mi", "nvidia.com/gpu": 1},
+        "limits": {"cpu": "4", "memory": f"{spec.plan.host_memory_mib}Mi", "nvidia.com/gpu": 1},
     }
     probe = {"port": "http"}
     assert (container["startupProbe"], container["livenessProbe"], container["readinessProbe"]) == (
@@ -66,7 +66,9 @@ def test_k8s_deployment_has_gpu_shm_probes_and_repository_volume(tmp_path: Path)
         {"name": "model-repository", "emptyDir": {}},
     ]
     assert pod["initContainers"][0]["image"] == "registry.example/nnunet-models:abc"
-    assert container["args"] == list(docker.tritonserver_args(spec.info, spec.plan, gpus=1))
+    assert container["args"] == list(docker.server_command(spec.info, spec.plan, gpus=1))
+    assert container["args"][:7] == ["python3", "-m", "nnunet_triton.thread_budget", "exec",
+                                     "--model-repository", "/models", "--"]
     assert "--load-model=fold_1" in container["args"]
 
 

@@ -19,6 +19,7 @@ from nnunet_triton.deploy.docker import (
     docker_build_command,
     docker_run_command,
     dockerfile_build_args,
+    server_command,
     tritonserver_args,
 )
 from nnunet_triton.deploy.k8s import K8sSpec, ModelSource, manifest_files, manifests
@@ -49,5 +50,6 @@ __all__ = [
     "manifests",
     "plan_memory",
     "triton_release",
+    "server_command",
     "tritonserver_args",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_RUNNER_TORCH",
     "DeploySpec",
     "tritonserver_args",
+    "server_command",
     "health_command",
     "dockerfile_build_args",
     "docker_build_command",
@@ -133,6 +134,18 @@ def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit
     )
 
 
+def server_command(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit_timeout_s: int = 30,
+                   repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
+    """The container's command: ``tritonserver_args`` started through the thread budget.
+
+    ``nnunet_triton.thread_budget exec`` reads the container's CPUs (affinity and cgroup quota, so
+    ``docker run --cpus`` and a pod's ``limits.cpu`` count) and the repository's fold instances, sets
+    ``OMP_WAIT_POLICY=PASSIVE`` and the fold threads, and execs tritonserver (same pid, same signals).
+    """
+    return ("python3", "-m", "nnunet_triton.thread_budget", "exec", "--model-repository", repository, "--",
+            *tritonserver_args(info, plan, gpus=gpus, exit_timeout_s=exit_timeout_s, repository=repository))
+
+
 def health_command(port: int = CONTAINER_PORTS["http"]) -> str:
     """Container-side readiness check (the image has python3, not necessarily curl); exit 1 unless 200."""
     url = f"http://127.0.0.1:{port}/v2/health/ready"
@@ -192,7 +205,7 @@ def docker_run_command(spec: DeploySpec) -> tuple[str, ...]:
         "--health-start-period", f"{spec.startup_timeout_s}s",
         "--stop-timeout", str(spec.exit_timeout_s + 10),
         spec.image_tag,
-        *tritonserver_args(spec.info, spec.plan, gpus=len(spec.gpus), exit_timeout_s=spec.exit_timeout_s),
+        *server_command(spec.info, spec.plan, gpus=len(spec.gpus), exit_timeout_s=spec.exit_timeout_s),
     )
 
 

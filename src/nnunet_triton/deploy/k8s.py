@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from nnunet_triton.deploy.docker import CONTAINER_PORTS, CONTAINER_REPOSITORY, tritonserver_args
+from nnunet_triton.deploy.docker import CONTAINER_PORTS, CONTAINER_REPOSITORY, server_command
 from nnunet_triton.deploy.repository_info import RepositoryInfo
 from nnunet_triton.deploy.sizing import MemoryPlan
 
@@ -116,11 +116,12 @@ def _server_container(spec: K8sSpec) -> dict[str, Any]:
         "name": "tritonserver",
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
-        "args": list(tritonserver_args(spec.info, spec.plan, gpus=1, exit_timeout_s=spec.exit_timeout_s)),
+        # through the thread budget, which reads limits.cpu from the pod's cgroup quota
+        "args": list(server_command(spec.info, spec.plan, gpus=1, exit_timeout_s=spec.exit_timeout_s)),
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"}
                   for name, port in CONTAINER_PORTS.items()],
         "resources": {"requests": {"cpu": spec.cpu, "memory": memory, "nvidia.com/gpu": 1},
-                      "limits": {"memory": memory, "nvidia.com/gpu": 1}},
+                      "limits": {"cpu": spec.cpu, "memory": memory, "nvidia.com/gpu": 1}},
         "volumeMounts": [{"name": "model-repository", "mountPath": CONTAINER_REPOSITORY, "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
         "startupProbe": _probe("/v2/health/ready", _PROBE_PERIOD_S,

@@ -1,0 +1,142 @@
+"""The thread budget: CPUs from affinity and cgroup quota, per-fold threads, overrides, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nnunet_triton import thread_budget as tb
+from nnunet_triton.errors import ThreadBudgetError
+from nnunet_triton.model_specs import BuildOptions, python_fold_spec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cgroup_v2(root: Path, text: str) -> Path:
+    (root / "sys/fs/cgroup").mkdir(parents=True)
+    (root / "sys/fs/cgroup/cpu.max").write_text(text)
+    return root
+
+
+def test_cgroup_v2_quota_caps_the_affinity_mask_rounded_up(tmp_path: Path) -> None:
+    quota = tb.available_cpus(_cgroup_v2(tmp_path, "250000 100000\n"), affinity=64)
+    assert (quota.cpus, quota.affinity, quota.quota) == (3, 64, 2.5)
+    assert "cpu.max" in quota.source
+
+
+def test_unlimited_cgroup_v2_keeps_the_affinity_mask(tmp_path: Path) -> None:
+    quota = tb.available_cpus(_cgroup_v2(tmp_path, "max 100000\n"), affinity=6)
+    assert (quota.cpus, quota.quota) == (6, None)
+
+
+def test_cgroup_v1_quota_is_read_when_v2_is_absent(tmp_path: Path) -> None:
+    cpu = tmp_path / "sys/fs/cgroup/cpu"
+    cpu.mkdir(parents=True)
+    (cpu / "cpu.cfs_quota_us").write_text("100000\n")
+    (cpu / "cpu.cfs_period_us").write_text("100000\n")
+    assert tb.available_cpus(tmp_path, affinity=16).cpus == 1
+
+
+def test_a_fraction_of_a_cpu_still_gives_one(tmp_path: Path) -> None:
+    assert tb.available_cpus(_cgroup_v2(tmp_path, "20000 100000"), affinity=8).cpus == 1
+
+
+def test_this_machine_is_never_read_from_os_cpu_count() -> None:
+    quota = tb.available_cpus()
+    assert 1 <= quota.cpus <= len(os.sched_getaffinity(0))
+
+
+def _quota(cpus: int) -> tb.CpuQuota:
+    return tb.CpuQuota(cpus=cpus, affinity=cpus, quota=None, source="test")
+
+
+@pytest.mark.parametrize(("cpus", "folds", "threads"), [(2, 2, 1), (16, 5, 3), (4, 1, 4), (2, 5, 1)])
+def test_split_policy_never_gives_the_folds_more_threads_than_cpus(cpus: int, folds: int, threads: int
+                                                                   ) -> None:
+    budget = tb.plan_budget(folds, env={}, quota=_quota(cpus))
+    assert budget.fold_threads == threads
+    assert budget.fold_threads * folds <= max(cpus, folds)
+    env = budget.environment()
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env[tb.FOLD_THREADS_ENV] == str(threads)
+    assert json.loads(env[tb.BUDGET_ENV])["reason"] == budget.reason
+
+
+def test_nnunet_policy_leaves_the_count_to_each_stub() -> None:
+    budget = tb.plan_budget(2, env={tb.POLICY_ENV: "nnunet"}, quota=_quota(8))
+    assert budget.fold_threads is None and tb.FOLD_THREADS_ENV not in budget.environment()
+    assert tb.fold_threads_for_runner(0, env=budget.environment(), torch_default=32, quota=_quota(8)) == 8
+    assert tb.fold_threads_for_runner(0, env=budget.environment(), torch_default=4, quota=_quota(8)) == 4
+
+
+def test_user_overrides_win_and_are_recorded() -> None:
+    env = {tb.FOLD_THREADS_ENV: "2", "OMP_WAIT_POLICY": "active"}
+    budget = tb.plan_budget(4, env=env, quota=_quota(4))
+    assert (budget.fold_threads, budget.omp_wait_policy) == (2, "ACTIVE")
+    assert budget.overrides == env and "set by the user" in budget.reason
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({tb.FOLD_THREADS_ENV: "many"}, "NNUNET_TRITON_FOLD_THREADS must be a positive integer, got 'many'"),
+    ({tb.FOLD_THREADS_ENV: "0"}, "NNUNET_TRITON_FOLD_THREADS must be a positive integer, got '0'"),
+    ({tb.FOLD_THREADS_ENV: "3"}, "NNUNET_TRITON_FOLD_THREADS=3 asks for more threads than the 2 CPU(s)"),
+    ({tb.POLICY_ENV: "fast"}, "NNUNET_TRITON_THREAD_POLICY must be one of split, nnunet, got 'fast'"),
+    ({"OMP_WAIT_POLICY": "sometimes"}, "OMP_WAIT_POLICY must be PASSIVE or ACTIVE, got 'sometimes'"),
+])
+def test_settings_that_cannot_be_honoured_are_refused_naming_them(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ThreadBudgetError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tb.plan_budget(2, env=env, quota=_quota(2))
+
+
+def test_a_fold_models_own_thread_parameter_wins_but_not_beyond_the_cpus() -> None:
+    env = {tb.FOLD_THREADS_ENV: "1"}
+    assert tb.fold_threads_for_runner(2, env=env, torch_default=2, quota=_quota(2)) == 2
+    assert tb.fold_threads_for_runner(0, env=env, torch_default=2, quota=_quota(2)) == 1
+    with pytest.raises(ThreadBudgetError, match="torch_num_threads=3 asks for more threads than the 2 CPU"):
+        tb.fold_threads_for_runner(3, env=env, torch_default=2, quota=_quota(2))
+
+
+def _repository(tmp_path: Path, folds: int, instances: int) -> Path:
+    from test_model_specs import _config
+
+    from nnunet_triton.config_gen import write_config
+
+    for k in range(folds):
+        write_config(python_fold_spec(_config(), k, BuildOptions(fold_instances=instances)),
+                     tmp_path / f"fold_{k}")
+    (tmp_path / "nnunet").mkdir()
+    (tmp_path / "nnunet" / "config.pbtxt").write_text('name: "nnunet"\nplatform: "ensemble"\n')
+    return tmp_path
+
+
+def test_fold_instances_are_counted_from_the_generated_configs(tmp_path: Path) -> None:
+    assert tb.repository_fold_instances(_repository(tmp_path, folds=3, instances=2)) == 6
+
+
+def test_container_entry_point_execs_the_server_with_the_budget(tmp_path: Path) -> None:
+    repo = _repository(tmp_path, folds=2, instances=1)
+    code = "import json, os; print(json.dumps({k: os.environ.get(k) for k in " \
+           "('OMP_WAIT_POLICY', 'NNUNET_TRITON_FOLD_THREADS', 'NNUNET_TRITON_THREAD_POLICY')}))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "NNUNET_TRITON_"))}
+    env["PYTHONPATH"] = str(REPO_ROOT / "src")
+    result = subprocess.run(
+        [sys.executable, "-m", "nnunet_triton.thread_budget", "exec", "--model-repository", str(repo), "--",
+         sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, env=env)
+    seen = json.loads(result.stdout)
+    cpus = tb.available_cpus().cpus
+    assert seen == {"OMP_WAIT_POLICY": "PASSIVE", "NNUNET_TRITON_FOLD_THREADS": str(max(1, cpus // 2)),
+                    "NNUNET_TRITON_THREAD_POLICY": "split"}
+    assert "thread budget:" in result.stderr
+
+
+def test_container_entry_point_refuses_a_bad_setting_before_starting_anything(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), tb.FOLD_THREADS_ENV: "lots"}
+    result = subprocess.run(
+        [sys.executable, "-m", "nnunet_triton.thread_budget", "exec", "--model-repository", str(tmp_path),
+         "--", "false"], capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert result.returncode == 2
+    assert "NNUNET_TRITON_FOLD_THREADS must be a positive integer, got 'lots'" in result.stderr
