@@ -2,14 +2,17 @@
 
     nnunet-triton predict -i IN -o OUT [--url HOST:PORT] [--protocol http|grpc] [--disable-tta]
         [--step-size 0.5] [-f 0 1] [--save-probabilities] [--continue-prediction]
-        [--output-format nifti|nrrd|mha|dicom-seg]
+        [--output-format nifti|nrrd|mha|dicom-seg] [--concurrency N]
     nnunet-triton info [--url HOST:PORT] [--protocol http|grpc] [--json]
 
 IN is an image file (its ``_0001``.. channel siblings are found), a folder of cases in nnU-Net naming
 (``case_0000.nii.gz``, ``case_0001.nii.gz``), or a folder of DICOM files (one or many series, searched
 recursively; one case per SeriesInstanceUID). Flags mean what they mean for ``nnUNetv2_predict`` (the
 nnU-Net spellings ``--disable_tta``, ``-step_size``, ``--save_probabilities``, ``--continue_prediction`` work
-too). Outputs are written atomically; a failed case is reported at the end and the exit code is 1.
+too). ``--concurrency N`` requests are in flight at once (default: the deployed orchestrator instances
++ 1): worker threads read and send cases while the main thread writes finished ones, so reading,
+sending and writing overlap with inference; the files are identical to a sequential run. Outputs are
+written atomically; a failed case is reported at the end and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import argparse
 import json
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +88,16 @@ def collect_jobs(source: Path, options: dicom.DicomOptions = dicom.DEFAULT_OPTIO
     return [_dicom_job(series, options) for series in scan.series]
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nnunet-triton", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +148,13 @@ def _parser() -> argparse.ArgumentParser:
         help="dataset.json naming the DICOM-SEG segments when the server does not publish labels",
     )
     predict.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE (with backoff)")
+    predict.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        default=None,
+        help="requests in flight (default: the deployed orchestrator instances + 1); outputs are identical "
+        "to a sequential run",
+    )
     info = sub.add_parser("info", help="describe the deployed model")
     info.add_argument("--json", action="store_true", help="print the description as JSON")
     for p in (predict, info):
@@ -168,9 +190,22 @@ def _segment_labels(description: Any, args: argparse.Namespace) -> Any:
     return dicom_seg.segment_labels(description.labels, description.published.get("regions_class_order"))
 
 
-def _run_job(job: Job, client: Any, description: Any, args: argparse.Namespace) -> float:
+@dataclass(frozen=True)
+class _Inferred:
+    """A case read and segmented by a worker, waiting to be written by the main thread."""
+
+    job: Job
+    case: imageio.ImageCase | None = None
+    volume: dicom.DicomVolume | None = None
+    result: Any = None
+    error: BaseException | None = None
+    started: float = 0.0
+
+
+def _infer(job: Job, client: Any, description: Any, args: argparse.Namespace) -> _Inferred:
     from nnunet_triton.endpoint import segment_with_retry
 
+    started = time.perf_counter()
     case, volume = job.load()
     if description.num_channels > 0 and case.data.shape[0] != description.num_channels:
         raise InputValidationError(
@@ -188,16 +223,20 @@ def _run_job(job: Job, client: Any, description: Any, args: argparse.Namespace) 
         probabilities=args.save_probabilities,
         postprocessing=False if args.disable_postprocessing else None,
     )
+    return _Inferred(job, case, volume, result, started=started)
+
+
+def _write(done: _Inferred, description: Any, args: argparse.Namespace) -> None:
+    job, case, result = done.job, done.case, done.result
     target = _outputs(args.output, job, args)[0]
     if args.save_probabilities:
         imageio.write_probabilities(result.probabilities, args.output / job.name, case.properties())
     if args.output_format == "dicom-seg":
         from nnunet_triton.dicom_seg import write_dicom_seg
 
-        write_dicom_seg(result.segmentation, volume, _segment_labels(description, args), target)
+        write_dicom_seg(result.segmentation, done.volume, _segment_labels(description, args), target)
     else:
         imageio.write_segmentation(result.segmentation, target, case.geometry)
-    return result.elapsed_s
 
 
 def _say(text: str, stream: Any = None) -> None:
@@ -205,24 +244,65 @@ def _say(text: str, stream: Any = None) -> None:
     (stream or sys.stderr).write(text + "\n")
 
 
+def default_concurrency(description: Any) -> int:
+    """Requests kept in flight: one per orchestrator instance (each holds one request) plus one being
+    read or written, so the server never waits for the client's disk."""
+    return max(1, int(getattr(description, "orchestrator_instances", 1) or 1)) + 1
+
+
+def _worker(jobs: queue.Queue, done: queue.Queue, stop: threading.Event, make_client: Callable[[], Any],
+            description: Any, args: argparse.Namespace) -> None:
+    """Read and segment jobs until none is left; every outcome goes to ``done`` (the main thread writes)."""
+    with make_client() as client:
+        while not stop.is_set():
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put(_infer(job, client, description, args))
+            except BaseException as exc:  # reported by the main thread; the other cases go on
+                done.put(_Inferred(job, error=exc))
+
+
 def _run_all(
-    todo: list[Job], client: Any, description: Any, args: argparse.Namespace
+    todo: list[Job], make_client: Callable[[], Any], description: Any, args: argparse.Namespace
 ) -> list[tuple[str, str]]:
-    """Run every job; a failing case is recorded and the batch goes on."""
+    """Run every job with ``args.concurrency`` requests in flight; a failing case is recorded and the
+    batch goes on. Workers (daemon threads, one client each) read and send; this thread writes every
+    output (atomically), so a signal here never leaves a partial file."""
     from tqdm import tqdm
 
+    jobs: queue.Queue = queue.Queue()
+    for job in todo:
+        jobs.put(job)
+    workers = min(args.concurrency, len(todo))
+    done: queue.Queue = queue.Queue(maxsize=max(1, workers))  # bounds the results held in memory
+    stop = threading.Event()
+    threads = [threading.Thread(target=_worker, args=(jobs, done, stop, make_client, description, args),
+                                name=f"nnunet-triton-worker-{i}", daemon=True) for i in range(workers)]
+    for thread in threads:
+        thread.start()
     failures: list[tuple[str, str]] = []
-    bar = tqdm(todo, unit="case", desc="nnunet-triton", file=sys.stderr, disable=len(todo) < 2)
-    for job in bar:
-        start = time.perf_counter()
-        try:
-            inference = _run_job(job, client, description, args)
-        except CASE_ERRORS as exc:
-            failures.append((job.name, str(exc)))
-            bar.write(f"{job.name}: FAILED ({type(exc).__name__}): {exc}", file=sys.stderr)
-            continue
-        elapsed = time.perf_counter() - start
-        bar.write(f"{job.name}: {elapsed:.1f} s (inference {inference:.1f} s)", file=sys.stderr)
+    bar = tqdm(total=len(todo), unit="case", desc="nnunet-triton", file=sys.stderr, disable=len(todo) < 2)
+    try:
+        for _ in range(len(todo)):
+            item = done.get()
+            try:
+                if item.error is not None:
+                    raise item.error
+                _write(item, description, args)
+            except CASE_ERRORS as exc:
+                failures.append((item.job.name, str(exc)))
+                bar.write(f"{item.job.name}: FAILED ({type(exc).__name__}): {exc}", file=sys.stderr)
+            else:
+                elapsed = time.perf_counter() - item.started
+                bar.write(f"{item.job.name}: {elapsed:.1f} s (inference {item.result.elapsed_s:.1f} s)",
+                          file=sys.stderr)
+            bar.update()
+    finally:
+        stop.set()
+        bar.close()
     return failures
 
 
@@ -243,9 +323,14 @@ def predict(args: argparse.Namespace) -> int:
     ]
     todo = [j for j, done in zip(jobs, finished, strict=True) if not done]
     description = describe_endpoint(_url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
+    if args.concurrency is None:
+        args.concurrency = default_concurrency(description)
     with NnunetClient(_url(args), protocol=args.protocol, timeout_s=args.timeout) as client:
         client.check_ready()
-        failures = _run_all(todo, client, description, args)
+    def make_client() -> NnunetClient:
+        return NnunetClient(_url(args), protocol=args.protocol, timeout_s=args.timeout)
+
+    failures = _run_all(todo, make_client, description, args)
     written, skipped, failed = len(todo) - len(failures), sum(finished), len(failures)
     _say(f"{written} case(s) written to {args.output}, {skipped} skipped (done before), {failed} failed.")
     for name, message in failures:

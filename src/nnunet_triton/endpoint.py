@@ -74,6 +74,7 @@ class EndpointDescription:
     composing_models: tuple[str, ...]
     fold_models: tuple[str, ...]
     published: Mapping[str, Any] = field(default_factory=dict)
+    orchestrator_instances: int = 1  # requests the server computes at once (each instance holds one)
 
     @property
     def labels(self) -> dict[str, Any]:
@@ -137,9 +138,12 @@ def describe_endpoint(
         raise ClientError(f"cannot describe model {model_name!r} on {where}: {message}") from None
     steps = tuple(s["model_name"] for s in config.get("ensemble_scheduling", {}).get("step", []))
     fold_models: tuple[str, ...] = ()
+    orchestrators = 1
     if io_names.ORCHESTRATOR_MODEL in steps:
         try:
-            params = _model_config(client, io_names.ORCHESTRATOR_MODEL, protocol).get("parameters", {})
+            orchestrator = _model_config(client, io_names.ORCHESTRATOR_MODEL, protocol)
+            orchestrators = sum(int(g.get("count", 1)) for g in orchestrator.get("instance_group", [])) or 1
+            params = orchestrator.get("parameters", {})
             fold_models = tuple(
                 filter(None, params.get("fold_models", {}).get("string_value", "").split(","))
             )
@@ -161,6 +165,7 @@ def describe_endpoint(
         composing_models=steps,
         fold_models=fold_models,
         published=published,
+        orchestrator_instances=orchestrators,
     )
 
 
@@ -170,6 +175,7 @@ def format_description(d: EndpointDescription) -> str:
         f"endpoint        {d.model_name} on {d.url} (Triton {d.server_version})",
         f"pipeline        {' -> '.join(d.composing_models) or '(not an ensemble)'}",
         f"fold models     {', '.join(d.fold_models) or '(unknown)'}",
+        f"orchestrators   {d.orchestrator_instances} instance(s) (requests computed at once)",
         f"input IMAGE     FP32 [C={d.num_channels}, z, y, x] + SPACING FP64 [3] (z, y, x: SimpleITK order)",
         f"output          SEGMENTATION {d.segmentation_dtype} [z, y, x], "
         f"PROBABILITIES FP32 [K={d.num_heads}, z, y, x]",

@@ -165,7 +165,9 @@ def test_interrupted_run_leaves_no_partial_outputs_and_continue_prediction_finis
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + CLI_TIMEOUT_S
-    while not list(out.glob("*.nii.gz")) and time.monotonic() < deadline and process.poll() is None:
+    # a final name, not atomic_output's hidden temporary (which also ends in .nii.gz)
+    while (not [p for p in out.glob("*.nii.gz") if not p.name.startswith(".")]
+           and time.monotonic() < deadline and process.poll() is None):
         time.sleep(0.02)
     process.send_signal(signum)
     process.wait(timeout=60)
@@ -296,3 +298,33 @@ def test_predict_exits_2_with_clear_message_when_server_is_unreachable(tmp_path)
         check=False,
     )
     assert result.returncode == 2 and "cannot describe model 'nnunet' on http://127.0.0.1:9" in result.stderr
+
+
+def test_concurrent_predict_writes_the_same_files_as_a_sequential_run_and_reports_a_bad_case(
+        server, tmp_path):
+    names = _copy_cases(tmp_path / "in")
+    (tmp_path / "in" / "broken_0000.nii.gz").write_bytes(b"\x1f\x8b truncated")
+    runs = {}
+    for concurrency in ("1", "3"):
+        out = tmp_path / f"out{concurrency}"
+        result = _cli(server, "predict", "-i", str(tmp_path / "in"), "-o", str(out), "--disable-tta",
+                      "--concurrency", concurrency)
+        assert result.returncode == 1, result.stderr
+        assert f"{len(names)} case(s) written" in result.stderr and "1 failed" in result.stderr
+        assert "failed broken:" in result.stderr
+        runs[concurrency] = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(runs["3"]) == sorted(f"{n}.nii.gz" for n in names)
+    assert runs["3"] == runs["1"]  # byte-identical files, whatever order the answers came in
+    for name in names:
+        _assert_output_matches_nnunet(tmp_path / "out3" / f"{name}.nii.gz", name, mirroring=False)
+
+
+def test_concurrency_default_comes_from_the_orchestrator_instances_and_bad_values_are_refused(
+        server, tmp_path):
+    from nnunet_triton.cli import default_concurrency
+    from nnunet_triton.endpoint import describe_endpoint
+
+    description = describe_endpoint(server.http_url)
+    assert description.orchestrator_instances == 1 and default_concurrency(description) == 2
+    bad = _cli(server, "predict", "-i", str(tmp_path), "-o", str(tmp_path / "o"), "--concurrency", "0")
+    assert bad.returncode == 2 and "--concurrency: must be a positive integer, got '0'" in bad.stderr
