@@ -13,6 +13,12 @@ eager network on random input at the trace batch size and at every check batch s
 dimension must be dynamic: Triton's dynamic batcher sends 1..max_batch_size tiles). A difference
 beyond the tolerance raises :class:`ExportError` and nothing is written.
 
+Quick by default (``check_input="smallest"``): the trace and those checks run on the smallest input
+that passes every stage of the network (twice its total downsampling per axis, e.g. 64^3 instead of
+112x160x128 for nnU-Net's default 3d_fullres plans), and one more batch-1 forward at the full patch
+size proves the trace generalises (same tolerance). Should the small input not pass, the fold is
+traced and checked at the patch size as before (``check_input="patch"`` forces that).
+
 Precisions:
     ``fp32``: float32 weights, FP32 in, FP32 out.
     ``fp16``: traced under ``torch.autocast(device, dtype=float16)``, the way nnU-Net runs its network
@@ -59,13 +65,16 @@ __all__ = [
     "default_tolerance",
     "load_fold_network",
     "export_fold",
+    "export_fold_reusing",
     "export_folds",
+    "smallest_input",
     "main",
 ]
 
 LOGGER = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "fp16")
+CHECK_INPUTS = ("smallest", "patch")
 EXTRA_FILE = "nnunet_triton.json"  # metadata stored inside model.pt (torch.jit.save _extra_files)
 _RELATIVE_TOLERANCE = {("cpu", "fp32"): 0.0, ("cuda", "fp32"): 1e-3, ("cpu", "fp16"): 1e-2,
                        ("cuda", "fp16"): 1e-2}
@@ -91,6 +100,10 @@ class ExportOptions:
     seed: int = 0
     tolerance: float | None = None  # relative; None means default_tolerance(precision, device)
     checkpoint_name: str = CHECKPOINT_NAME
+    # "smallest": trace and run the checks on the smallest input that passes every stage of the
+    # network (2x its total downsampling per axis), then ONE batch-1 check at the full patch size;
+    # "patch": every trace and check at the patch size (minutes per fold for nnU-Net's default plans).
+    check_input: str = "smallest"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -104,6 +117,8 @@ class ExportOptions:
                 f"trace_batch_size must be >= 2 so the batch dim is not specialised to 1, "
                 f"got {self.trace_batch_size}."
             )
+        if self.check_input not in CHECK_INPUTS:
+            raise ValueError(f"check_input must be one of {CHECK_INPUTS}, got {self.check_input!r}.")
         if any(b < 1 for b in self.check_batch_sizes) or self.check_runs < 1:
             raise ValueError(
                 f"check_batch_sizes must be >= 1 and check_runs >= 1, got {self.check_batch_sizes} "
@@ -132,6 +147,9 @@ class ExportResult:
     batch_vs_single_max_abs_diff: float  # traced batch of N vs N batch-1 calls (informational)
     sha256: str
     seconds: float
+    check_shape: tuple[int, ...] = ()  # per sample: the input the trace and batch checks ran on
+    patch_max_abs_diff: float | None = None  # the batch-1 full-patch check (None: checked at the patch)
+    reused_from: int | str | None = None  # fold whose identical weights gave this file
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,6 +165,26 @@ class FoldNetwork:
     num_input_channels: int
     num_output_channels: int
     patch_size: tuple[int, ...]
+    smallest_input: tuple[int, ...] = ()  # spatial: 2x the total downsampling per axis, <= patch
+
+    @property
+    def check_spatial(self) -> tuple[int, ...]:
+        return self.smallest_input or self.patch_size
+
+
+def smallest_input(patch_size: Sequence[int], strides: Sequence[Sequence[int]] | None) -> tuple[int, ...]:
+    """The smallest spatial input every stage of an nnU-Net encoder accepts with a 2-voxel bottleneck.
+
+    ``strides`` are the per-stage strides (plans ``network_arch_init_kwargs.strides`` or
+    ``pool_op_kernel_sizes``); the total downsampling of an axis is their product.
+    """
+    if not strides:
+        return tuple(int(p) for p in patch_size)
+    factors = [1] * len(patch_size)
+    for stage in strides:
+        for axis, stride in enumerate(stage if isinstance(stage, (list, tuple)) else [stage] * len(factors)):
+            factors[axis] *= int(stride)
+    return tuple(min(int(p), 2 * f) for p, f in zip(patch_size, factors, strict=True))
 
 
 def _find_trainer_class(trainer_name: str) -> Any:
@@ -222,7 +260,15 @@ def load_fold_network(
         num_input_channels=n_in,
         num_output_channels=n_out,
         patch_size=tuple(int(p) for p in configuration_manager.patch_size),
+        smallest_input=smallest_input(configuration_manager.patch_size, _strides(configuration_manager)),
     )
+
+
+def _strides(configuration_manager: Any) -> Any:
+    try:
+        return configuration_manager.pool_op_kernel_sizes
+    except (AttributeError, KeyError, TypeError):
+        return None
 
 
 def _random_input(batch_size: int, sample_shape: tuple[int, ...], *, seed: int, device: str) -> Any:
@@ -355,19 +401,29 @@ def export_fold(
     fold_net = load_fold_network(model_dir, fold, checkpoint_name=options.checkpoint_name)
     eager = fold_net.network.to(options.device)
     sample_shape = (fold_net.num_input_channels, *fold_net.patch_size)
-    example = _random_input(options.trace_batch_size, sample_shape, seed=options.seed, device=options.device)
-    traced = _trace(eager, example, options)
+    check_shape = sample_shape
+    if options.check_input == "smallest":
+        check_shape = (fold_net.num_input_channels, *fold_net.check_spatial)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_path = out_path.with_name(f".{out_path.name}.partial")
     meta = {"fold": fold, "precision": options.precision, "torch_version": torch.__version__,
             "trainer_name": fold_net.trainer_name, "configuration": fold_net.configuration}
-    with _quiet_jit():
-        torch.jit.save(traced, str(tmp_path), _extra_files={EXTRA_FILE: json.dumps(meta)})
     try:
-        reloaded = _load_traced(tmp_path, options.device)
-        diffs, tolerance, reference = _check_with_errors(eager, reloaded, sample_shape, options, fold)
-        batch_vs_single = _batch_vs_single(reloaded, sample_shape, options)
+        try:
+            diffs, tolerance, reference, batch_vs_single, reloaded = _trace_and_check(
+                eager, check_shape, tmp_path, meta, options, fold)
+            patch_diff = None
+            if check_shape != sample_shape:
+                patch_diff, reference = _check_patch(eager, reloaded, sample_shape, options, fold)
+        except ExportError as exc:
+            if check_shape == sample_shape:
+                raise
+            LOGGER.warning("fold %s: the trace on the smallest input %s did not pass (%s); tracing at the "
+                           "patch size", fold, list(check_shape), exc)
+            check_shape, patch_diff = sample_shape, None
+            diffs, tolerance, reference, batch_vs_single, reloaded = _trace_and_check(
+                eager, check_shape, tmp_path, meta, options, fold)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
@@ -386,10 +442,48 @@ def export_fold(
         batch_vs_single_max_abs_diff=batch_vs_single,
         sha256=_sha256(out_path),
         seconds=round(time.perf_counter() - start, 3),
+        check_shape=check_shape,
+        patch_max_abs_diff=patch_diff,
     )
     LOGGER.info("exported fold %s to %s: max |reloaded - eager| %s (tolerance %g), batch-vs-single %g",
                 fold, out_path, dict(diffs), tolerance, batch_vs_single)
     return result
+
+
+def _trace_and_check(eager: Any, check_shape: tuple[int, ...], tmp_path: Path, meta: dict[str, Any],
+                     options: ExportOptions, fold: int | str) -> tuple[Any, float, Any, float, Any]:
+    """Trace on ``check_shape``, save to ``tmp_path``, reload, and check reloaded against eager there."""
+    import torch
+
+    example = _random_input(options.trace_batch_size, check_shape, seed=options.seed, device=options.device)
+    try:
+        traced = _trace(eager, example, options)
+    except RuntimeError as exc:
+        raise ExportError(f"fold {fold}: tracing on input {list(check_shape)} failed: {exc}") from None
+    with _quiet_jit():
+        torch.jit.save(traced, str(tmp_path), _extra_files={EXTRA_FILE: json.dumps(meta)})
+    reloaded = _load_traced(tmp_path, options.device)
+    diffs, tolerance, reference = _check_with_errors(eager, reloaded, check_shape, options, fold)
+    return diffs, tolerance, reference, _batch_vs_single(reloaded, check_shape, options), reloaded
+
+
+def _check_patch(eager: Any, reloaded: Any, sample_shape: tuple[int, ...], options: ExportOptions,
+                 fold: int | str) -> tuple[float, Any]:
+    """One batch-1 forward at the full patch size: the trace made on a small input must generalise."""
+    x = _random_input(1, sample_shape, seed=options.seed + 2000, device=options.device)
+    expected = _forward(eager, x, options)
+    try:
+        got = _forward(reloaded, x, options)
+    except RuntimeError as exc:
+        raise ExportError(f"fold {fold}: the traced network fails at the patch size {list(sample_shape)}: "
+                          f"{exc}") from None
+    diff = _max_abs_diff(got, expected)
+    tolerance = options.relative_tolerance * max(1.0, float(expected.float().abs().max()))
+    if diff > tolerance:
+        raise ExportError(
+            f"fold {fold}: at the patch size {list(sample_shape)} the reloaded TorchScript differs from the "
+            f"eager network by {diff:g}, above the tolerance {tolerance:g}; refusing to write it.")
+    return diff, expected
 
 
 def _check_with_errors(eager: Any, reloaded: Any, sample_shape: tuple[int, ...], options: ExportOptions,
@@ -411,6 +505,30 @@ def _check_with_errors(eager: Any, reloaded: Any, sample_shape: tuple[int, ...],
     return diffs, tolerance, reference
 
 
+def export_fold_reusing(model_dir: str | Path, fold: int | str, out_path: str | Path, *,
+                        options: ExportOptions | None = None,
+                        exported: dict[str, ExportResult] | None = None) -> ExportResult:
+    """:func:`export_fold`, except that a fold whose checkpoint has the same bytes as one already in
+    ``exported`` (keyed by the checkpoint's sha256; updated here) gets a copy of that file, unchecked
+    again: same architecture, same weights, same TorchScript."""
+    import dataclasses
+    import shutil
+
+    options = options or ExportOptions()
+    key = f"{_sha256(Path(model_dir) / f'fold_{fold}' / options.checkpoint_name)}:{options}"
+    if exported is not None and key in exported:
+        earlier = exported[key]
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(earlier.path, out_path)
+        LOGGER.info("fold %s has the weights of fold %s: reusing its export", fold, earlier.fold)
+        return dataclasses.replace(earlier, fold=fold, path=str(out_path), reused_from=earlier.fold,
+                                   seconds=0.0)
+    result = export_fold(model_dir, fold, out_path, options=options)
+    if exported is not None:
+        exported[key] = result
+    return result
+
+
 def export_folds(
     model_dir: str | Path,
     folds: Sequence[int | str],
@@ -419,9 +537,11 @@ def export_folds(
     options: ExportOptions | None = None,
     filename: str = "fold_{fold}.pt",
 ) -> list[ExportResult]:
-    """Export every fold in ``folds`` to ``out_dir / filename.format(fold=k)``."""
+    """Export every fold in ``folds`` to ``out_dir / filename.format(fold=k)`` (identical weights once)."""
+    exported: dict[str, ExportResult] = {}
     return [
-        export_fold(model_dir, fold, Path(out_dir) / filename.format(fold=fold), options=options)
+        export_fold_reusing(model_dir, fold, Path(out_dir) / filename.format(fold=fold), options=options,
+                            exported=exported)
         for fold in folds
     ]
 

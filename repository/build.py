@@ -187,9 +187,11 @@ def _build_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: Bu
             _write_python_model(tmp / spec.name, adapters[spec.name], config)
         if spec.name == io_names.STITCH_MODEL and postprocessing is not None:
             (tmp / spec.name / VERSION_DIR / POSTPROCESSING_FILE).write_text(postprocessing.to_json())
+    exported: dict[str, export.ExportResult] = {}  # identical checkpoints are traced once
     for fold in config.folds:
         fold_dir = tmp / io_names.fold_model_name(fold) / VERSION_DIR
-        result = export.export_fold(model_dir, fold, fold_dir / "model.pt", options=export_options)
+        result = export.export_fold_reusing(model_dir, fold, fold_dir / "model.pt", options=export_options,
+                                            exported=exported)
         exports.append({**result.to_dict(), "path": str(Path(fold_dir.relative_to(tmp)) / "model.pt")})
         if options.runner is FoldRunner.PYTHON:
             _write_python_model(fold_dir.parent, adapters["fold runner"], config)
@@ -391,9 +393,11 @@ def _build_prefixed_into(tmp: Path, model_dir: Path, config: InferenceConfig, op
         (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)
         if spec.name in by_name:
             _write_python_model(tmp / spec.name, by_name[spec.name], config)
+    exported: dict[str, export.ExportResult] = {}
     for fold in config.folds:
         fold_dir = tmp / (prefix + io_names.fold_model_name(fold)) / VERSION_DIR
-        result = export.export_fold(model_dir, fold, fold_dir / "model.pt", options=export_options)
+        result = export.export_fold_reusing(model_dir, fold, fold_dir / "model.pt", options=export_options,
+                                            exported=exported)
         exports.append({**result.to_dict(), "path": str(Path(fold_dir.relative_to(tmp)) / "model.pt")})
         if options.runner is FoldRunner.PYTHON:
             _write_python_model(fold_dir.parent, adapters["fold runner"], config)
