@@ -44,7 +44,8 @@ SERVER := $(VENV)/bin/nnunet-triton-server
 SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
-.PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy demo perf soak
+.PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy demo perf \
+	perf-defaults soak
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' \
@@ -106,6 +107,9 @@ demo: $(SETUP_STAMP) ## From nothing: build the fixture model's repository, serv
 
 perf: $(SETUP_STAMP) $(PERF_STAMP) ## perf_analyzer benchmark vs nnUNetPredictor/monolith/network floor -> benchmarks/results, BENCHMARKS.md (QUICK=1: a few minutes)
 	$(PY) -m tools.perf.run $(if $(QUICK),--quick) $(PERF_ARGS)
+
+perf-defaults: $(SETUP_STAMP) ## Default-launch benchmark: build time, first answer, latency/throughput vs nnUNetPredictor, folder CLI vs nnUNetv2_predict
+	$(PY) -m tools.perf.defaults $(PERF_ARGS)
 
 soak: $(SETUP_STAMP) ## Bounded soak: mixed valid/invalid requests, answers checked, RSS and /dev/shm growth -> build/soak/
 	$(PY) tools/soak.py --duration $(SOAK_DURATION) --concurrency $(SOAK_CONCURRENCY) --out build/soak

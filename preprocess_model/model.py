@@ -16,7 +16,9 @@ PREVIOUS_SEGMENTATION and :func:`nnunet_triton.cascade.preprocess_cascade_case` 
 encoding (nnU-Net's data iterators) to the preprocessed image.
 
 I/O (``max_batch_size: 0``):
-    IN  IMAGE            FP32 [C, *spatial]  reader axis order (SimpleITK: z, y, x)
+    IN  IMAGE            FP32 [C, *spatial]  reader axis order (SimpleITK: z, y, x); or, instead,
+        IMAGE_FP16 / IMAGE_INT16 / IMAGE_UINT16 / IMAGE_UINT8 (all optional, exactly one per request: the
+        typed endpoints nnunet_int16, ... map IMAGE onto them; the values are cast to float32 exactly)
     IN  SPACING          FP64 [n_spatial]    same axis order
     IN  PREVIOUS_SEGMENTATION UINT8/16 [*spatial]  cascade stages only
     OUT PREPROCESSED     FP32 [C (+K), *resampled] transposed axis order, normalized
@@ -58,7 +60,7 @@ class TritonPythonModel:
     def _run(self, request: object, record: serving.RequestRecord) -> object:
         try:
             parse_request_options(serving.request_parameters(request), self._config)
-            image = serving.input_array(request, io_names.IMAGE)
+            image = serving.image_array(request)  # IMAGE or IMAGE_<dtype>; preprocess_case casts to float32
             check_voxel_limit(io_names.IMAGE, image.shape, self._max_voxels)
             spacing = serving.input_array(request, io_names.SPACING)
             with record.timed():

@@ -177,7 +177,9 @@ def _build_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: Bu
     exports = []
     specs = list(model_specs.repository_specs(config, options, folds_only=folds_only))
     if previous is not None and not folds_only:  # cascade: the previous stage's pipeline feeds this one
-        specs[-1] = model_specs.cascade_ensemble_spec(previous[1], config)
+        cascade = model_specs.cascade_ensemble_spec(previous[1], config)
+        specs = [s for s in specs if not model_specs.is_endpoint(s)]
+        specs += [cascade, *model_specs.typed_endpoint_specs(cascade)]
         exports += _build_prefixed_into(tmp, *previous, options, io_names.PREVIOUS_STAGE_PREFIX,
                                         export_options, probabilities="never")
     for spec in specs:
@@ -455,8 +457,9 @@ def build_ensemble_repository(
         if pp_plan is not None:
             (tmp / combine.name / VERSION_DIR / POSTPROCESSING_FILE).write_text(pp_plan.to_json())
         endpoint = model_specs.configuration_ensemble_spec(configs)
-        config_gen.write_config(endpoint, tmp / endpoint.name)
-        (tmp / endpoint.name / VERSION_DIR).mkdir(exist_ok=True)
+        for spec in (endpoint, *model_specs.typed_endpoint_specs(endpoint)):
+            config_gen.write_config(spec, tmp / spec.name)
+            (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)
         metadata = {
             **members[0],
             "input_hash": input_hash,

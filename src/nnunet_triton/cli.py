@@ -52,7 +52,7 @@ class Job:
 
 
 def _image_job(name: str, files: list[Path]) -> Job:
-    return Job(name, lambda: (imageio.read_images(files), None), is_dicom=False)
+    return Job(name, lambda: (imageio.read_images(files, native_dtype=True), None), is_dicom=False)
 
 
 def _dicom_job(series: dicom.SeriesFiles, options: dicom.DicomOptions) -> Job:

@@ -55,13 +55,21 @@ class SegmentationResult:
     elapsed_s: float
 
 
-def _as_image(image: Any, n_spatial: int) -> np.ndarray:
+# numpy dtypes that travel as they are, each to its typed endpoint (io_names.IMAGE_DTYPES)
+WIRE_DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16", np.dtype(np.int16): "INT16",
+               np.dtype(np.uint16): "UINT16", np.dtype(np.uint8): "UINT8"}
+
+
+def _as_image(image: Any, n_spatial: int, *, native: bool = True) -> np.ndarray:
+    """C-contiguous ``(C, *spatial)``: in its own dtype when that is a wire dtype (``native``), else
+    float32 (what the FP32 endpoint takes; nnU-Net casts every image to float32 first)."""
     array = np.asarray(image)
     if array.dtype.kind not in "biuf":
         raise InputValidationError(f"image must have a real numeric dtype, got {array.dtype}.")
     if array.ndim == n_spatial:  # single-channel convenience: add the channel axis
         array = array[None]
-    return np.ascontiguousarray(array, dtype=np.float32)
+    keep = native and array.dtype.newbyteorder("=") in WIRE_DTYPES
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("=") if keep else np.float32)
 
 
 def _as_spacing(spacing: Sequence[float]) -> np.ndarray:
@@ -104,6 +112,9 @@ class NnunetClient:
         protocol: ``"http"`` or ``"grpc"``.
         timeout_s: end-to-end limit of one inference (HTTP network timeout, gRPC client deadline).
         model_name: the endpoint model (``nnunet``).
+        native_dtype: send FP16/INT16/UINT16/UINT8 images as they are, to the typed endpoint
+            (``nnunet_int16``, ...: half the bytes of float32 for a CT), when the server has it; False,
+            or a repository without typed endpoints, sends float32 to ``model_name``. Same answer.
     """
 
     def __init__(
@@ -113,6 +124,7 @@ class NnunetClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         *,
         model_name: str = io_names.ENDPOINT_MODEL,
+        native_dtype: bool = True,
     ) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}.")
@@ -122,6 +134,8 @@ class NnunetClient:
         self.protocol = protocol
         self.timeout_s = float(timeout_s)
         self.model_name = model_name
+        self.native_dtype = native_dtype
+        self._typed_ready: dict[str, bool] = {}
         if protocol == "http":
             import tritonclient.http as module
 
@@ -186,7 +200,8 @@ class NnunetClient:
 
         Args:
             image: ``(C, *spatial)`` (or ``(*spatial)`` for one channel) in the reader's axis order
-                (SimpleITK: z, y, x); any real dtype, sent as float32.
+                (SimpleITK: z, y, x); any real dtype: float32/float16/int16/uint16/uint8 travel as they
+                are (``native_dtype``), others as float32. The answer is the same either way.
             spacing: voxel spacing per spatial axis in the same order.
             mirroring: nnU-Net's test-time mirroring.
             tile_step_size: sliding-window step in (0, 1]; None = the server default (0.5).
@@ -200,11 +215,14 @@ class NnunetClient:
                 ``status`` are the server's).
         """
         spacing_array = _as_spacing(spacing)
-        image_array = _as_image(image, spacing_array.size)
+        image_array = _as_image(image, spacing_array.size, native=self.native_dtype)
         if not self._ready:
             self.check_ready()
+        model, wire = self._endpoint_for(image_array.dtype)
+        if wire == "FP32" and image_array.dtype != np.float32:
+            image_array = image_array.astype(np.float32)
         inputs = [
-            self._input(io_names.IMAGE, image_array, "FP32"),
+            self._input(io_names.IMAGE, image_array, wire),
             self._input(io_names.SPACING, spacing_array, "FP64"),
         ]
         names = [io_names.SEGMENTATION] + ([io_names.PROBABILITIES] if probabilities else [])
@@ -214,7 +232,7 @@ class NnunetClient:
             postprocessing=postprocessing,
         )
         start = time.perf_counter()
-        response = self._infer(inputs, outputs, params)
+        response = self._infer(inputs, outputs, params, model)
         segmentation = response.as_numpy(io_names.SEGMENTATION)
         probs = response.as_numpy(io_names.PROBABILITIES) if probabilities else None
         elapsed = time.perf_counter() - start
@@ -222,6 +240,21 @@ class NnunetClient:
             raise ClientError(f"model {self.model_name!r} answered without {names}.")
         LOGGER.debug("segmented %s in %.3f s", image_array.shape, elapsed)
         return SegmentationResult(segmentation=segmentation, probabilities=probs, elapsed_s=elapsed)
+
+    def _endpoint_for(self, dtype: np.dtype) -> tuple[str, str]:
+        """(model, wire dtype) for an image of ``dtype``: its typed endpoint when the server has it."""
+        wire = WIRE_DTYPES.get(np.dtype(dtype), "FP32")
+        if wire == "FP32":
+            return self.model_name, wire
+        model = io_names.typed_endpoint(wire, self.model_name)
+        if model not in self._typed_ready:
+            try:
+                self._typed_ready[model] = bool(self._client.is_model_ready(model))
+            except Exception:  # an older repository: the model is unknown
+                self._typed_ready[model] = False
+            if not self._typed_ready[model]:
+                LOGGER.info("%s is not served on %s; sending %s images as FP32", model, self.url, wire)
+        return (model, wire) if self._typed_ready[model] else (self.model_name, "FP32")
 
     def _input(self, name: str, array: np.ndarray, dtype: str) -> Any:
         tensor = self._module.InferInput(name, list(array.shape), dtype)
@@ -236,23 +269,25 @@ class NnunetClient:
             return self._module.InferRequestedOutput(name, binary_data=True)
         return self._module.InferRequestedOutput(name)
 
-    def _infer(self, inputs: list[Any], outputs: list[Any], params: dict[str, Any]) -> Any:
+    def _infer(self, inputs: list[Any], outputs: list[Any], params: dict[str, Any], model: str | None = None
+               ) -> Any:
         from tritonclient.utils import InferenceServerException
 
+        model = model or self.model_name
         kwargs: dict[str, Any] = {"outputs": outputs, "parameters": params}
         if self.protocol == "grpc":
             kwargs["client_timeout"] = self.timeout_s
         try:
-            return self._client.infer(self.model_name, inputs, **kwargs)
+            return self._client.infer(model, inputs, **kwargs)
         except InferenceServerException as exc:
             status = exc.status()
             raise ClientError(
-                f"model {self.model_name!r} on {self.protocol}://{self.url} failed"
+                f"model {model!r} on {self.protocol}://{self.url} failed"
                 f"{f' ({status})' if status else ''}: {exc.message()}",
                 status=str(status) if status is not None else None,
             ) from None
         except Exception as exc:  # transport errors (connection reset, timeouts) of either client
             raise ClientError(
-                f"model {self.model_name!r} on {self.protocol}://{self.url}: request failed "
+                f"model {model!r} on {self.protocol}://{self.url}: request failed "
                 f"({type(exc).__name__}: {exc})."
             ) from None

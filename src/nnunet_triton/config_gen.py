@@ -105,10 +105,16 @@ class InstanceGroup:
     count: int = 1
     kind: str = "KIND_CPU"
     gpus: tuple[int, ...] = ()
+    # rate_limiter resources {name: count} one execution of an instance holds; they only count when the
+    # server runs with --rate-limit=execution_count (the thread budget's launchers set it)
+    rate_limiter_resources: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.count < 1:
             raise ValueError(f"instance_group count must be >= 1, got {self.count}.")
+        if any(not name or count < 1 for name, count in self.rate_limiter_resources):
+            raise ValueError(
+                f"rate_limiter resources need a name and a count >= 1, got {self.rate_limiter_resources}.")
         if _instance_kind(self.kind) not in _INSTANCE_KINDS:
             raise ValueError(
                 f"instance_group kind must be one of {sorted(_INSTANCE_KINDS)}, got {self.kind!r}."
@@ -268,6 +274,9 @@ def _set_instance_groups(config: dict[str, Any], spec: ModelSpec) -> None:
         entry: dict[str, Any] = {"count": group.count, "kind": _instance_kind(group.kind)}
         if group.gpus:
             entry["gpus"] = list(group.gpus)
+        if group.rate_limiter_resources:
+            entry["rate_limiter"] = {"resources": [{"name": name, "count": count}
+                                                   for name, count in group.rate_limiter_resources]}
         groups.append(entry)
     if groups:
         config["instance_group"] = groups

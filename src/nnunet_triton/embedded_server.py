@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from nnunet_triton.errors import ServerError
-from nnunet_triton.thread_budget import ThreadBudget, plan_budget, repository_fold_instances
+from nnunet_triton.thread_budget import ThreadBudget, plan_budget, repository_folds
 from nnunet_triton.triton_install import (
     DEFAULT_HOME,
     HOME_ENV,
@@ -270,6 +270,7 @@ class _Launch:
             # Our configs are generated complete (config_gen); auto-complete only adds a stub round trip.
             "--disable-auto-complete-config",
             *self.backend_args,
+            *self.thread_budget.server_args(),
             *self.extra_args,
         ]
 
@@ -387,7 +388,7 @@ def start(
         "extra_args": tuple(extra_args),
         "exit_timeout_s": exit_timeout_s,
         "detach": detach,
-        "thread_budget": plan_budget(repository_fold_instances(repo)),
+        "thread_budget": plan_budget(repository_folds(repo)),
     }
     auto_ports = (http_port, grpc_port, metrics_port) == (None, None, None)  # only then is a retry useful
     for attempt in range(3 if auto_ports else 1):

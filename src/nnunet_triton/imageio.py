@@ -158,8 +158,16 @@ def _read_one(path: Path) -> tuple[np.ndarray, ImageGeometry, list[float]]:
     raise InputValidationError(f"{path}: expected a 2D, 3D or 4D image, got {array.ndim} dimensions.")
 
 
-def read_images(files: Sequence[str | Path]) -> ImageCase:
-    """Read one case (one file per channel) like ``SimpleITKIO.read_images``; errors name the files."""
+_NATIVE_DTYPES = tuple(np.dtype(d) for d in (np.float32, np.float16, np.int16, np.uint16, np.uint8))
+
+
+def read_images(files: Sequence[str | Path], *, native_dtype: bool = False) -> ImageCase:
+    """Read one case (one file per channel) like ``SimpleITKIO.read_images``; errors name the files.
+
+    ``native_dtype``: keep the files' dtype when every channel has the same one and the endpoint takes it
+    as it is (float32, float16, int16, uint16, uint8; an int16 CT is half the bytes); otherwise float32,
+    as nnU-Net reads. The endpoint casts to float32 exactly, so the answer is the same.
+    """
     if not files:
         raise InputValidationError("read_images needs at least one file, got none.")
     paths = [Path(f) for f in files]
@@ -172,7 +180,9 @@ def read_images(files: Sequence[str | Path]) -> ImageCase:
     for attribute in ("origin", "direction"):  # nnU-Net only warns about these
         if len({getattr(g, attribute) for g in geometries}) > 1:
             LOGGER.warning("channels %s differ in %s; the first channel's is used", names, attribute)
-    data = np.vstack(arrays, dtype=np.float32, casting="unsafe")
+    dtypes = {a.dtype.newbyteorder("=") for a in arrays}
+    keep = native_dtype and len(dtypes) == 1 and next(iter(dtypes)) in _NATIVE_DTYPES
+    data = np.vstack(arrays, dtype=next(iter(dtypes)) if keep else np.float32, casting="unsafe")
     spacing = tuple(float(abs(s)) for s in spacings[0])
     return ImageCase(data=data, spacing=spacing, geometry=geometries[0])
 

@@ -13,6 +13,30 @@ SPACING = "SPACING"  # [n_spatial] float64, same axis order as IMAGE
 SEGMENTATION = "SEGMENTATION"  # [*spatial] uint8/uint16, geometry of IMAGE
 PROBABILITIES = "PROBABILITIES"  # [K, *spatial] float32, only when requested
 
+# IMAGE travels in the client's own dtype. An ensemble input has one dtype and cannot be optional, so
+# each dtype has its own endpoint over the same composing models: ``nnunet`` takes FP32, ``nnunet_int16``
+# INT16 and so on; each maps IMAGE onto preprocess_model's optional input of that dtype (IMAGE for FP32,
+# IMAGE_<DTYPE> otherwise), which converts it to float32 as nnU-Net's preprocessing does.
+IMAGE_DTYPES = ("FP32", "FP16", "INT16", "UINT16", "UINT8")
+
+
+def image_input(dtype: str) -> str:
+    """preprocess_model's IMAGE input for ``dtype`` (a Triton dtype name of ``IMAGE_DTYPES``)."""
+    if dtype not in IMAGE_DTYPES:
+        raise ValueError(f"IMAGE dtype must be one of {IMAGE_DTYPES}, got {dtype!r}.")
+    return IMAGE if dtype == "FP32" else f"{IMAGE}_{dtype}"
+
+
+def typed_endpoint(dtype: str, endpoint: str = ENDPOINT_MODEL) -> str:
+    """The endpoint that takes IMAGE in ``dtype``: ``nnunet`` for FP32, ``nnunet_int16`` for INT16, ..."""
+    if dtype not in IMAGE_DTYPES:
+        raise ValueError(f"IMAGE dtype must be one of {IMAGE_DTYPES}, got {dtype!r}.")
+    return endpoint if dtype == "FP32" else f"{endpoint}_{dtype.lower()}"
+
+# Rate-limiter resource one fold-model execution holds on CPU servers; the thread budget
+# (nnunet_triton.thread_budget) gives the server as many as may compute at once.
+FOLD_SLOT_RESOURCE = "nnunet_fold_slot"
+
 # --- composing models ------------------------------------------------------------------------------
 PREPROCESS_MODEL = "preprocess_model"
 ORCHESTRATOR_MODEL = "orchestrator_model"

@@ -51,6 +51,8 @@ __all__ = [
     "libtorch_fold_spec",
     "python_fold_spec",
     "ensemble_spec",
+    "typed_endpoint_specs",
+    "is_endpoint",
     "repository_specs",
     "member_specs",
     "combine_spec",
@@ -215,7 +217,8 @@ def preprocess_spec(config: InferenceConfig, options: BuildOptions) -> ModelSpec
     return _python_spec(
         io_names.PREPROCESS_MODEL, options, options.preprocess_instances,
         inputs=(
-            TensorSpec(io_names.IMAGE, "FP32", _image_dims(n_in)),
+            *(TensorSpec(io_names.image_input(dtype), dtype, _image_dims(n_in), optional=True)
+              for dtype in io_names.IMAGE_DTYPES),  # exactly one per request (io_names.IMAGE_DTYPES)
             TensorSpec(io_names.SPACING, "FP64", (N_IMAGE_SPATIAL_DIMS,)),
             *previous,
         ),
@@ -305,8 +308,11 @@ def python_fold_spec(config: InferenceConfig, fold: int | str, options: BuildOpt
         max_batch_size=options.tile_batch_size,
         inputs=inputs,
         outputs=outputs,
-        instance_groups=(InstanceGroup(count=options.fold_instances, kind=options.instance_kind,
-                                       gpus=options.gpus),),
+        instance_groups=(InstanceGroup(
+            count=options.fold_instances, kind=options.instance_kind, gpus=options.gpus,
+            # one of the thread budget's fold slots per execution (nnunet_triton.thread_budget)
+            rate_limiter_resources=((io_names.FOLD_SLOT_RESOURCE, 1),) if options.target is Target.CPU
+            else ()),),
         dynamic_batching=DynamicBatching(max_queue_delay_us=options.fold_queue_delay_us),
         parameters={
             "FORCE_CPU_ONLY_INPUT_TENSORS": options.force_cpu_inputs,
@@ -350,14 +356,40 @@ def ensemble_spec(config: InferenceConfig) -> ModelSpec:
     )
 
 
+def typed_endpoint_specs(endpoint: ModelSpec) -> tuple[ModelSpec, ...]:
+    """Copies of the FP32 endpoint ``endpoint`` for every other IMAGE dtype (``io_names.IMAGE_DTYPES``).
+
+    Same steps, outputs and parameters; IMAGE has the copy's dtype and is mapped onto the matching
+    optional input of every step that reads it (preprocess models of members and previous stages too).
+    """
+    n = io_names
+    copies = []
+    for dtype in n.IMAGE_DTYPES[1:]:
+        inputs = tuple(replace(t, dtype=dtype) if t.name == n.IMAGE else t for t in endpoint.inputs)
+        steps = tuple(
+            replace(step, input_map={(n.image_input(dtype) if tensor == n.IMAGE and key == n.IMAGE else key):
+                                     tensor for key, tensor in step.input_map.items()})
+            for step in endpoint.ensemble_steps or ())
+        copies.append(replace(endpoint, name=n.typed_endpoint(dtype, endpoint.name), inputs=inputs,
+                              ensemble_steps=steps))
+    return tuple(copies)
+
+
+def is_endpoint(spec: ModelSpec) -> bool:
+    """An ensemble the clients call (``nnunet`` or one of its typed copies)."""
+    return spec.platform == "ensemble"
+
+
 def repository_specs(config: InferenceConfig, options: BuildOptions, *, folds_only: bool = False
                      ) -> tuple[ModelSpec, ...]:
-    """Every model of the repository, fold models first; ``folds_only`` leaves out the pipeline."""
+    """Every model of the repository, fold models first, then the endpoints (``nnunet`` and its typed
+    copies); ``folds_only`` leaves out the pipeline."""
     folds = tuple(fold_spec(config, fold, options) for fold in config.folds)
     if folds_only:
         return folds
+    endpoint = ensemble_spec(config)
     return (*folds, preprocess_spec(config, options), orchestrator_spec(config, options),
-            stitch_spec(config, options), ensemble_spec(config))
+            stitch_spec(config, options), endpoint, *typed_endpoint_specs(endpoint))
 
 
 # --- ensembles of configurations ----------------------------------------------------------------------
@@ -433,7 +465,8 @@ def ensemble_repository_specs(configs: Sequence[InferenceConfig], options: Build
     """Every model of an ensemble-of-configurations repository, member by member, then combine and nnunet."""
     members = tuple(spec for index, config in enumerate(configs)
                     for spec in member_specs(config, options, index))
-    return (*members, combine_spec(configs, options), configuration_ensemble_spec(configs))
+    endpoint = configuration_ensemble_spec(configs)
+    return (*members, combine_spec(configs, options), endpoint, *typed_endpoint_specs(endpoint))
 
 
 # --- cascades -----------------------------------------------------------------------------------------
@@ -459,7 +492,8 @@ def cascade_ensemble_spec(previous: InferenceConfig, config: InferenceConfig) ->
 def cascade_repository_specs(previous: InferenceConfig, config: InferenceConfig, options: BuildOptions
                              ) -> tuple[ModelSpec, ...]:
     """The previous stage's models (prefixed), the cascade stage's models, and the cascade ``nnunet``."""
-    own = repository_specs(config, options)[:-1]
+    own = tuple(spec for spec in repository_specs(config, options) if not is_endpoint(spec))
+    endpoint = cascade_ensemble_spec(previous, config)
     return (*prefixed_pipeline_specs(previous, options, io_names.PREVIOUS_STAGE_PREFIX,
                                      probabilities="never"),
-            *own, cascade_ensemble_spec(previous, config))
+            *own, endpoint, *typed_endpoint_specs(endpoint))

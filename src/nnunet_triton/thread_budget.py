@@ -1,37 +1,45 @@
-"""How many CPU threads each fold model may use, decided where the server runs, never oversubscribed.
+"""How many CPU threads each fold model uses, and how many fold models compute at once, decided where
+the server runs so that the folds never use more threads than there are cores.
 
 Two fold models with torch's default thread count (one per core) plus the Python models, all on the
 same cores, spin-wait against each other: OpenMP's default ``OMP_WAIT_POLICY`` keeps idle workers
 busy-polling after every parallel region, so each process steals the cores the others compute on.
 Measured on the 2-core fixture (2 folds, mirroring on): 14.5 s per request without a budget, 7.1 s
-with ``OMP_WAIT_POLICY=PASSIVE``, 6.0 s with PASSIVE and one thread per fold (nnUNetPredictor 8.3 s).
+with ``OMP_WAIT_POLICY=PASSIVE`` (nnUNetPredictor 8.3 s).
 
 Every launcher of this project (the embedded server, ``make serve|deploy|demo``, the container
-entry point for docker and Kubernetes) starts the server through :func:`plan_budget` +
-:meth:`ThreadBudget.environment`:
+entry point for docker and Kubernetes) starts the server through :func:`plan_budget`: its
+:meth:`ThreadBudget.environment` goes into the server's environment (inherited by every stub) and its
+:meth:`ThreadBudget.server_args` onto the command line.
 
-* the CPUs really available: the process's affinity mask, capped by the cgroup CPU quota
-  (``cpu.max`` of cgroup v2, ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` of v1; a container started
-  with ``--cpus 4`` or a pod with ``limits.cpu: 4`` sees 4 even on a 64-core host, where torch would
-  start 64 threads per fold), never ``os.cpu_count()``;
-* the fold model instances that compute at once: every fold instance of the repository (the
-  orchestrator sends each tile batch to all folds concurrently);
-* policy ``split`` (default): ``max(1, cpus // fold_instances)`` threads per fold instance, so the
-  folds together never use more threads than there are cores. Logits: bit-identical to
-  nnUNetPredictor on every committed fixture network (the parity tests run under this budget);
-  on nnU-Net's default 3d_fullres network one thread instead of two changes logits by at most
-  1.2e-6 (oneDNN's reduction order; measured, see BENCHMARKS.md), label maps unchanged there.
-  Policy ``nnunet``: nnU-Net's own thread count (torch's default, capped at the available CPUs) in
-  every fold instance, bit-identical logits on any network whatever the thread count of the
-  machine, at the price of more threads than cores when several folds compute at once (PASSIVE
-  wait keeps that cheap: measured 7.1 s vs 6.0 s above);
+* CPUs really available: the process's affinity mask, capped by the cgroup CPU quota (``cpu.max`` of
+  cgroup v2, ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` of v1; a container started with ``--cpus 4``
+  or a pod with ``limits.cpu: 4`` sees 4 even on a 64-core host, where torch would start 64 threads
+  per fold), never ``os.cpu_count()``.
+* Fold instances: every Python fold-runner instance of the repository (the orchestrator sends each
+  tile batch to all folds concurrently) and their largest input (channels x patch voxels).
+* Threads per fold execution T and fold executions at once S (Triton's rate limiter: each fold
+  execution holds one ``nnunet_fold_slot``; the server gets S of them), always T x S <= CPUs:
+
+  - ``exact``: T = nnU-Net's own count (torch's default, capped at the CPUs: the stubs keep it), S = 1
+    when T fills the CPUs. Logits bit-identical to nnUNetPredictor on any network. Best where one
+    forward is long enough to scale over threads (measured, default-plans 3d_fullres, 5 folds, 2 CPUs:
+    46.5 s per request vs 51.5 s with ``split`` and 54 s for nnUNetPredictor).
+  - ``split``: T = max(1, CPUs // fold instances), S = min(fold instances, CPUs // T): the folds
+    compute side by side. Best for small networks, whose short parallel regions scale badly (measured
+    on the fixture: 5.9 s vs 7.4 s with ``exact``; 0.16 vs 0.13 requests/s at concurrency 4). Logits
+    bit-identical to nnUNetPredictor on every committed fixture (the parity tests run under it); on
+    the default 3d_fullres network 1 instead of 2 threads moves logits by up to 1.2e-6 (oneDNN).
+  - ``auto`` (default): ``exact`` when the largest fold input has at least ``AUTO_EXACT_VOXELS``
+    (2^18) values, else ``split``. The threshold lies between the two measured networks (24,576 and
+    2,293,760 values); nothing between them was measured.
 * ``OMP_WAIT_POLICY=PASSIVE`` for every process of the server (idle OpenMP workers sleep).
 
-Overrides, each read from the server's environment: ``NNUNET_TRITON_THREAD_POLICY`` (split|nnunet),
-``NNUNET_TRITON_FOLD_THREADS`` (a positive int, at most the available CPUs), ``OMP_WAIT_POLICY``
-(kept when set). A fold model's own ``torch_num_threads`` config parameter (build option
-``torch_threads``), when not 0, wins over all of them. A value that cannot be honoured is refused at
-start with :class:`ThreadBudgetError` naming the setting and the value.
+Overrides, each read from the server's environment and recorded: ``NNUNET_TRITON_THREAD_POLICY``
+(auto|exact|split), ``NNUNET_TRITON_FOLD_THREADS`` (1..CPUs), ``NNUNET_TRITON_FOLD_SLOTS`` (slots x
+threads at most the CPUs), ``OMP_WAIT_POLICY`` (PASSIVE|ACTIVE). A fold model's own
+``torch_num_threads`` config parameter (build option ``torch_threads``), when not 0, wins. A value that
+cannot be honoured is refused at start with :class:`ThreadBudgetError` naming the setting and the value.
 
 Command line (container entry point; Python 3.10 like the image's stub)::
 
@@ -53,15 +61,20 @@ from enum import Enum
 from pathlib import Path
 
 from nnunet_triton.errors import ThreadBudgetError
+from nnunet_triton.io_names import FOLD_SLOT_RESOURCE
 
 __all__ = [
     "POLICY_ENV",
     "FOLD_THREADS_ENV",
+    "FOLD_SLOTS_ENV",
     "BUDGET_ENV",
     "ThreadPolicy",
     "CpuQuota",
     "ThreadBudget",
     "available_cpus",
+    "AUTO_EXACT_VOXELS",
+    "FoldModels",
+    "repository_folds",
     "repository_fold_instances",
     "plan_budget",
     "fold_threads_for_runner",
@@ -70,15 +83,21 @@ __all__ = [
 
 POLICY_ENV = "NNUNET_TRITON_THREAD_POLICY"
 FOLD_THREADS_ENV = "NNUNET_TRITON_FOLD_THREADS"
+FOLD_SLOTS_ENV = "NNUNET_TRITON_FOLD_SLOTS"
 BUDGET_ENV = "NNUNET_TRITON_THREAD_BUDGET"  # the whole plan as JSON, for logs and the fold stubs
 _WAIT_ENV = "OMP_WAIT_POLICY"
 _FOLD_MARKER = 'key: "torch_num_threads"'  # a Python fold runner's config (model_specs.python_fold_spec)
 _INSTANCE_COUNT = re.compile(r"instance_group\s*\{[^}]*?count:\s*(\d+)", re.S)
+_INPUT_DIMS = re.compile(r"^input\s*\{(.*?)^\}", re.S | re.M)
 
 
 class ThreadPolicy(str, Enum):  # noqa: UP042 - StrEnum is 3.11, the image stub runs 3.10
+    AUTO = "auto"
+    EXACT = "exact"
     SPLIT = "split"
-    NNUNET = "nnunet"
+
+
+AUTO_EXACT_VOXELS = 2**18  # auto: exact from this many input values per fold forward (C x patch voxels)
 
 
 @dataclass(frozen=True)
@@ -116,15 +135,34 @@ def available_cpus(root: str | Path = "/", affinity: int | None = None) -> CpuQu
     return CpuQuota(count, count, quota, f"affinity mask ({count} CPUs; {where})")
 
 
-def repository_fold_instances(model_repository: str | Path) -> int:
-    """Python fold-runner instances in a repository: the fold computations that can run at once."""
-    total = 0
+@dataclass(frozen=True)
+class FoldModels:
+    """The Python fold-runner models of a repository, as the launcher sees them."""
+
+    instances: int  # fold instances that can compute at once
+    largest_input: int  # values of the largest per-sample fold input (C x patch voxels); 0 if unknown
+
+
+def repository_folds(model_repository: str | Path) -> FoldModels:
+    """Python fold-runner instances in a repository and their largest input."""
+    total, largest = 0, 0
     for config in sorted(Path(model_repository).glob("*/config.pbtxt")):
         text = config.read_text()
-        if _FOLD_MARKER in text:
-            counts = _INSTANCE_COUNT.findall(text)
-            total += sum(int(c) for c in counts) if counts else 1
-    return total
+        if _FOLD_MARKER not in text:
+            continue
+        counts = _INSTANCE_COUNT.findall(text)
+        total += sum(int(c) for c in counts) if counts else 1
+        block = _INPUT_DIMS.search(text)
+        if block:
+            dims = [int(d) for d in re.findall(r"dims:\s*(-?\d+)", block.group(1))]
+            if dims and min(dims) > 0:
+                largest = max(largest, math.prod(dims))
+    return FoldModels(total, largest)
+
+
+def repository_fold_instances(model_repository: str | Path) -> int:
+    """Python fold-runner instances in a repository: the fold computations that can run at once."""
+    return repository_folds(model_repository).instances
 
 
 @dataclass(frozen=True)
@@ -139,6 +177,14 @@ class ThreadBudget:
     omp_wait_policy: str
     reason: str
     overrides: dict[str, str] = field(default_factory=dict)
+    fold_slots: int = 1  # fold executions at once (Triton's rate limiter)
+
+    def server_args(self) -> list[str]:
+        """tritonserver flags that enforce ``fold_slots`` (each fold execution holds one slot)."""
+        if self.fold_slots >= self.fold_instances:
+            return []
+        return ["--rate-limit=execution_count",
+                f"--rate-limit-resource={FOLD_SLOT_RESOURCE}:{self.fold_slots}"]
 
     def environment(self) -> dict[str, str]:
         """Variables for the server process (inherited by every Python-backend stub)."""
@@ -172,39 +218,61 @@ def _policy(text: str) -> ThreadPolicy:
         raise ThreadBudgetError(f"{POLICY_ENV} must be one of {choices}, got {text!r}.") from None
 
 
-def plan_budget(fold_instances: int, *, env: Mapping[str, str] | None = None,
+def _checked_threads(name: str, text: str, quota: CpuQuota) -> int:
+    threads = _positive_int(name, text)
+    if threads > quota.cpus:
+        raise ThreadBudgetError(f"{name}={threads} asks for more threads than the {quota.cpus} CPU(s) "
+                                f"available ({quota.source}).")
+    return threads
+
+
+def _resolve_policy(policy: ThreadPolicy, folds: FoldModels) -> tuple[ThreadPolicy, str]:
+    if policy is not ThreadPolicy.AUTO:
+        return policy, f"policy {policy.value}"
+    if folds.largest_input >= AUTO_EXACT_VOXELS:
+        return ThreadPolicy.EXACT, (f"auto: fold input of {folds.largest_input} values >= "
+                                    f"{AUTO_EXACT_VOXELS} (long forwards scale over threads)")
+    return ThreadPolicy.SPLIT, (f"auto: fold input of {folds.largest_input} values < {AUTO_EXACT_VOXELS} "
+                                "(short forwards run best side by side)")
+
+
+def plan_budget(folds: FoldModels | int, *, env: Mapping[str, str] | None = None,
                 quota: CpuQuota | None = None) -> ThreadBudget:
-    """The budget for ``fold_instances`` concurrent fold instances under ``env``'s overrides.
+    """The budget for a repository's fold models (or a bare count of fold instances) under ``env``.
 
     Raises:
         ThreadBudgetError: a malformed override, or more fold threads than available CPUs.
     """
     env = os.environ if env is None else env
     quota = quota or available_cpus()
-    policy = _policy(env.get(POLICY_ENV, ThreadPolicy.SPLIT.value))
-    overrides = {k: env[k] for k in (POLICY_ENV, FOLD_THREADS_ENV, _WAIT_ENV) if k in env}
-    wait = env.get(_WAIT_ENV, "PASSIVE")
-    if wait.strip().upper() not in ("PASSIVE", "ACTIVE"):
-        raise ThreadBudgetError(f"{_WAIT_ENV} must be PASSIVE or ACTIVE, got {wait!r}.")
-    folds = max(1, fold_instances)
+    folds = folds if isinstance(folds, FoldModels) else FoldModels(int(folds), 0)
+    count = max(1, folds.instances)
+    overrides = {k: env[k] for k in (POLICY_ENV, FOLD_THREADS_ENV, FOLD_SLOTS_ENV, _WAIT_ENV) if k in env}
+    wait = env.get(_WAIT_ENV, "PASSIVE").strip().upper()
+    if wait not in ("PASSIVE", "ACTIVE"):
+        raise ThreadBudgetError(f"{_WAIT_ENV} must be PASSIVE or ACTIVE, got {env[_WAIT_ENV]!r}.")
+    policy, why = _resolve_policy(_policy(env.get(POLICY_ENV, ThreadPolicy.AUTO.value)), folds)
+    threads: int | None
     if FOLD_THREADS_ENV in env:
-        threads = _positive_int(FOLD_THREADS_ENV, env[FOLD_THREADS_ENV])
-        if threads > quota.cpus:
-            raise ThreadBudgetError(
-                f"{FOLD_THREADS_ENV}={threads} asks for more threads than the {quota.cpus} CPU(s) "
-                f"available ({quota.source})."
-            )
-        reason = f"{FOLD_THREADS_ENV} set by the user"
+        threads = _checked_threads(FOLD_THREADS_ENV, env[FOLD_THREADS_ENV], quota)
+        why, assumed = f"{FOLD_THREADS_ENV} set by the user", threads
     elif policy is ThreadPolicy.SPLIT:
-        threads = max(1, quota.cpus // folds)
-        reason = (f"{quota.cpus} CPU(s) / {folds} fold instance(s) computing at once = {threads} "
-                  "thread(s) each")
-    else:
-        threads = None
-        reason = f"nnU-Net's thread count (torch's default, at most {quota.cpus}) in each fold instance"
-    return ThreadBudget(policy=policy, cpus=quota.cpus, cpu_source=quota.source, fold_instances=folds,
-                        fold_threads=threads, omp_wait_policy=wait.strip().upper(), reason=reason,
-                        overrides=overrides)
+        threads = assumed = max(1, quota.cpus // count)
+    else:  # exact: each stub keeps nnU-Net's count (torch's default), at most the CPUs
+        threads, assumed = None, quota.cpus
+    slots = min(count, max(1, quota.cpus // assumed))
+    if FOLD_SLOTS_ENV in env:
+        slots = _positive_int(FOLD_SLOTS_ENV, env[FOLD_SLOTS_ENV])
+        if slots * assumed > quota.cpus:
+            raise ThreadBudgetError(
+                f"{FOLD_SLOTS_ENV}={slots} fold executions x {assumed} thread(s) asks for more threads than "
+                f"the {quota.cpus} CPU(s) available ({quota.source}).")
+    per_fold = f"{threads} thread(s)" if threads is not None else f"nnU-Net's thread count (<= {quota.cpus})"
+    reason = (f"{why}: {quota.cpus} CPU(s), {count} fold instance(s), {per_fold} per fold execution, "
+              f"{slots} fold execution(s) at once")
+    return ThreadBudget(policy=policy, cpus=quota.cpus, cpu_source=quota.source, fold_instances=count,
+                        fold_threads=threads, omp_wait_policy=wait, reason=reason, overrides=overrides,
+                        fold_slots=slots)
 
 
 def fold_threads_for_runner(configured: int, *, env: Mapping[str, str] | None = None,
@@ -255,7 +323,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        budget = plan_budget(repository_fold_instances(args.model_repository))
+        budget = plan_budget(repository_folds(args.model_repository))
     except ThreadBudgetError as exc:
         sys.stderr.write(f"thread budget: {exc}\n")
         return 2
@@ -269,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("thread budget: no server command after --\n")
         return 2
     sys.stderr.write(f"thread budget: {json.dumps(budget.to_dict(), sort_keys=True)}\n")
+    command += budget.server_args()
     os.execvpe(command[0], command, {**os.environ, **budget.environment()})
     return 0  # pragma: no cover - exec does not return
 

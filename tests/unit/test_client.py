@@ -28,7 +28,7 @@ def test_request_parameters_sends_only_given_options_with_wire_types():
 
 
 def test_as_image_casts_to_contiguous_float32_and_adds_channel_axis_when_single_channel():
-    image = np.arange(24, dtype=np.int16).reshape(2, 3, 4)
+    image = np.arange(24, dtype=np.int32).reshape(2, 3, 4)  # int32 has no typed endpoint: float32
     result = _as_image(image, 3)
     np.testing.assert_array_equal(result, image[None].astype(np.float32))
     assert result.dtype == np.float32 and result.flags.c_contiguous

@@ -25,7 +25,8 @@ from nnunet_triton.model_specs import BuildOptions
 def test_repository_info_equals_metadata_when_repository_is_built(tmp_path: Path) -> None:
     info = RepositoryInfo.from_repository(write_repository(tmp_path))
     assert info == RepositoryInfo(
-        models=("fold_0", "fold_1", "nnunet", "orchestrator_model", "preprocess_model", "stitch_model"),
+        models=("fold_0", "fold_1", "nnunet", "nnunet_fp16", "nnunet_int16", "nnunet_uint16", "nnunet_uint8",
+                "orchestrator_model", "preprocess_model", "stitch_model"),
         folds=(0, 1),
         target="gpu",
         fold_runner="libtorch",

@@ -179,7 +179,12 @@ def test_pipeline_model_tensors_match_contract_when_two_channels_three_labels() 
     preprocess = _parse(preprocess_spec(config, options))
     orchestrator = _parse(orchestrator_spec(config, options))
     stitch = _parse(stitch_spec(config, options))
-    assert _io(preprocess.input) == [("IMAGE", "TYPE_FP32", [2, -1, -1, -1]), ("SPACING", "TYPE_FP64", [3])]
+    assert _io(preprocess.input) == [
+        ("IMAGE", "TYPE_FP32", [2, -1, -1, -1]), ("IMAGE_FP16", "TYPE_FP16", [2, -1, -1, -1]),
+        ("IMAGE_INT16", "TYPE_INT16", [2, -1, -1, -1]), ("IMAGE_UINT16", "TYPE_UINT16", [2, -1, -1, -1]),
+        ("IMAGE_UINT8", "TYPE_UINT8", [2, -1, -1, -1]), ("SPACING", "TYPE_FP64", [3]),
+    ]
+    assert [t.optional for t in preprocess.input] == [True] * 5 + [False]
     assert _io(preprocess.output) == [
         ("PREPROCESSED", "TYPE_FP32", [2, -1, -1, -1]),
         ("CASE_PROPERTIES", "TYPE_FP64", [-1]),
@@ -245,20 +250,26 @@ def test_ensemble_tensors_agree_in_type_and_shape_with_composing_models() -> Non
     """Every ensemble tensor has the same data type and dims wherever it is produced or consumed."""
     config, options = _config(), BuildOptions()
     models = {spec.name: _parse(spec) for spec in repository_specs(config, options)}
-    ensemble = models[io_names.ENDPOINT_MODEL]
-    declared = {t.name: (t.data_type, list(t.dims)) for t in [*ensemble.input, *ensemble.output]}
-    for step in ensemble.ensemble_scheduling.step:
-        composing = models[step.model_name]
-        for tensors, mapping in ((composing.input, step.input_map), (composing.output, step.output_map)):
-            by_name = {t.name: (t.data_type, list(t.dims)) for t in tensors}
-            assert set(mapping) == set(by_name), step.model_name
-            for model_tensor, ensemble_tensor in mapping.items():
-                assert declared.setdefault(ensemble_tensor, by_name[model_tensor]) == by_name[model_tensor]
+    endpoints = [name for name, model in models.items() if model.platform == "ensemble"]
+    assert sorted(endpoints) == sorted(io_names.typed_endpoint(d) for d in io_names.IMAGE_DTYPES)
+    for name in endpoints:
+        ensemble = models[name]
+        declared = {t.name: (t.data_type, list(t.dims)) for t in [*ensemble.input, *ensemble.output]}
+        for step in ensemble.ensemble_scheduling.step:
+            composing = models[step.model_name]
+            for tensors, mapping in ((composing.input, step.input_map), (composing.output, step.output_map)):
+                by_name = {t.name: (t.data_type, list(t.dims)) for t in tensors}
+                required = {t.name for t in tensors if not getattr(t, "optional", False)}
+                assert required <= set(mapping) <= set(by_name), step.model_name  # optional: one IMAGE
+                for model_tensor, ensemble_tensor in mapping.items():
+                    expected = by_name[model_tensor]
+                    assert declared.setdefault(ensemble_tensor, expected) == expected
 
 
 def test_repository_specs_lists_folds_then_pipeline_models() -> None:
     names = [spec.name for spec in repository_specs(_config(), BuildOptions())]
-    assert names == ["fold_0", "fold_1", "preprocess_model", "orchestrator_model", "stitch_model", "nnunet"]
+    assert names == ["fold_0", "fold_1", "preprocess_model", "orchestrator_model", "stitch_model", "nnunet",
+                     "nnunet_fp16", "nnunet_int16", "nnunet_uint16", "nnunet_uint8"]
     folds_only = repository_specs(_config(), BuildOptions(), folds_only=True)
     assert [s.name for s in folds_only] == ["fold_0", "fold_1"]
 
@@ -302,7 +313,8 @@ def test_configuration_ensemble_prefixes_member_models_and_feeds_combine_model()
     assert [s.name for s in specs] == [
         "member0_fold_0", "member0_fold_1", "member0_preprocess_model", "member0_orchestrator_model",
         "member0_stitch_model", "member1_fold_0", "member1_preprocess_model", "member1_orchestrator_model",
-        "member1_stitch_model", "combine_model", "nnunet",
+        "member1_stitch_model", "combine_model", "nnunet", "nnunet_fp16", "nnunet_int16", "nnunet_uint16",
+        "nnunet_uint8",
     ]
     models = {spec.name: _parse(spec) for spec in specs}
     assert _params(models["member0_orchestrator_model"])["fold_models"] == "member0_fold_0,member0_fold_1"
@@ -322,7 +334,9 @@ def test_configuration_ensemble_prefixes_member_models_and_feeds_combine_model()
         composing = models[step.model_name]
         inputs = {t.name: (t.data_type, list(t.dims)) for t in composing.input}
         outputs = {t.name: (t.data_type, list(t.dims)) for t in composing.output}
-        assert set(step.input_map) == set(inputs) and set(step.output_map) <= set(outputs), step.model_name
+        required = {t.name for t in composing.input if not t.optional}
+        assert required <= set(step.input_map) <= set(inputs), step.model_name
+        assert set(step.output_map) <= set(outputs), step.model_name
         for tensors, mapping in ((inputs, step.input_map), (outputs, step.output_map)):
             for model_tensor, ensemble_tensor in mapping.items():
                 assert declared.setdefault(ensemble_tensor, tensors[model_tensor]) == tensors[model_tensor]

@@ -55,28 +55,45 @@ def _quota(cpus: int) -> tb.CpuQuota:
     return tb.CpuQuota(cpus=cpus, affinity=cpus, quota=None, source="test")
 
 
-@pytest.mark.parametrize(("cpus", "folds", "threads"), [(2, 2, 1), (16, 5, 3), (4, 1, 4), (2, 5, 1)])
-def test_split_policy_never_gives_the_folds_more_threads_than_cpus(cpus: int, folds: int, threads: int
-                                                                   ) -> None:
-    budget = tb.plan_budget(folds, env={}, quota=_quota(cpus))
-    assert budget.fold_threads == threads
-    assert budget.fold_threads * folds <= max(cpus, folds)
+@pytest.mark.parametrize(("cpus", "folds", "threads", "slots"),
+                         [(2, 2, 1, 2), (16, 5, 3, 5), (4, 1, 4, 1), (2, 5, 1, 2)])
+def test_split_policy_never_gives_the_folds_more_threads_than_cpus(cpus: int, folds: int, threads: int,
+                                                                   slots: int) -> None:
+    budget = tb.plan_budget(folds, env={tb.POLICY_ENV: "split"}, quota=_quota(cpus))
+    assert (budget.fold_threads, budget.fold_slots) == (threads, slots)
+    assert budget.fold_threads * budget.fold_slots <= cpus
     env = budget.environment()
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env[tb.FOLD_THREADS_ENV] == str(threads)
     assert json.loads(env[tb.BUDGET_ENV])["reason"] == budget.reason
 
 
-def test_nnunet_policy_leaves_the_count_to_each_stub() -> None:
-    budget = tb.plan_budget(2, env={tb.POLICY_ENV: "nnunet"}, quota=_quota(8))
+def test_the_rate_limiter_is_asked_for_only_when_fewer_slots_than_fold_instances() -> None:
+    limited = tb.plan_budget(5, env={tb.POLICY_ENV: "split"}, quota=_quota(2))
+    assert limited.server_args() == ["--rate-limit=execution_count",
+                                     "--rate-limit-resource=nnunet_fold_slot:2"]
+    assert tb.plan_budget(2, env={tb.POLICY_ENV: "split"}, quota=_quota(2)).server_args() == []
+
+
+def test_exact_policy_keeps_nnunets_count_and_lets_one_fold_compute_at_a_time() -> None:
+    budget = tb.plan_budget(2, env={tb.POLICY_ENV: "exact"}, quota=_quota(8))
     assert budget.fold_threads is None and tb.FOLD_THREADS_ENV not in budget.environment()
+    assert budget.fold_slots == 1 and budget.server_args()[-1] == "--rate-limit-resource=nnunet_fold_slot:1"
     assert tb.fold_threads_for_runner(0, env=budget.environment(), torch_default=32, quota=_quota(8)) == 8
     assert tb.fold_threads_for_runner(0, env=budget.environment(), torch_default=4, quota=_quota(8)) == 4
 
 
+@pytest.mark.parametrize(("largest", "policy"), [(24 * 32 * 32, "split"), (112 * 160 * 128, "exact"),
+                                                 (tb.AUTO_EXACT_VOXELS, "exact")])
+def test_auto_policy_picks_exact_for_long_forwards_and_split_for_short_ones(largest: int, policy: str
+                                                                            ) -> None:
+    budget = tb.plan_budget(tb.FoldModels(instances=2, largest_input=largest), env={}, quota=_quota(2))
+    assert budget.policy.value == policy and budget.reason.startswith("auto:")
+
+
 def test_user_overrides_win_and_are_recorded() -> None:
-    env = {tb.FOLD_THREADS_ENV: "2", "OMP_WAIT_POLICY": "active"}
+    env = {tb.FOLD_THREADS_ENV: "2", "OMP_WAIT_POLICY": "active", tb.FOLD_SLOTS_ENV: "1"}
     budget = tb.plan_budget(4, env=env, quota=_quota(4))
-    assert (budget.fold_threads, budget.omp_wait_policy) == (2, "ACTIVE")
+    assert (budget.fold_threads, budget.fold_slots, budget.omp_wait_policy) == (2, 1, "ACTIVE")
     assert budget.overrides == env and "set by the user" in budget.reason
 
 
@@ -84,7 +101,9 @@ def test_user_overrides_win_and_are_recorded() -> None:
     ({tb.FOLD_THREADS_ENV: "many"}, "NNUNET_TRITON_FOLD_THREADS must be a positive integer, got 'many'"),
     ({tb.FOLD_THREADS_ENV: "0"}, "NNUNET_TRITON_FOLD_THREADS must be a positive integer, got '0'"),
     ({tb.FOLD_THREADS_ENV: "3"}, "NNUNET_TRITON_FOLD_THREADS=3 asks for more threads than the 2 CPU(s)"),
-    ({tb.POLICY_ENV: "fast"}, "NNUNET_TRITON_THREAD_POLICY must be one of split, nnunet, got 'fast'"),
+    ({tb.POLICY_ENV: "fast"}, "NNUNET_TRITON_THREAD_POLICY must be one of auto, exact, split, got 'fast'"),
+    ({tb.FOLD_SLOTS_ENV: "3"}, "NNUNET_TRITON_FOLD_SLOTS=3 fold executions x 1 thread"),
+    ({tb.FOLD_SLOTS_ENV: "-1"}, "NNUNET_TRITON_FOLD_SLOTS must be a positive integer, got '-1'"),
     ({"OMP_WAIT_POLICY": "sometimes"}, "OMP_WAIT_POLICY must be PASSIVE or ACTIVE, got 'sometimes'"),
 ])
 def test_settings_that_cannot_be_honoured_are_refused_naming_them(env: dict[str, str], message: str) -> None:
@@ -113,8 +132,10 @@ def _repository(tmp_path: Path, folds: int, instances: int) -> Path:
     return tmp_path
 
 
-def test_fold_instances_are_counted_from_the_generated_configs(tmp_path: Path) -> None:
-    assert tb.repository_fold_instances(_repository(tmp_path, folds=3, instances=2)) == 6
+def test_fold_instances_and_input_size_are_read_from_the_generated_configs(tmp_path: Path) -> None:
+    folds = tb.repository_folds(_repository(tmp_path, folds=3, instances=2))
+    assert folds.instances == 6
+    assert folds.largest_input == 2 * 16 * 24 * 32  # C x patch of test_model_specs' plans
 
 
 def test_container_entry_point_execs_the_server_with_the_budget(tmp_path: Path) -> None:
@@ -129,7 +150,7 @@ def test_container_entry_point_execs_the_server_with_the_budget(tmp_path: Path) 
     seen = json.loads(result.stdout)
     cpus = tb.available_cpus().cpus
     assert seen == {"OMP_WAIT_POLICY": "PASSIVE", "NNUNET_TRITON_FOLD_THREADS": str(max(1, cpus // 2)),
-                    "NNUNET_TRITON_THREAD_POLICY": "split"}
+                    "NNUNET_TRITON_THREAD_POLICY": "split"}  # auto: the test plans' small patch
     assert "thread budget:" in result.stderr
 
 

@@ -10,6 +10,7 @@ cases, or to read the file).
 Usage::
 
     python -m tools.perf.input_data --case case.npz --out input.json [--encoding b64|content]
+        [--dtype FP32|FP16|INT16|UINT16|UINT8]   # other than FP32: perf_analyzer -m nnunet_int16 ...
     python -m tools.perf.input_data --image img_0000.nii.gz [--image img_0001.nii.gz] --out input.json
 """
 
@@ -61,9 +62,19 @@ def tensor_entry(array: np.ndarray, encoding: str) -> dict[str, Any]:
     return {"content": content, "shape": [int(d) for d in array.shape]}
 
 
-def input_data_document(image: np.ndarray, spacing: np.ndarray, *, encoding: str = "b64") -> dict[str, Any]:
-    """The whole JSON document: one request with IMAGE (FP32 [C, z, y, x]) and SPACING (FP64 [3])."""
-    image = np.asarray(image, dtype=np.float32)
+_WIRE = {"FP32": np.float32, "FP16": np.float16, "INT16": np.int16, "UINT16": np.uint16, "UINT8": np.uint8}
+
+
+def input_data_document(image: np.ndarray, spacing: np.ndarray, *, encoding: str = "b64",
+                        dtype: str = "FP32") -> dict[str, Any]:
+    """The whole JSON document: one request with IMAGE (``dtype`` [C, z, y, x]; the typed endpoint
+    ``io_names.typed_endpoint(dtype)`` takes it) and SPACING (FP64 [3])."""
+    if dtype not in _WIRE:
+        raise ValueError(f"dtype must be one of {tuple(_WIRE)}, got {dtype!r}.")
+    source = np.asarray(image)
+    image = source.astype(_WIRE[dtype])
+    if dtype != "FP32" and not np.array_equal(image.astype(np.float64), source.astype(np.float64)):
+        raise ValueError(f"the image's values do not fit {dtype} exactly; send it as FP32.")
     spacing = np.asarray(spacing, dtype=np.float64).reshape(-1)
     if image.ndim != spacing.size + 1:
         raise ValueError(
@@ -74,17 +85,17 @@ def input_data_document(image: np.ndarray, spacing: np.ndarray, *, encoding: str
                       io_names.SPACING: tensor_entry(spacing, encoding)}]}
 
 
-def write_input_data(image: np.ndarray, spacing: np.ndarray, path: Path, *, encoding: str = "b64"
-                     ) -> InputDataFile:
+def write_input_data(image: np.ndarray, spacing: np.ndarray, path: Path, *, encoding: str = "b64",
+                     dtype: str = "FP32") -> InputDataFile:
     """Write the input-data JSON for one case and return what it declares."""
-    document = input_data_document(image, spacing, encoding=encoding)
+    document = input_data_document(image, spacing, encoding=encoding, dtype=dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document))
     entry = document["data"][0]
     return InputDataFile(
         path=path,
         shapes={name: tuple(value["shape"]) for name, value in entry.items()},
-        dtypes={io_names.IMAGE: "FP32", io_names.SPACING: "FP64"},
+        dtypes={io_names.IMAGE: dtype, io_names.SPACING: "FP64"},
         encoding=encoding,
         nbytes=path.stat().st_size,
     )
@@ -98,11 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--image", type=Path, action="append", help="one file per channel (SimpleITK)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--encoding", choices=ENCODINGS, default="b64")
+    parser.add_argument("--dtype", choices=tuple(_WIRE), default="FP32",
+                        help="IMAGE dtype (perf_analyzer -m nnunet_<dtype> for other than FP32)")
     args = parser.parse_args(argv)
     from tools.perf.workloads import Case, read_image
 
     case = Case.load(args.case) if args.case else read_image(args.image, args.image[0].name)
-    written = write_input_data(case.image, np.asarray(case.spacing), args.out, encoding=args.encoding)
+    written = write_input_data(case.image, np.asarray(case.spacing), args.out, encoding=args.encoding,
+                               dtype=args.dtype)
     print(f"wrote {written.path} ({written.nbytes / 2**20:.1f} MiB): {written.shapes}")
     return 0
 

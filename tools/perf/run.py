@@ -18,11 +18,11 @@ per-sample forwards) of the pipeline on one scenario.
 
 Systems share the machine fairly: the endpoint and the monolith are served by ONE tritonserver and
 measured level by level in turn, and the baselines run in persistent worker processes between the
-server runs, so a change in background load hits all of them alike. ``OMP_WAIT_POLICY=PASSIVE`` is
-set for every process (``--omp-wait-policy``): with torch's default spin-waiting OpenMP threads, a
-2-thread forward of the fixture network took 1.6 s instead of 0.21 s on this 2-core machine while
-other processes kept the load average near 10 (measured; the default-plans network, whose
-convolutions are long, was unaffected: 34 s either way).
+server runs, so a change in background load hits all of them alike. The servers run with the
+launchers' own defaults (``embedded_server.start``: the thread budget of ``nnunet_triton.thread_budget``,
+which sets ``OMP_WAIT_POLICY=PASSIVE`` and the fold threads) and the baselines with nnU-Net's own
+defaults: nothing is added to the environment (``--omp-wait-policy inherit``, the default). Setting
+``--omp-wait-policy PASSIVE|ACTIVE`` exports it to every process: a labelled tuning variant.
 
 Usage::
 
@@ -720,8 +720,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=0, help="skip higher levels (0: plan's levels)")
     p.add_argument("--window-requests", type=int, default=0, help="override the windowed scenarios' size")
     p.add_argument("--reps", type=int, default=0, help="override the baselines' repetitions")
-    p.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE", "inherit"), default="PASSIVE",
-                   help="OMP_WAIT_POLICY for the servers and baselines (default PASSIVE, see the module doc)")
+    p.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE", "inherit"), default="inherit",
+                   help="inherit (default): what users get; PASSIVE|ACTIVE: export to every process (tuning)")
     p.add_argument("--pa-timeout", type=float, default=3600.0, help="seconds per perf_analyzer run")
     p.add_argument("--baseline-timeout", type=float, default=7200.0, help="seconds per baseline subprocess")
     return p
@@ -780,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "quick" if args.quick else "full", "suite": args.suite, "host": _host_info(),
         "command": " ".join(["python -m tools.perf.run", *(argv if argv is not None else sys.argv[1:])]),
         "loadavg_start": list(os.getloadavg()), "workloads": {}, "build_options": {},
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: ACTIVE spin-wait)"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: launcher defaults; baselines ACTIVE)"),
     }
     rerun = {(p.name, s.name) for p in selected for s in p.scenarios}
     previous = _appended(results_path, meta, rerun) if args.append else []

@@ -28,6 +28,7 @@ from nnunet_triton.serving.responses import (
 )
 from nnunet_triton.serving.tensors import (
     declared_segmentation_dtype,
+    image_array,
     input_array,
     model_parameters,
     output_tensor,
@@ -46,6 +47,7 @@ __all__ = [
     "ok_response",
     "triton_error",
     "declared_segmentation_dtype",
+    "image_array",
     "input_array",
     "model_parameters",
     "output_tensor",

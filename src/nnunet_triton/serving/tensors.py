@@ -18,8 +18,8 @@ from nnunet_triton import io_names
 from nnunet_triton.errors import InputValidationError, PlansError
 from nnunet_triton.serving._pb import pb_utils
 
-__all__ = ["tensor_to_array", "input_array", "output_tensor", "request_parameters", "model_parameters",
-           "declared_segmentation_dtype"]
+__all__ = ["tensor_to_array", "input_array", "image_array", "output_tensor", "request_parameters",
+           "model_parameters", "declared_segmentation_dtype"]
 
 _SEGMENTATION_DTYPES = {"TYPE_UINT8": np.dtype(np.uint8), "TYPE_UINT16": np.dtype(np.uint16)}
 
@@ -73,6 +73,26 @@ def input_array(
             return None
         raise InputValidationError(f"request has no input tensor {name!r}; it is required.")
     return tensor_to_array(tensor, xp=xp, copy=copy)
+
+
+def image_array(request: Any, *, xp: ModuleType | None = None) -> Any:
+    """The request's IMAGE, whichever dtype input carries it (``io_names.IMAGE_DTYPES``), as sent.
+
+    The typed endpoints (``nnunet_int16``, ...) map IMAGE onto ``IMAGE_INT16``, ...; a request reaching
+    preprocess_model directly may use any one of them.
+
+    Raises:
+        InputValidationError: none or several of the IMAGE inputs are present.
+    """
+    names = [io_names.image_input(dtype) for dtype in io_names.IMAGE_DTYPES]
+    present = [(name, tensor) for name in names
+               if (tensor := pb_utils().get_input_tensor_by_name(request, name)) is not None]
+    if len(present) != 1:
+        raise InputValidationError(
+            f"request must carry exactly one of the inputs {names} (the image in its own dtype), "
+            f"got {[name for name, _ in present] or 'none'}."
+        )
+    return tensor_to_array(present[0][1], xp=xp)
 
 
 def output_tensor(name: str, array: Any) -> Any:

@@ -1,0 +1,187 @@
+"""``make perf-defaults``: what a user gets with the launchers' defaults, side by side in one run.
+
+Nothing is tuned and no environment variable is added: the endpoint is started by
+``embedded_server.start`` (the same call as ``make serve``/``deploy``/``demo``, thread budget
+included) and nnU-Net runs as its users run it (``nnUNetPredictor`` in a plain Python process with its
+own defaults; ``nnUNetv2_predict_from_modelfolder`` with its default worker processes). The
+environment of every process is this one minus ``OMP_*`` and ``NNUNET_TRITON_*`` variables.
+
+Measured, in this order, on one machine:
+
+1. build time of the fixture (2 folds) and of the realistic default-plans model (5 folds), ``--force``;
+2. time to first answer: server start to ready, then the first and the second request;
+3. latency at concurrency 1, alternating request by request with nnUNetPredictor (fixture, mirroring
+   on; realistic small volume, 5 folds, mirroring off);
+4. throughput at concurrency 4 (fixture) against nnUNetPredictor back to back;
+5. a folder of cases: ``nnunet-triton predict`` (default ``--concurrency``) against
+   ``nnUNetv2_predict_from_modelfolder`` on the same folder.
+
+Writes ``benchmarks/results/<date>-defaults/results.json`` and ``report.md``.
+
+Usage::
+
+    python -m tools.perf.defaults [--reps 3] [--no-realistic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+from nnunet_triton import embedded_server  # noqa: E402
+from nnunet_triton.client import NnunetClient  # noqa: E402
+from tools.perf.baselines import BaselineWorker, Job  # noqa: E402
+from tools.perf.workloads import ensure_realistic_model, fixture_case, fixture_model_dir, realistic_case  # noqa: E402
+
+WORK = REPO_ROOT / "build" / "perf" / "defaults"
+
+
+def _user_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "NNUNET_TRITON_"))}
+
+
+def _build(model: Path, out: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "repository.build", "--model", str(model), "--out", str(out),
+                    "--force"], check=True, cwd=REPO_ROOT, env=_user_env(), capture_output=True)
+    return round(time.perf_counter() - start, 1)
+
+
+def _segment(url: str, case: Any, mirroring: bool) -> float:
+    with NnunetClient(url, timeout_s=3600) as client:
+        start = time.perf_counter()
+        client.segment(case.image, case.spacing, mirroring=mirroring)
+        return time.perf_counter() - start
+
+
+def _alternate(server: Any, worker: BaselineWorker, case: Any, case_file: Path, folds: tuple,
+               mirroring: bool, reps: int) -> dict[str, Any]:
+    endpoint, predictor = [], []
+    for _ in range(reps):
+        endpoint.append(_segment(server.http_url, case, mirroring))
+        result, _ = worker.run(Job(case_file, folds, mirroring, 1), timeout_s=7200)
+        predictor.append(result.latencies_s[0])
+    e, p = statistics.median(endpoint), statistics.median(predictor)
+    return {"endpoint_s": [round(x, 2) for x in endpoint], "predictor_s": [round(x, 2) for x in predictor],
+            "endpoint_median_s": round(e, 2), "predictor_median_s": round(p, 2), "ratio": round(e / p, 3),
+            "predictor_threads": result.torch_threads}
+
+
+def _throughput(server: Any, case: Any, mirroring: bool, requests: int, concurrency: int) -> float:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(lambda _: _segment(server.http_url, case, mirroring), range(requests)))
+    return requests / (time.perf_counter() - start)
+
+
+def _first_answer(repo: Path, case: Any, mirroring: bool) -> dict[str, float]:
+    start = time.perf_counter()
+    with embedded_server.start(repo, ready_timeout_s=1800) as server:
+        ready = time.perf_counter() - start
+        first = _segment(server.http_url, case, mirroring)
+        second = _segment(server.http_url, case, mirroring)
+    return {"ready_s": round(ready, 1), "first_request_s": round(first, 2),
+            "second_request_s": round(second, 2), "time_to_first_answer_s": round(ready + first, 1)}
+
+
+def _folder(server: Any, model: Path, folds: tuple, cases: int) -> dict[str, Any]:
+    images = fixture_model_dir().parent / "imagesTs"
+    folder = WORK / "folder_in"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    sources = sorted(images.glob("*_0000.nii.gz"))
+    for k in range(cases):
+        shutil.copy(sources[k % len(sources)], folder / f"case{k:03d}_0000.nii.gz")
+    outs = {name: WORK / f"folder_out_{name}" for name in ("cli", "nnunet")}
+    for out in outs.values():
+        shutil.rmtree(out, ignore_errors=True)
+    bin_dir = Path(sys.executable).parent
+    start = time.perf_counter()
+    subprocess.run([str(bin_dir / "nnunet-triton"), "predict", "-i", str(folder), "-o", str(outs["cli"]),
+                    "--url", server.http_url], check=True, env=_user_env(), capture_output=True)
+    cli = time.perf_counter() - start
+    start = time.perf_counter()
+    subprocess.run([str(bin_dir / "nnUNetv2_predict_from_modelfolder"), "-i", str(folder), "-o",
+                    str(outs["nnunet"]), "-m", str(model), "-f", *map(str, folds), "-device", "cpu"],
+                   check=True, env=_user_env(), capture_output=True)
+    nnunet = time.perf_counter() - start
+    import SimpleITK as sitk
+
+    identical = all(
+        (sitk.GetArrayFromImage(sitk.ReadImage(str(outs["cli"] / f.name))) ==
+         sitk.GetArrayFromImage(sitk.ReadImage(str(outs["nnunet"] / f.name)))).all()
+        for f in sorted(outs["nnunet"].glob("*.nii.gz")))
+    return {"cases": cases, "cli_s": round(cli, 1), "nnunetv2_predict_s": round(nnunet, 1),
+            "cli_cases_per_min": round(60 * cases / cli, 2),
+            "nnunet_cases_per_min": round(60 * cases / nnunet, 2),
+            "throughput_ratio": round(nnunet / cli, 3), "label_maps_identical": bool(identical)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-realistic", action="store_true")
+    p.add_argument("--folder-cases", type=int, default=6)
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    for key in [k for k in os.environ if k.startswith(("OMP_", "NNUNET_TRITON_"))]:
+        del os.environ[key]  # the servers get exactly the launcher's defaults
+    WORK.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"date": dt.datetime.now().isoformat(timespec="seconds"),
+                               "cpus": len(os.sched_getaffinity(0)), "loadavg_start": os.getloadavg()}
+    fixture = fixture_model_dir()
+    fx_case = fixture_case(fixture)
+    fx_file = fx_case.save(WORK / "fixture_case.npz")
+    fx_folds = (0, 1)
+    fx_repo = WORK / "fixture_repo"
+    results["build_fixture_s"] = _build(fixture, fx_repo)
+    realistic = rl_repo = None
+    if not args.no_realistic:
+        realistic = ensure_realistic_model()
+        rl_repo = WORK / "realistic_repo"
+        results["build_realistic_5folds_s"] = _build(realistic, rl_repo)
+    results["first_answer_fixture"] = _first_answer(fx_repo, fx_case, True)
+    with embedded_server.start(fx_repo) as server:
+        results["thread_budget"] = server.thread_budget
+        log = WORK / "predictor.log"
+        with BaselineWorker("predictor", fixture, fx_folds, fx_file, log_path=log) as worker:
+            results["latency_fixture"] = _alternate(server, worker, fx_case, fx_file, fx_folds, True,
+                                                    args.reps)
+        _segment(server.http_url, fx_case, True)
+        thr = _throughput(server, fx_case, True, requests=8, concurrency=4)
+        back_to_back = 1.0 / results["latency_fixture"]["predictor_median_s"]
+        results["throughput_fixture_c4"] = {"endpoint_req_s": round(thr, 3),
+                                            "predictor_back_to_back_req_s": round(back_to_back, 3),
+                                            "ratio": round(thr / back_to_back, 3)}
+        results["folder_fixture"] = _folder(server, fixture, fx_folds, args.folder_cases)
+    if realistic is not None:
+        rl_case = realistic_case(realistic, "small")
+        rl_file = rl_case.save(WORK / "realistic_case.npz")
+        folds = (0, 1, 2, 3, 4)
+        with embedded_server.start(rl_repo, ready_timeout_s=1800) as server:
+            results["thread_budget_realistic"] = server.thread_budget
+            log = WORK / "predictor_rl.log"
+            with BaselineWorker("predictor", realistic, folds, rl_file, log_path=log) as w:
+                results["latency_realistic"] = _alternate(server, w, rl_case, rl_file, folds, False, 2)
+    results["loadavg_end"] = os.getloadavg()
+    stem = args.out / f"{dt.date.today().isoformat()}-defaults"
+    stem.mkdir(parents=True, exist_ok=True)
+    (stem / "results.json").write_text(json.dumps(results, indent=2, default=list) + "\n")
+    sys.stdout.write(json.dumps(results, indent=2, default=list) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
