@@ -370,6 +370,11 @@ def start(
     repo = Path(model_repository).absolute()
     if not repo.is_dir():
         raise ValueError(f"model_repository must be an existing directory, got {str(model_repository)!r}.")
+    if any(c.isspace() for c in str(repo)):
+        # the Python backend starts each stub with a command line split at spaces: the stubs die with
+        # "terminate called after throwing an instance of 'std::invalid_argument' what(): stol"
+        raise ValueError(f"model_repository must not contain whitespace (Triton 2.51's Python backend cannot "
+                         f"start its stubs there), got {str(repo)!r}; build or copy it to another path.")
     if model_control_mode not in ("none", "explicit"):
         raise ValueError(f"model_control_mode must be 'none' or 'explicit', got {model_control_mode!r}.")
     if load_models and model_control_mode != "explicit":

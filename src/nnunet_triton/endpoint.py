@@ -176,8 +176,8 @@ def format_description(d: EndpointDescription) -> str:
         f"pipeline        {' -> '.join(d.composing_models) or '(not an ensemble)'}",
         f"fold models     {', '.join(d.fold_models) or '(unknown)'}",
         f"orchestrators   {d.orchestrator_instances} instance(s) (requests computed at once)",
-        f"input IMAGE     [C={d.num_channels}, z, y, x] FP32 (nnunet) or FP16/INT16/UINT16/UINT8 "
-        "(nnunet_<dtype>) + SPACING FP64 [3] (z, y, x: SimpleITK order)",
+        f"input IMAGE     FP32 [C={d.num_channels}, z, y, x] (FP16/INT16/UINT16/UINT8: "
+        f"{d.model_name}_<dtype>) + SPACING FP64 [3] (z, y, x: SimpleITK order)",
         f"output          SEGMENTATION {d.segmentation_dtype} [z, y, x], "
         f"PROBABILITIES FP32 [K={d.num_heads}, z, y, x]",
         f"labels          {json.dumps(d.labels)}" + ("" if d.published.get("labels") else " (generic)"),

@@ -48,7 +48,8 @@ def test_build_writes_every_model_and_metadata_when_target_cpu(built) -> None:
     assert result.rebuilt
     assert _files(out) == [
         "fold_0/1/inference_config.json", "fold_0/1/model.pt", "fold_0/1/model.py", "fold_0/config.pbtxt",
-        "nnunet/config.pbtxt",
+        "nnunet/config.pbtxt", "nnunet_fp16/config.pbtxt", "nnunet_int16/config.pbtxt",
+        "nnunet_uint16/config.pbtxt", "nnunet_uint8/config.pbtxt",
         "orchestrator_model/1/inference_config.json", "orchestrator_model/1/model.py",
         "orchestrator_model/config.pbtxt",
         "preprocess_model/1/inference_config.json", "preprocess_model/1/model.py",
@@ -74,7 +75,8 @@ def test_build_metadata_records_versions_hashes_and_export_checks(built) -> None
     assert (metadata["folds"], metadata["target"], metadata["fold_runner"], metadata["fold_precision"]) == (
         [0], "cpu", "python", "fp32")
     assert metadata["models"] == [
-        "fold_0", "nnunet", "orchestrator_model", "preprocess_model", "stitch_model"
+        "fold_0", "nnunet", "nnunet_fp16", "nnunet_int16", "nnunet_uint16", "nnunet_uint8",
+        "orchestrator_model", "preprocess_model", "stitch_model"
     ]
     (fold,) = metadata["exports"]
     assert (fold["path"], fold["max_abs_diff"]) == ("fold_0/1/model.pt", [[2, 0.0], [1, 0.0], [3, 0.0]])

@@ -20,8 +20,14 @@ DOCUMENTED_IO = {
         {"IMAGE": ("FP32", IMAGE_DIMS), "SPACING": ("FP64", [3])},
         {"SEGMENTATION": ("UINT8", SPATIAL), "PROBABILITIES": ("FP32", LOGIT_DIMS)},
     ),
-    io_names.PREPROCESS_MODEL: (
-        {"IMAGE": ("FP32", IMAGE_DIMS), "SPACING": ("FP64", [3])},
+    **{io_names.typed_endpoint(dtype): (
+        {"IMAGE": (dtype, IMAGE_DIMS), "SPACING": ("FP64", [3])},
+        {"SEGMENTATION": ("UINT8", SPATIAL), "PROBABILITIES": ("FP32", LOGIT_DIMS)},
+    ) for dtype in ("FP16", "INT16", "UINT16", "UINT8")},
+    io_names.PREPROCESS_MODEL: (  # one of the IMAGE inputs per request (optional each)
+        {"IMAGE": ("FP32", IMAGE_DIMS), "IMAGE_FP16": ("FP16", IMAGE_DIMS),
+         "IMAGE_INT16": ("INT16", IMAGE_DIMS), "IMAGE_UINT16": ("UINT16", IMAGE_DIMS),
+         "IMAGE_UINT8": ("UINT8", IMAGE_DIMS), "SPACING": ("FP64", [3])},
         {"PREPROCESSED": ("FP32", IMAGE_DIMS), "CASE_PROPERTIES": ("FP64", [-1])},
     ),
     io_names.ORCHESTRATOR_MODEL: ({"PREPROCESSED": ("FP32", IMAGE_DIMS)}, {"LOGITS": ("FP16", LOGIT_DIMS)}),

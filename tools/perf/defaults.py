@@ -9,12 +9,15 @@ environment of every process is this one minus ``OMP_*`` and ``NNUNET_TRITON_*``
 Measured, in this order, on one machine:
 
 1. build time of the fixture (2 folds) and of the realistic default-plans model (5 folds), ``--force``;
-2. time to first answer: server start to ready, then the first and the second request;
+2. time to first answer: server start to ready, then the first and the second request (the realistic
+   model's second request is the first of step 3);
 3. latency at concurrency 1, alternating request by request with nnUNetPredictor (fixture, mirroring
    on; realistic small volume, 5 folds, mirroring off);
 4. throughput at concurrency 4 (fixture) against nnUNetPredictor back to back;
 5. a folder of cases: ``nnunet-triton predict`` (default ``--concurrency``) against
-   ``nnUNetv2_predict_from_modelfolder`` on the same folder.
+   ``nnUNetv2_predict_from_modelfolder`` on the same folder;
+6. throughput at concurrency 4 on the realistic model;
+7. the request time an int16 CT of 300x512x512 saves by travelling as INT16 instead of FP32.
 
 Writes ``benchmarks/results/<date>-defaults/results.json`` and ``report.md``.
 
@@ -37,6 +40,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,6 +134,40 @@ def _folder(server: Any, model: Path, folds: tuple, cases: int) -> dict[str, Any
             "throughput_ratio": round(nnunet / cli, 3), "label_maps_identical": bool(identical)}
 
 
+def _transfer(fixture: Path, shape: tuple[int, int, int], reps: int) -> dict[str, Any]:
+    """Request time of a ``shape`` int16 CT sent as INT16 (``nnunet_int16``) vs the same values as FP32.
+
+    The repository's ``max_voxels`` is set below the volume, so preprocess_model answers INVALID_ARG
+    right after the IMAGE arrived in its stub: the time is serialising, sending, the ensemble hop and
+    the copy into the stub, the part a dtype changes (the inference itself is the same)."""
+    from nnunet_triton.errors import ClientError
+
+    repo = WORK / "transfer_repo"
+    subprocess.run([sys.executable, "-m", "repository.build", "--model", str(fixture), "--out", str(repo),
+                    "--max-voxels", "1000000"], check=True, cwd=REPO_ROOT, env=_user_env(),
+                   capture_output=True)
+    image = (np.random.default_rng(0).integers(-1024, 2000, size=(1, *shape))).astype(np.int16)
+    times: dict[str, list[float]] = {"INT16": [], "FP32": []}
+    with embedded_server.start(repo) as server:
+        for protocol, url in (("grpc", server.grpc_url), ("http", server.http_url)):
+            with NnunetClient(url, protocol=protocol, timeout_s=600) as client:
+                for _ in range(reps):
+                    for wire, array in (("INT16", image), ("FP32", image.astype(np.float32))):
+                        start = time.perf_counter()
+                        try:
+                            client.segment(array, (1.0, 0.8, 0.8), mirroring=False)
+                        except ClientError as exc:
+                            assert "max_voxels" in str(exc) or "limit" in str(exc), exc
+                        times[wire].append(time.perf_counter() - start)
+            int16, fp32 = (statistics.median(times[w][-reps:]) for w in ("INT16", "FP32"))
+            times[f"{protocol}_median_s"] = {"INT16": round(int16, 3), "FP32": round(fp32, 3),
+                                             "saved_s": round(fp32 - int16, 3),
+                                             "ratio": round(int16 / fp32, 3)}
+    return {"shape": list(shape), "mib_int16": round(image.nbytes / 2**20),
+            "mib_fp32": round(image.nbytes / 2**19),
+            **{k: v for k, v in times.items() if k.endswith("median_s")}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
@@ -170,11 +209,26 @@ def main(argv: list[str] | None = None) -> int:
         rl_case = realistic_case(realistic, "small")
         rl_file = rl_case.save(WORK / "realistic_case.npz")
         folds = (0, 1, 2, 3, 4)
+        start = time.perf_counter()
         with embedded_server.start(rl_repo, ready_timeout_s=1800) as server:
+            ready = time.perf_counter() - start
+            first = _segment(server.http_url, rl_case, False)
+            results["first_answer_realistic"] = {
+                "ready_s": round(ready, 1), "first_request_s": round(first, 2),
+                "time_to_first_answer_s": round(ready + first, 1)}
             results["thread_budget_realistic"] = server.thread_budget
             log = WORK / "predictor_rl.log"
             with BaselineWorker("predictor", realistic, folds, rl_file, log_path=log) as w:
                 results["latency_realistic"] = _alternate(server, w, rl_case, rl_file, folds, False, 2)
+    if realistic is not None:
+        with embedded_server.start(rl_repo, ready_timeout_s=1800) as server:
+            _segment(server.http_url, rl_case, False)
+            thr = _throughput(server, rl_case, False, requests=4, concurrency=4)
+        back_to_back = 1.0 / results["latency_realistic"]["predictor_median_s"]
+        results["throughput_realistic_c4"] = {"endpoint_req_s": round(thr, 4),
+                                              "predictor_back_to_back_req_s": round(back_to_back, 4),
+                                              "ratio": round(thr / back_to_back, 3)}
+    results["transfer_int16_vs_fp32"] = _transfer(fixture, (300, 512, 512), reps=3)
     results["loadavg_end"] = os.getloadavg()
     stem = args.out / f"{dt.date.today().isoformat()}-defaults"
     stem.mkdir(parents=True, exist_ok=True)
