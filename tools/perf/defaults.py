@@ -19,7 +19,8 @@ Measured, in this order, on one machine:
 6. throughput at concurrency 4 on the realistic model;
 7. the request time an int16 CT of 300x512x512 saves by travelling as INT16 instead of FP32.
 
-Writes ``benchmarks/results/<date>-defaults/results.json`` and ``report.md``.
+Writes ``benchmarks/results/<date>-defaults/results.json`` and ``report.md``, and rewrites the block
+between the ``perf-defaults`` markers of BENCHMARKS.md.
 
 Usage::
 
@@ -168,13 +169,99 @@ def _transfer(fixture: Path, shape: tuple[int, int, int], reps: int) -> dict[str
             **{k: v for k, v in times.items() if k.endswith("median_s")}}
 
 
+BEGIN, END = "<!-- perf-defaults:begin -->", "<!-- perf-defaults:end -->"
+
+
+def _row(name: str, value: str, goal: str, met: bool | None) -> str:
+    verdict = "" if met is None else (" **met**" if met else " **missed**")
+    return f"| {name} | {value} | {goal}{verdict} |"
+
+
+def report(results: dict[str, Any]) -> str:
+    """Markdown of one run (also the block between the perf-defaults markers in BENCHMARKS.md)."""
+    lf, tf = results["latency_fixture"], results["throughput_fixture_c4"]
+    folder, fa = results["folder_fixture"], results["first_answer_fixture"]
+    rows = [
+        "| measurement | value | goal |", "|---|---|---|",
+        _row("fixture latency, concurrency 1 (2 folds, mirroring): endpoint / nnUNetPredictor",
+             f"{lf['endpoint_median_s']} s / {lf['predictor_median_s']} s = **{lf['ratio']}**", "<= 1.0",
+             lf["ratio"] <= 1.0),
+        _row("fixture throughput, concurrency 4 vs nnUNetPredictor back to back",
+             f"{tf['endpoint_req_s']} / {tf['predictor_back_to_back_req_s']} req/s = **{tf['ratio']}**",
+             ">= 1.2", tf["ratio"] >= 1.2),
+    ]
+    if "latency_realistic" in results:
+        lr = results["latency_realistic"]
+        rows.append(_row("realistic latency, concurrency 1 (default plans, 5 folds, small volume, "
+                         "no mirroring)",
+                         f"{lr['endpoint_median_s']} s / {lr['predictor_median_s']} s = **{lr['ratio']}**",
+                         "<= 1.0", lr["ratio"] <= 1.0))
+    if "throughput_realistic_c4" in results:
+        tr = results["throughput_realistic_c4"]
+        rows.append(_row("realistic throughput, concurrency 4 vs nnUNetPredictor back to back",
+                         f"{tr['endpoint_req_s']} / {tr['predictor_back_to_back_req_s']} req/s = "
+                         f"**{tr['ratio']}**", ">= 1.2", tr["ratio"] >= 1.2))
+    rows += [
+        _row(f"folder of {folder['cases']} cases: `nnunet-triton predict` vs "
+             "`nnUNetv2_predict_from_modelfolder`",
+             f"{folder['cli_s']} s vs {folder['nnunetv2_predict_s']} s = **{folder['throughput_ratio']}x** "
+             f"(label maps identical: {folder['label_maps_identical']})", ">= 1.0",
+             folder["throughput_ratio"] >= 1.0),
+        _row("build, fixture (2 folds), `--force`", f"{results['build_fixture_s']} s", "minutes", None),
+    ]
+    if "build_realistic_5folds_s" in results:
+        rows.append(_row("build, default-plans model (5 folds, one weight set), `--force`",
+                         f"{results['build_realistic_5folds_s']} s", "minutes, not tens of minutes", None))
+    rows.append(_row("time to first answer, fixture: ready + first request (second request)",
+                     f"{fa['ready_s']} s + {fa['first_request_s']} s ({fa['second_request_s']} s)",
+                     "first not slower than second", fa["first_request_s"] <= fa["second_request_s"] * 1.05))
+    if "first_answer_realistic" in results:
+        fr = results["first_answer_realistic"]
+        second = results["latency_realistic"]["endpoint_s"][0]
+        rows.append(_row("time to first answer, realistic: ready + first request (second request)",
+                         f"{fr['ready_s']} s + {fr['first_request_s']} s ({second} s)",
+                         "first not slower than second", fr["first_request_s"] <= second * 1.05))
+    if "transfer_int16_vs_fp32" in results:
+        tx = results["transfer_int16_vs_fp32"]
+        for protocol in ("grpc", "http"):
+            m = tx[f"{protocol}_median_s"]
+            shape = "x".join(map(str, tx["shape"]))
+            rows.append(_row(f"request transfer of a {shape} int16 CT ({protocol}): "
+                             f"INT16 ({tx['mib_int16']} MiB) vs FP32 ({tx['mib_fp32']} MiB)",
+                             f"{m['INT16']} s vs {m['FP32']} s: {m['saved_s']} s saved ({m['ratio']})",
+                             "measured", None))
+    budgets = [results.get("thread_budget"), results.get("thread_budget_realistic")]
+    lines = [f"Run {results['date']} on {results['cpus']} CPUs "
+             f"(load average {results['loadavg_start'][0]:.2f} "
+             f"at the start, {results['loadavg_end'][0]:.2f} at the end); raw numbers in "
+             f"`benchmarks/results/{results['date'][:10]}-defaults/results.json`. Nothing tuned: the servers "
+             "were started by `embedded_server.start` (what `make serve`/`deploy`/`demo` run) with no "
+             "variable added, nnU-Net with its own defaults.", "", *rows, ""]
+    for label, budget in zip(("fixture", "realistic"), budgets, strict=True):
+        if budget:
+            lines.append(f"- thread budget chosen for the {label} server: {budget['reason']}")
+    return "\n".join(lines) + "\n"
+
+
+def update_benchmarks_md(text: str, path: Path = REPO_ROOT / "BENCHMARKS.md") -> None:
+    content = path.read_text()
+    start, end = content.index(BEGIN) + len(BEGIN), content.index(END)
+    path.write_text(content[:start] + "\n" + text + content[end:])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-realistic", action="store_true")
     p.add_argument("--folder-cases", type=int, default=6)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    p.add_argument("--report-only", type=Path, default=None, help="re-render a results.json")
     args = p.parse_args(argv)
+    if args.report_only is not None:
+        results = json.loads(args.report_only.read_text())
+        (args.report_only.parent / "report.md").write_text(report(results))
+        update_benchmarks_md(report(results))
+        return 0
     for key in [k for k in os.environ if k.startswith(("OMP_", "NNUNET_TRITON_"))]:
         del os.environ[key]  # the servers get exactly the launcher's defaults
     WORK.mkdir(parents=True, exist_ok=True)
@@ -233,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out / f"{dt.date.today().isoformat()}-defaults"
     stem.mkdir(parents=True, exist_ok=True)
     (stem / "results.json").write_text(json.dumps(results, indent=2, default=list) + "\n")
+    (stem / "report.md").write_text(report(results))
+    update_benchmarks_md(report(results))
     sys.stdout.write(json.dumps(results, indent=2, default=list) + "\n")
     return 0
 
