@@ -92,6 +92,16 @@ def _throughput(server: Any, case: Any, mirroring: bool, requests: int, concurre
     return requests / (time.perf_counter() - start)
 
 
+def _throughput_vs_predictor(server: Any, case: Any, mirroring: bool, requests: int,
+                             predictor_median_s: float) -> dict[str, float]:
+    """Endpoint throughput at concurrency 4 (after one untimed request) vs nnUNetPredictor back to back."""
+    _segment(server.http_url, case, mirroring)
+    thr = _throughput(server, case, mirroring, requests=requests, concurrency=4)
+    back_to_back = 1.0 / predictor_median_s
+    return {"endpoint_req_s": round(thr, 4), "predictor_back_to_back_req_s": round(back_to_back, 4),
+            "ratio": round(thr / back_to_back, 3)}
+
+
 def _first_answer(repo: Path, case: Any, mirroring: bool) -> dict[str, float]:
     start = time.perf_counter()
     with embedded_server.start(repo, ready_timeout_s=1800) as server:
@@ -285,12 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         with BaselineWorker("predictor", fixture, fx_folds, fx_file, log_path=log) as worker:
             results["latency_fixture"] = _alternate(server, worker, fx_case, fx_file, fx_folds, True,
                                                     args.reps)
-        _segment(server.http_url, fx_case, True)
-        thr = _throughput(server, fx_case, True, requests=8, concurrency=4)
-        back_to_back = 1.0 / results["latency_fixture"]["predictor_median_s"]
-        results["throughput_fixture_c4"] = {"endpoint_req_s": round(thr, 3),
-                                            "predictor_back_to_back_req_s": round(back_to_back, 3),
-                                            "ratio": round(thr / back_to_back, 3)}
+        results["throughput_fixture_c4"] = _throughput_vs_predictor(
+            server, fx_case, True, 8, results["latency_fixture"]["predictor_median_s"])
         results["folder_fixture"] = _folder(server, fixture, fx_folds, args.folder_cases)
     if realistic is not None:
         rl_case = realistic_case(realistic, "small")
@@ -307,14 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             log = WORK / "predictor_rl.log"
             with BaselineWorker("predictor", realistic, folds, rl_file, log_path=log) as w:
                 results["latency_realistic"] = _alternate(server, w, rl_case, rl_file, folds, False, 2)
-    if realistic is not None:
-        with embedded_server.start(rl_repo, ready_timeout_s=1800) as server:
-            _segment(server.http_url, rl_case, False)
-            thr = _throughput(server, rl_case, False, requests=4, concurrency=4)
-        back_to_back = 1.0 / results["latency_realistic"]["predictor_median_s"]
-        results["throughput_realistic_c4"] = {"endpoint_req_s": round(thr, 4),
-                                              "predictor_back_to_back_req_s": round(back_to_back, 4),
-                                              "ratio": round(thr / back_to_back, 3)}
+            results["throughput_realistic_c4"] = _throughput_vs_predictor(
+                server, rl_case, False, 4, results["latency_realistic"]["predictor_median_s"])
     results["transfer_int16_vs_fp32"] = _transfer(fixture, (300, 512, 512), reps=3)
     results["loadavg_end"] = os.getloadavg()
     stem = args.out / f"{dt.date.today().isoformat()}-defaults"
