@@ -3,7 +3,7 @@
 ``PY`` and ``SERVER`` are overridden on make's command line by a recorder that writes the argv it was
 given (one JSON line per call), so each test sees exactly what a target hands to ``repository.build``,
 ``network_models.export``, ``tools/deploy.py``, ``tools/demo.py``, ``tools.perf.run`` and the server
-CLI. ``SETUP_STAMP``/``PERF_STAMP`` point at existing files so no environment is built. The real
+CLI. ``SETUP_STAMP``/``PERF_STAMP`` point at fresh stamp files so no environment is built. The real
 ``make serve MODEL="A B"`` end to end is in tests/triton/test_make_serve_ensemble.py.
 """
 
@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,10 +35,16 @@ def _make(tmp_path: Path, *args: str) -> list[list[str]]:
     recorder.chmod(0o755)
     log = tmp_path / "argv.jsonl"
     log.unlink(missing_ok=True)
-    stamp = str(REPO_ROOT / "Makefile")
+    # stamps newer than everything they depend on (pyproject.toml, the lock, the installer, each other),
+    # so make runs no setup recipe whatever the checkout's file times are
+    setup, perf = tmp_path / "setup.stamp", tmp_path / "perf.stamp"
+    now = time.time()
+    for stamp, mtime in ((setup, now + 60), (perf, now + 120)):
+        stamp.touch()
+        os.utime(stamp, (mtime, mtime))
     subprocess.run(
         ["make", "--no-print-directory", "-C", str(REPO_ROOT), *args, f"PY={recorder}", f"SERVER={recorder}",
-         f"SETUP_STAMP={stamp}", f"PERF_STAMP={stamp}"],
+         f"SETUP_STAMP={setup}", f"PERF_STAMP={perf}"],
         check=True, capture_output=True, text=True, timeout=60,
         env={**os.environ, "ARGV_LOG": str(log), "MAKEFLAGS": ""},
     )
