@@ -247,13 +247,13 @@ def _say(text: str, stream: Any = None) -> None:
 def default_concurrency(description: Any) -> int:
     """Requests kept in flight: one per orchestrator instance (each holds one request) plus one being
     read or written, so the server never waits for the client's disk."""
-    return max(1, int(getattr(description, "orchestrator_instances", 1) or 1)) + 1
+    return max(1, description.orchestrator_instances) + 1
 
 
-def _worker(jobs: queue.Queue, done: queue.Queue, stop: threading.Event, make_client: Callable[[], Any],
+def _worker(jobs: queue.Queue, done: queue.Queue, stop: threading.Event, client: Any,
             description: Any, args: argparse.Namespace) -> None:
     """Read and segment jobs until none is left; every outcome goes to ``done`` (the main thread writes)."""
-    with make_client() as client:
+    with client:
         while not stop.is_set():
             try:
                 job = jobs.get_nowait()
@@ -279,8 +279,11 @@ def _run_all(
     workers = min(args.concurrency, len(todo))
     done: queue.Queue = queue.Queue(maxsize=max(1, workers))  # bounds the results held in memory
     stop = threading.Event()
-    threads = [threading.Thread(target=_worker, args=(jobs, done, stop, make_client, description, args),
-                                name=f"nnunet-triton-worker-{i}", daemon=True) for i in range(workers)]
+    # clients are made here, so a failure to make one is raised here, not lost in a thread
+    clients = [make_client() for _ in range(workers)]
+    threads = [threading.Thread(target=_worker, args=(jobs, done, stop, client, description, args),
+                                name=f"nnunet-triton-worker-{i}", daemon=True)
+               for i, client in enumerate(clients)]
     for thread in threads:
         thread.start()
     failures: list[tuple[str, str]] = []

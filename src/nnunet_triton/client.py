@@ -56,8 +56,7 @@ class SegmentationResult:
 
 
 # numpy dtypes that travel as they are, each to its typed endpoint (io_names.IMAGE_DTYPES)
-WIRE_DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16", np.dtype(np.int16): "INT16",
-               np.dtype(np.uint16): "UINT16", np.dtype(np.uint8): "UINT8"}
+WIRE_DTYPES = {np.dtype(numpy_name): wire for wire, numpy_name in io_names.IMAGE_DTYPES.items()}
 
 
 def _as_image(image: Any, n_spatial: int, *, native: bool = True) -> np.ndarray:
@@ -68,8 +67,9 @@ def _as_image(image: Any, n_spatial: int, *, native: bool = True) -> np.ndarray:
         raise InputValidationError(f"image must have a real numeric dtype, got {array.dtype}.")
     if array.ndim == n_spatial:  # single-channel convenience: add the channel axis
         array = array[None]
-    keep = native and array.dtype.newbyteorder("=") in WIRE_DTYPES
-    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("=") if keep else np.float32)
+    native_order = array.dtype.newbyteorder("=")
+    return np.ascontiguousarray(array, dtype=native_order if native and native_order in WIRE_DTYPES
+                                else np.float32)
 
 
 def _as_spacing(spacing: Sequence[float]) -> np.ndarray:

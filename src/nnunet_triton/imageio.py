@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import SimpleITK as sitk
 
+from nnunet_triton import io_names
 from nnunet_triton.errors import InputValidationError
 
 __all__ = [
@@ -158,7 +159,7 @@ def _read_one(path: Path) -> tuple[np.ndarray, ImageGeometry, list[float]]:
     raise InputValidationError(f"{path}: expected a 2D, 3D or 4D image, got {array.ndim} dimensions.")
 
 
-_NATIVE_DTYPES = tuple(np.dtype(d) for d in (np.float32, np.float16, np.int16, np.uint16, np.uint8))
+_NATIVE_DTYPES = tuple(np.dtype(name) for name in io_names.IMAGE_DTYPES.values())
 
 
 def read_images(files: Sequence[str | Path], *, native_dtype: bool = False) -> ImageCase:

@@ -17,20 +17,21 @@ PROBABILITIES = "PROBABILITIES"  # [K, *spatial] float32, only when requested
 # each dtype has its own endpoint over the same composing models: ``nnunet`` takes FP32, ``nnunet_int16``
 # INT16 and so on; each maps IMAGE onto preprocess_model's optional input of that dtype (IMAGE for FP32,
 # IMAGE_<DTYPE> otherwise), which converts it to float32 as nnU-Net's preprocessing does.
-IMAGE_DTYPES = ("FP32", "FP16", "INT16", "UINT16", "UINT8")
+IMAGE_DTYPES = {"FP32": "float32", "FP16": "float16", "INT16": "int16", "UINT16": "uint16",
+                "UINT8": "uint8"}  # Triton dtype -> numpy dtype name; the one table of wire dtypes
 
 
 def image_input(dtype: str) -> str:
     """preprocess_model's IMAGE input for ``dtype`` (a Triton dtype name of ``IMAGE_DTYPES``)."""
     if dtype not in IMAGE_DTYPES:
-        raise ValueError(f"IMAGE dtype must be one of {IMAGE_DTYPES}, got {dtype!r}.")
+        raise ValueError(f"IMAGE dtype must be one of {tuple(IMAGE_DTYPES)}, got {dtype!r}.")
     return IMAGE if dtype == "FP32" else f"{IMAGE}_{dtype}"
 
 
 def typed_endpoint(dtype: str, endpoint: str = ENDPOINT_MODEL) -> str:
     """The endpoint that takes IMAGE in ``dtype``: ``nnunet`` for FP32, ``nnunet_int16`` for INT16, ..."""
     if dtype not in IMAGE_DTYPES:
-        raise ValueError(f"IMAGE dtype must be one of {IMAGE_DTYPES}, got {dtype!r}.")
+        raise ValueError(f"IMAGE dtype must be one of {tuple(IMAGE_DTYPES)}, got {dtype!r}.")
     return endpoint if dtype == "FP32" else f"{endpoint}_{dtype.lower()}"
 
 # Rate-limiter resource one fold-model execution holds on CPU servers; the thread budget

@@ -364,7 +364,7 @@ def typed_endpoint_specs(endpoint: ModelSpec) -> tuple[ModelSpec, ...]:
     """
     n = io_names
     copies = []
-    for dtype in n.IMAGE_DTYPES[1:]:
+    for dtype in (d for d in n.IMAGE_DTYPES if d != "FP32"):
         inputs = tuple(replace(t, dtype=dtype) if t.name == n.IMAGE else t for t in endpoint.inputs)
         steps = tuple(
             replace(step, input_map={(n.image_input(dtype) if tensor == n.IMAGE and key == n.IMAGE else key):

@@ -75,7 +75,6 @@ __all__ = [
     "AUTO_EXACT_VOXELS",
     "FoldModels",
     "repository_folds",
-    "repository_fold_instances",
     "plan_budget",
     "fold_threads_for_runner",
     "main",
@@ -158,11 +157,6 @@ def repository_folds(model_repository: str | Path) -> FoldModels:
             if dims and min(dims) > 0:
                 largest = max(largest, math.prod(dims))
     return FoldModels(total, largest)
-
-
-def repository_fold_instances(model_repository: str | Path) -> int:
-    """Python fold-runner instances in a repository: the fold computations that can run at once."""
-    return repository_folds(model_repository).instances
 
 
 @dataclass(frozen=True)
@@ -290,20 +284,9 @@ def fold_threads_for_runner(configured: int, *, env: Mapping[str, str] | None = 
     if configured < 0:
         raise ThreadBudgetError(f"torch_num_threads must be >= 0, got {configured}.")
     if configured:
-        if configured > quota.cpus:
-            raise ThreadBudgetError(
-                f"torch_num_threads={configured} asks for more threads than the {quota.cpus} CPU(s) "
-                f"available ({quota.source})."
-            )
-        return configured
+        return _checked_threads("torch_num_threads", str(configured), quota)
     if FOLD_THREADS_ENV in env:
-        threads = _positive_int(FOLD_THREADS_ENV, env[FOLD_THREADS_ENV])
-        if threads > quota.cpus:
-            raise ThreadBudgetError(
-                f"{FOLD_THREADS_ENV}={threads} asks for more threads than the {quota.cpus} CPU(s) "
-                f"available ({quota.source})."
-            )
-        return threads
+        return _checked_threads(FOLD_THREADS_ENV, env[FOLD_THREADS_ENV], quota)
     return max(1, min(torch_default, quota.cpus))
 
 

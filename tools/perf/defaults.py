@@ -54,14 +54,10 @@ from tools.perf.workloads import ensure_realistic_model, fixture_case, fixture_m
 WORK = REPO_ROOT / "build" / "perf" / "defaults"
 
 
-def _user_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "NNUNET_TRITON_"))}
-
-
 def _build(model: Path, out: Path) -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "repository.build", "--model", str(model), "--out", str(out),
-                    "--force"], check=True, cwd=REPO_ROOT, env=_user_env(), capture_output=True)
+                    "--force"], check=True, cwd=REPO_ROOT, capture_output=True)
     return round(time.perf_counter() - start, 1)
 
 
@@ -126,12 +122,12 @@ def _folder(server: Any, model: Path, folds: tuple, cases: int) -> dict[str, Any
     bin_dir = Path(sys.executable).parent
     start = time.perf_counter()
     subprocess.run([str(bin_dir / "nnunet-triton"), "predict", "-i", str(folder), "-o", str(outs["cli"]),
-                    "--url", server.http_url], check=True, env=_user_env(), capture_output=True)
+                    "--url", server.http_url], check=True, capture_output=True)
     cli = time.perf_counter() - start
     start = time.perf_counter()
     subprocess.run([str(bin_dir / "nnUNetv2_predict_from_modelfolder"), "-i", str(folder), "-o",
                     str(outs["nnunet"]), "-m", str(model), "-f", *map(str, folds), "-device", "cpu"],
-                   check=True, env=_user_env(), capture_output=True)
+                   check=True, capture_output=True)
     nnunet = time.perf_counter() - start
     import SimpleITK as sitk
 
@@ -155,7 +151,7 @@ def _transfer(fixture: Path, shape: tuple[int, int, int], reps: int) -> dict[str
 
     repo = WORK / "transfer_repo"
     subprocess.run([sys.executable, "-m", "repository.build", "--model", str(fixture), "--out", str(repo),
-                    "--max-voxels", "1000000"], check=True, cwd=REPO_ROOT, env=_user_env(),
+                    "--max-voxels", "1000000"], check=True, cwd=REPO_ROOT,
                    capture_output=True)
     image = (np.random.default_rng(0).integers(-1024, 2000, size=(1, *shape))).astype(np.int16)
     times: dict[str, list[float]] = {"INT16": [], "FP32": []}

@@ -62,7 +62,7 @@ def tensor_entry(array: np.ndarray, encoding: str) -> dict[str, Any]:
     return {"content": content, "shape": [int(d) for d in array.shape]}
 
 
-_WIRE = {"FP32": np.float32, "FP16": np.float16, "INT16": np.int16, "UINT16": np.uint16, "UINT8": np.uint8}
+_WIRE = {wire: np.dtype(name) for wire, name in io_names.IMAGE_DTYPES.items()}
 
 
 def input_data_document(image: np.ndarray, spacing: np.ndarray, *, encoding: str = "b64",
