@@ -188,3 +188,46 @@ def test_export_fp16_matches_nnunet_autocast_network_when_cuda(tmp_path: Path) -
         actual = traced(x)
     assert actual.dtype == torch.float16
     assert float((actual.float() - expected.float()).abs().max()) <= result.tolerance_abs
+
+
+def test_smallest_input_is_twice_the_total_downsampling_capped_at_the_patch() -> None:
+    strides = [[1, 1, 1], [2, 2, 2], [2, 2, 2], [2, 2, 1]]
+    assert export.smallest_input((24, 32, 32), strides) == (16, 16, 8)
+    assert export.smallest_input((112, 160, 128), [[1, 1, 1], *[[2, 2, 2]] * 5]) == (64, 64, 64)
+    assert export.smallest_input((8, 12), [[2, 2], [2, 2], [2, 2]]) == (8, 12)  # never above the patch
+    assert export.smallest_input((24, 32), None) == (24, 32)
+
+
+def test_quick_export_checks_the_small_input_and_once_at_the_patch(exported: export.ExportResult) -> None:
+    network = export.load_fold_network(MODEL_DIR, 0)
+    assert exported.check_shape == (network.num_input_channels, *network.smallest_input)
+    assert exported.check_shape != exported.input_shape  # the checks really ran on a smaller input
+    assert exported.patch_max_abs_diff == 0.0
+    assert exported.output_shape[1:] == network.patch_size
+
+
+def test_export_falls_back_to_the_patch_size_when_the_small_trace_does_not_generalise(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def fails(*args, **kwargs):
+        raise ExportError("does not generalise")
+
+    monkeypatch.setattr(export, "_check_patch", fails)
+    result = export.export_fold(MODEL_DIR, 0, tmp_path / "model.pt")
+    assert result.check_shape == result.input_shape and result.patch_max_abs_diff is None
+    assert result.max_abs_diff == ((2, 0.0), (1, 0.0), (3, 0.0))
+
+
+def test_folds_with_identical_checkpoints_are_exported_once(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("plans.json", "dataset.json"):
+        shutil.copy(MODEL_DIR / name, model / name)
+    for fold in (0, 1):
+        (model / f"fold_{fold}").mkdir()
+        shutil.copy(MODEL_DIR / "fold_0" / "checkpoint_final.pth",
+                    model / f"fold_{fold}" / "checkpoint_final.pth")
+    first, second = export.export_folds(model, (0, 1), tmp_path / "out")
+    assert (first.reused_from, second.reused_from) == (None, 0)
+    assert Path(second.path).read_bytes() == Path(first.path).read_bytes()
+    other = export.export_folds(MODEL_DIR, (0, 1), tmp_path / "distinct")  # different weights: both traced
+    assert [r.reused_from for r in other] == [None, None]

@@ -161,3 +161,15 @@ def test_container_entry_point_refuses_a_bad_setting_before_starting_anything(tm
          "--", "false"], capture_output=True, text=True, timeout=60, check=False, env=env)
     assert result.returncode == 2
     assert "NNUNET_TRITON_FOLD_THREADS must be a positive integer, got 'lots'" in result.stderr
+
+
+def test_cpu_fold_models_hold_one_fold_slot_per_execution_and_gpu_ones_none(tmp_path: Path) -> None:
+    from test_model_specs import _config
+
+    from nnunet_triton.config_gen import render_config
+    from nnunet_triton.model_specs import fold_spec
+
+    cpu = render_config(python_fold_spec(_config(), 0, BuildOptions()))
+    assert 'rate_limiter {\n    resources {\n      name: "nnunet_fold_slot"\n      count: 1' in cpu
+    gpu = render_config(fold_spec(_config(), 0, BuildOptions(target="gpu")))
+    assert "rate_limiter" not in gpu
