@@ -24,7 +24,7 @@ entry point for docker and Kubernetes) starts the server through :func:`plan_bud
   - ``exact``: T = nnU-Net's own count (torch's default, capped at the CPUs: the stubs keep it), S = 1
     when T fills the CPUs. Logits bit-identical to nnUNetPredictor on any network. Best where one
     forward is long enough to scale over threads (measured, default-plans 3d_fullres, 5 folds, 2 CPUs:
-    46.5 s per request vs 51.5 s with ``split`` and 54 s for nnUNetPredictor).
+    46.5 s per request vs 51.5 s with ``split``; nnUNetPredictor 47-57 s in the same day's runs).
   - ``split``: T = max(1, CPUs // fold instances), S = min(fold instances, CPUs // T): the folds
     compute side by side. Best for small networks, whose short parallel regions scale badly (measured
     on the fixture: 5.9 s vs 7.4 s with ``exact``; 0.16 vs 0.13 requests/s at concurrency 4). Logits
