@@ -99,7 +99,7 @@ serve: $(SETUP_STAMP) ## Start tritonserver on MODEL_REPOSITORY (with MODEL=<res
 stop: $(SETUP_STAMP) ## Stop the server started by `make serve`
 	$(SERVER) stop
 
-status: $(SETUP_STAMP) ## Print the state of the server started by `make serve` (exit 0 when ready)
+status: $(SETUP_STAMP) ## Print the state and health of the server started by `make serve` (exit 0 when every model can answer)
 	$(SERVER) status
 
 demo: $(SETUP_STAMP) ## From nothing: build the fixture model's repository, serve it, segment one image with one endpoint call, stop

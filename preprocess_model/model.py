@@ -10,6 +10,8 @@ time ``preprocess_case``.
 Config parameter ``max_voxels`` (``nnunet_triton.validation``; 0 = no limit): the IMAGE input and the
 resampled volume (C x the shape nnU-Net resamples to) may hold at most that many voxels; larger requests
 get INVALID_ARG naming the tensor, its voxel count and the limit before preprocessing allocates anything.
+Config parameter ``max_request_bytes`` (0 = none): the request's float32 logits and probabilities may
+not exceed it (``validation.check_request_memory``), checked at the same point.
 
 In a cascade stage (``previous_stage`` in the configuration) the previous stage's SEGMENTATION arrives as
 PREVIOUS_SEGMENTATION and :func:`nnunet_triton.cascade.preprocess_cascade_case` appends its one-hot
@@ -35,7 +37,11 @@ from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.orchestration import parse_request_options
 from nnunet_triton.plans import InferenceConfig
 from nnunet_triton.preprocess import preprocess_case
-from nnunet_triton.validation import check_voxel_limit, max_voxels_from_parameters
+from nnunet_triton.validation import (
+    check_voxel_limit,
+    max_request_bytes_from_parameters,
+    max_voxels_from_parameters,
+)
 
 CONFIG_FILE = "inference_config.json"
 
@@ -49,7 +55,9 @@ class TritonPythonModel:
 
             self._logger = pb_utils.Logger
             self._config = InferenceConfig.from_json((Path(__file__).parent / CONFIG_FILE).read_text())
-            self._max_voxels = max_voxels_from_parameters(serving.model_parameters(args))
+            params = serving.model_parameters(args)
+            self._limits = {"max_voxels": max_voxels_from_parameters(params),
+                            "max_request_bytes": max_request_bytes_from_parameters(params)}
             self._metrics = serving.StepMetrics.create(args, self._config)
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None
@@ -61,15 +69,15 @@ class TritonPythonModel:
         try:
             parse_request_options(serving.request_parameters(request), self._config)
             image = serving.image_array(request)  # IMAGE or IMAGE_<dtype>; preprocess_case casts to float32
-            check_voxel_limit(io_names.IMAGE, image.shape, self._max_voxels)
+            check_voxel_limit(io_names.IMAGE, image.shape, self._limits["max_voxels"])
             spacing = serving.input_array(request, io_names.SPACING)
             with record.timed():
                 if self._config.previous_stage is None:
-                    data, props = preprocess_case(image, spacing, self._config, max_voxels=self._max_voxels)
+                    data, props = preprocess_case(image, spacing, self._config, **self._limits)
                 else:  # cascade stage: the previous stage's segmentation becomes one-hot input channels
                     previous = serving.input_array(request, io_names.PREVIOUS_SEGMENTATION)
                     data, props = preprocess_cascade_case(image, spacing, previous, self._config,
-                                                          max_voxels=self._max_voxels)
+                                                          **self._limits)
             return serving.ok_response(
                 {io_names.PREPROCESSED: data, io_names.CASE_PROPERTIES: props.to_array()}
             )

@@ -1,7 +1,8 @@
 """Build a Triton model repository from a trained nnU-Net v2 results folder.
 
     python -m repository.build --model <Dataset.../Trainer__Plans__Config> [<more folders>] [--folds 0 1]
-        [--out build/model_repository] [--target cpu|gpu] [--tile-batch-size 4] [--max-voxels N] [--force]
+        [--out build/model_repository] [--target cpu|gpu] [--tile-batch-size 4] [--max-voxels N]
+        [--max-request-bytes N] [--force]
 
 Two or more ``--model`` folders build an ensemble of configurations (``build_ensemble_repository``).
 
@@ -506,6 +507,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-voxels", type=int, default=BuildOptions.max_voxels,
                    help="most voxels an IMAGE, and the volume it resamples to, may have; larger requests get "
                         "INVALID_ARG (0: no limit; default 2**28 = 512x512x1024)")
+    p.add_argument("--max-request-bytes", type=int, default=BuildOptions.max_request_bytes,
+                   help="most bytes a request's float32 logits (preprocessed geometry) or probabilities "
+                        "(original geometry) may take; larger requests get INVALID_ARG before anything is "
+                        "allocated (0: no budget; default 8 GiB)")
     p.add_argument("--postprocessing", default="auto",
                    help="nnU-Net postprocessing.pkl to apply: 'auto' (<model>/crossval_results_folds_<folds>/"
                         "postprocessing.pkl if present), 'none', or a path")
@@ -546,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             per_sample_forward=None if args.per_sample_forward is None else args.per_sample_forward == "true",
             fold_instances=args.fold_instances,
             orchestrator_instances=args.orchestrator_instances, max_inflight=args.max_inflight,
-            max_voxels=args.max_voxels, metrics=not args.no_metrics,
+            max_voxels=args.max_voxels, max_request_bytes=args.max_request_bytes, metrics=not args.no_metrics,
         )
         configurations = _configurations(args.model, args.configuration)
         if len(args.model) > 1:

@@ -39,7 +39,7 @@ from nnunet_triton.preprocess import (
     validate_spacing,
 )
 from nnunet_triton.resampling import resample_with_settings
-from nnunet_triton.validation import check_voxel_limit
+from nnunet_triton.validation import check_request_memory, check_voxel_limit
 
 __all__ = [
     "NONZERO_LABEL",
@@ -117,6 +117,7 @@ def preprocess_cascade_case(
     config: InferenceConfig,
     *,
     max_voxels: int = 0,
+    max_request_bytes: int = 0,
 ) -> tuple[Any, CaseProperties]:
     """``run_case_npy(image, previous_seg, ...)`` + the one-hot stack: the cascade network's whole input.
 
@@ -127,7 +128,8 @@ def preprocess_cascade_case(
     :class:`CaseProperties` (identical to :func:`nnunet_triton.preprocess.preprocess_case`'s: the
     segmentation changes neither the crop nor the shapes).
 
-    ``max_voxels`` (0 = no limit) caps ``(C + K) * prod(target_shape)``.
+    ``max_voxels`` (0 = no limit) caps ``(C + K) * prod(target_shape)``; ``max_request_bytes`` as in
+    :func:`~nnunet_triton.preprocess.preprocess_case`.
     """
     if config.previous_stage is None:
         raise UnsupportedModelError(
@@ -150,6 +152,7 @@ def preprocess_cascade_case(
     new_spacing, new_shape = resampled_geometry(config, shape_after, original_spacing)
     foreground = config.labels.foreground_labels
     check_voxel_limit("resampled image", (data.shape[0] + len(foreground), *new_shape), max_voxels)
+    check_request_memory(config.labels.num_segmentation_heads, new_shape, shape_before, max_request_bytes)
     data = normalize(data, seg[0] >= 0, config.normalization)  # nnU-Net's mask: seg >= 0
     data = resample_with_settings(data, new_shape, original_spacing, new_spacing, config.resampling_data)
     seg = resample_with_settings(seg, new_shape, original_spacing, new_spacing, config.resampling_seg)

@@ -24,7 +24,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from nnunet_triton import watchdog
 from nnunet_triton.errors import ServerError
+from nnunet_triton.health import HealthReport, check_health, repository_models
 from nnunet_triton.thread_budget import ThreadBudget, plan_budget, repository_folds
 from nnunet_triton.triton_install import (
     DEFAULT_HOME,
@@ -108,6 +110,10 @@ class ServerHandle:
     state_file: str | None = None
     exit_timeout_s: int = EXIT_TIMEOUT_S
     thread_budget: dict[str, object] | None = None  # nnunet_triton.thread_budget: what was chosen and why
+    watchdog_pid: int | None = None  # nnunet_triton.watchdog: reloads models whose process died
+    events_file: str | None = None  # the watchdog's recoveries (JSON lines)
+    control_token: str | None = None  # the model-repository API needs it (watchdog.CONTROL_HEADER)
+    _watchdog: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
     _process: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -138,7 +144,24 @@ class ServerHandle:
             return False
 
     def is_ready(self) -> bool:
+        """Triton's own readiness (``/v2/health/ready``); ``health()`` says whether requests can succeed."""
         return self.is_running() and _http_ok(f"http://{self.http_url}/v2/health/ready")
+
+    @property
+    def control_headers(self) -> dict[str, str]:
+        """Headers for Triton's model-repository API (index, load, unload), restricted to this token."""
+        return {watchdog.CONTROL_HEADER: self.control_token} if self.control_token else {}
+
+    def health(self, timeout_s: float = 2.0) -> HealthReport:
+        """Whether the endpoint can answer now: server ready, every model ready with all its processes."""
+        return check_health(self.http_url, repository_models(self.model_repository),
+                            server_pid=self.pid if self.is_running() else None, timeout_s=timeout_s)
+
+    def watchdog_running(self) -> bool:
+        if self._watchdog is not None:
+            return self._watchdog.poll() is None
+        pid = self.watchdog_pid
+        return pid is not None and _pid_alive(pid) and _is_watchdog(pid)
 
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM, wait ``timeout_s`` (default: exit timeout + 10 s), then SIGKILL server and stubs.
@@ -147,6 +170,7 @@ class ServerHandle:
         keep-alive connections: close clients before stopping to shut down in well under a second.
         """
         timeout_s = self.exit_timeout_s + 10.0 if timeout_s is None else timeout_s
+        self._stop_watchdog()  # first: a stopping server's models must not be "recovered"
         ours = self.is_running()
         if ours:
             LOGGER.info("stopping tritonserver pid %d", self.pid)
@@ -160,6 +184,21 @@ class ServerHandle:
         if ours or self._process is not None:  # never signal a group we cannot prove is ours
             self._reap_group()
         self._remove_run_files()
+
+    def _stop_watchdog(self) -> None:
+        if not self.watchdog_running():
+            return
+        assert self.watchdog_pid is not None
+        os.kill(self.watchdog_pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if self._watchdog is not None:
+                if self._watchdog.poll() is not None:
+                    return
+            elif not _pid_alive(self.watchdog_pid):
+                return
+            time.sleep(0.05)
+        os.kill(self.watchdog_pid, signal.SIGKILL)
 
     def _wait_exit(self, timeout_s: float) -> bool:
         if self._process is not None:
@@ -204,6 +243,13 @@ class ServerHandle:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _is_watchdog(pid: int) -> bool:
+    try:
+        return b"nnunet_triton.watchdog" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _state_pid(path: Path) -> int | None:
@@ -251,6 +297,7 @@ class _Launch:
     exit_timeout_s: int
     detach: bool
     thread_budget: ThreadBudget
+    control_token: str | None  # None: no model-control API restriction (model control mode "none")
 
     def command(self) -> list[str]:
         return [
@@ -271,6 +318,7 @@ class _Launch:
             "--disable-auto-complete-config",
             *self.backend_args,
             *self.thread_budget.server_args(),
+            *(watchdog.restricted_api_args(self.control_token) if self.control_token else ()),
             *self.extra_args,
         ]
 
@@ -284,7 +332,8 @@ def _spawn(launch: _Launch) -> ServerHandle:
     for path in (launch.log_file, launch.pid_file, launch.state_file):
         path.parent.mkdir(parents=True, exist_ok=True)
     command = launch.command()
-    LOGGER.info("starting %s", " ".join(command))
+    LOGGER.info("starting %s", " ".join(c if launch.control_token is None else
+                                        c.replace(launch.control_token, "***") for c in command))
     LOGGER.info("thread budget: %s", launch.thread_budget.reason)
     with open(launch.log_file, "wb") as log:
         process = subprocess.Popen(
@@ -310,15 +359,55 @@ def _spawn(launch: _Launch) -> ServerHandle:
             state_file=str(launch.state_file),
             exit_timeout_s=launch.exit_timeout_s,
             thread_budget=launch.thread_budget.to_dict(),
+            control_token=launch.control_token,
             _process=process,
         )
         launch.pid_file.write_text(f"{process.pid}\n")
-        launch.state_file.write_text(handle.to_json() + "\n")
+        _write_state(launch.state_file, handle)
     except BaseException:
         os.killpg(process.pid, signal.SIGKILL)  # never leave an unrecorded server (or its stubs) behind
         process.wait()
         raise
     return handle
+
+
+def _write_state(path: Path, handle: ServerHandle) -> None:
+    # holds the model-control token: readable by the owner only
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as state:
+        state.write(handle.to_json() + "\n")
+
+
+def _start_watchdog(handle: ServerHandle, launch: _Launch) -> None:
+    """Run ``python -m nnunet_triton.watchdog`` for ``handle`` and record its pid in the state file."""
+    assert handle.control_token is not None
+    events = launch.state_file.with_name("recoveries.jsonl")
+    log_path = launch.log_file.with_name(launch.log_file.stem + ".watchdog.log")
+    command = [sys.executable, "-m", "nnunet_triton.watchdog", "--url", handle.http_url,
+               "--server-pid", str(handle.pid), "--model-repository", str(launch.model_repository),
+               "--events-file", str(events)]
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, watchdog.TOKEN_ENV: handle.control_token},
+            start_new_session=True, preexec_fn=None if launch.detach else _die_with_parent,
+        )
+    handle.watchdog_pid, handle.events_file, handle._watchdog = process.pid, str(events), process
+    _write_state(launch.state_file, handle)
+    LOGGER.info("watchdog pid %d reloads models whose process dies (log %s)", process.pid, log_path)
+
+
+def _model_control(mode: str, load_models: tuple[str, ...], recovery: bool) -> tuple[tuple[str, ...], bool]:
+    """(models to load, whether the watchdog runs) for a model control mode; ValueError when they clash."""
+    if mode not in ("none", "explicit"):
+        raise ValueError(f"model_control_mode must be 'none' or 'explicit', got {mode!r}.")
+    if load_models and mode != "explicit":
+        raise ValueError(f"load_models {list(load_models)} needs model_control_mode='explicit'.")
+    if mode == "none":
+        if recovery:
+            LOGGER.warning("model_control_mode 'none': no watchdog, a model whose process dies stays broken")
+        return (), False
+    return load_models or ("*",), recovery
 
 
 def start(
@@ -332,8 +421,9 @@ def start(
     log_file: str | Path | None = None,
     pid_file: str | Path | None = None,
     state_file: str | Path | None = None,
-    model_control_mode: str = "none",
+    model_control_mode: str = "explicit",
     load_models: Sequence[str] = (),
+    recovery: bool = True,
     backend_config: Mapping[str, Mapping[str, object]] | None = None,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 120.0,
@@ -348,8 +438,10 @@ def start(
         http_port, grpc_port, metrics_port: fixed ports; free ones are picked when None.
         home: server home (default ``$NNUNET_TRITON_HOME`` or ``build/triton-home``); run files default
             to ``<home>/run/{tritonserver.log,tritonserver.pid,server.json}``.
-        model_control_mode: ``"none"`` (load everything) or ``"explicit"`` (load ``load_models``;
-            ``("*",)`` loads everything).
+        model_control_mode: ``"explicit"`` (default: load ``load_models``, all models when empty) or
+            ``"none"`` (load everything; no model-control API, so no recovery).
+        recovery: run the watchdog (``nnunet_triton.watchdog``) that reloads a model whose process died;
+            needs explicit model control. The model-repository API then needs ``handle.control_headers``.
         backend_config: ``{backend: {key: value}}`` merged over ``DEFAULT_BACKEND_CONFIG``.
         extra_args: further tritonserver flags, e.g. ``("--log-verbose=1",)``.
         ready_timeout_s: how long to wait for readiness (model loading included).
@@ -375,10 +467,7 @@ def start(
         # "terminate called after throwing an instance of 'std::invalid_argument' what(): stol"
         raise ValueError(f"model_repository must not contain whitespace (Triton 2.51's Python backend cannot "
                          f"start its stubs there), got {str(repo)!r}; build or copy it to another path.")
-    if model_control_mode not in ("none", "explicit"):
-        raise ValueError(f"model_control_mode must be 'none' or 'explicit', got {model_control_mode!r}.")
-    if load_models and model_control_mode != "explicit":
-        raise ValueError(f"load_models {list(load_models)} needs model_control_mode='explicit'.")
+    load_models, recovery = _model_control(model_control_mode, tuple(load_models), recovery)
     run_dir = resolve_home(home) / "run"
     launch_args = {
         "installation": prepare_home(home),
@@ -394,6 +483,7 @@ def start(
         "exit_timeout_s": exit_timeout_s,
         "detach": detach,
         "thread_budget": plan_budget(repository_folds(repo)),
+        "control_token": watchdog.new_token() if model_control_mode == "explicit" else None,
     }
     auto_ports = (http_port, grpc_port, metrics_port) == (None, None, None)  # only then is a retry useful
     for attempt in range(3 if auto_ports else 1):
@@ -404,9 +494,12 @@ def start(
         }
         if len(set(ports.values())) < 3:
             continue
-        handle = _spawn(_Launch(**launch_args, **ports))
+        launch = _Launch(**launch_args, **ports)
+        handle = _spawn(launch)
         try:
             _wait_ready(handle, ready_timeout_s)
+            if recovery:
+                _start_watchdog(handle, launch)
             return handle
         except ServerError as exc:
             if not (auto_ports and "already in use" in str(exc) and attempt < 2):
@@ -455,8 +548,12 @@ def _parser() -> argparse.ArgumentParser:
     start_cmd.add_argument("--http-port", type=int, default=None, help="default: a free port")
     start_cmd.add_argument("--grpc-port", type=int, default=None, help="default: a free port")
     start_cmd.add_argument("--metrics-port", type=int, default=None, help="default: a free port")
-    start_cmd.add_argument("--model-control-mode", choices=("none", "explicit"), default="none")
-    start_cmd.add_argument("--load-model", action="append", default=[], help="repeatable; explicit mode only")
+    start_cmd.add_argument("--model-control-mode", choices=("none", "explicit"), default="explicit",
+                           help="explicit (default): the watchdog can reload a model whose process died")
+    start_cmd.add_argument("--load-model", action="append", default=[],
+                           help="repeatable; explicit mode only (default: every model)")
+    start_cmd.add_argument("--no-recovery", action="store_true",
+                           help="no watchdog: a model whose process dies stays broken until a restart")
     start_cmd.add_argument(
         "--server-arg",
         action="append",
@@ -475,7 +572,8 @@ def _parser() -> argparse.ArgumentParser:
     stop_cmd.add_argument(
         "--timeout", type=float, default=None, help="seconds before SIGKILL (default: exit timeout + 10)"
     )
-    commands.add_parser("status", help="print the recorded server state; exit 0 when ready")
+    commands.add_parser("status", help="print the recorded server state and its health; exit 0 when healthy "
+                        "(1: running but not healthy, 3: not running)")
     return parser
 
 
@@ -506,6 +604,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         home=args.home,
         model_control_mode=args.model_control_mode,
         load_models=tuple(args.load_model),
+        recovery=not args.no_recovery,
         extra_args=tuple(args.server_arg),
         ready_timeout_s=args.ready_timeout,
         exit_timeout_s=args.exit_timeout,
@@ -539,9 +638,18 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if handle is None:
         sys.stdout.write(json.dumps({"running": False, "ready": False}) + "\n")
         return 3
-    state = json.loads(handle.to_json()) | {"running": handle.is_running(), "ready": handle.is_ready()}
+    state = json.loads(handle.to_json())
+    state.pop("control_token", None)
+    running = handle.is_running()
+    health = handle.health() if running else None
+    state |= {"running": running, "ready": handle.is_ready(), "watchdog_running": handle.watchdog_running(),
+              "healthy": bool(health and health.healthy),
+              "problems": health.problems() if health else ["tritonserver is not running"]}
+    if handle.events_file and Path(handle.events_file).is_file():
+        lines = Path(handle.events_file).read_text().splitlines()
+        state["recoveries"] = [json.loads(line) for line in lines[-10:]]  # the last ten
     sys.stdout.write(json.dumps(state, indent=2) + "\n")
-    return 0 if state["ready"] else (1 if state["running"] else 3)
+    return 0 if state["healthy"] else (1 if running else 3)
 
 
 def main(argv: list[str] | None = None) -> int:

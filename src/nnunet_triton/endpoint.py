@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nnunet_triton import __version__, io_names
-from nnunet_triton.errors import ClientError
+from nnunet_triton.errors import NOT_RUNNING_MESSAGES, ClientError
 
 __all__ = [
     "DESCRIPTION_PARAMETER",
@@ -193,8 +193,11 @@ def format_description(d: EndpointDescription) -> str:
 
 
 def is_unavailable(exc: ClientError) -> bool:
-    """True for the server's UNAVAILABLE answers (overloaded, model reloading, out of memory)."""
-    return exc.status in UNAVAILABLE_STATUSES
+    """True for the server's UNAVAILABLE answers (overloaded, model reloading, out of memory) and for
+    Triton's own errors about a composing model that is not running (a dead or reloading preprocess or
+    stitch model reaches the client from the ensemble scheduler as INTERNAL: ``NOT_RUNNING_MESSAGES``),
+    which the server's watchdog repairs within seconds."""
+    return exc.status in UNAVAILABLE_STATUSES or any(text in str(exc) for text in NOT_RUNNING_MESSAGES)
 
 
 def segment_with_retry(

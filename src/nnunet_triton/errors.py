@@ -21,7 +21,14 @@ __all__ = [
     "ClientError",
     "DeployError",
     "RequestCancelledError",
+    "NOT_RUNNING_MESSAGES",
 ]
+
+# Triton's words for a model that is not running: its stub process died ("Stub process 'fold_0_0_0' is
+# not healthy."), it is unloaded or being reloaded ("Model 'fold_0' is not ready", "... has no available
+# versions"). Triton calls these INTERNAL or NOT_FOUND; they are transient (nnunet_triton.watchdog
+# reloads the model), so the orchestrator re-codes them UNAVAILABLE and the client retries them.
+NOT_RUNNING_MESSAGES = ("is not healthy", "is not ready", "has no available versions")
 
 
 class NnunetTritonError(Exception):
@@ -49,9 +56,18 @@ class InputValidationError(NnunetTritonError):
 
 
 class SubmodelError(NnunetTritonError):
-    """A composing model called through BLS returned an error."""
+    """A composing model called through BLS returned an error.
+
+    ``triton_code`` is the callee's own code (``serving.bls`` reads ``error.code()``), so UNAVAILABLE
+    stays UNAVAILABLE for the client's retry; INTERNAL when the callee gave none.
+    """
 
     triton_code = "INTERNAL"
+
+    def __init__(self, message: str, *, triton_code: str | None = None) -> None:
+        super().__init__(message)
+        if triton_code is not None:
+            self.triton_code = triton_code
 
 
 class ResourceExhaustedError(NnunetTritonError):

@@ -36,7 +36,12 @@ from nnunet_triton.config_gen import (
     WarmupInput,
 )
 from nnunet_triton.plans import InferenceConfig
-from nnunet_triton.validation import DEFAULT_MAX_VOXELS, MAX_VOXELS_PARAMETER
+from nnunet_triton.validation import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_VOXELS,
+    MAX_REQUEST_BYTES_PARAMETER,
+    MAX_VOXELS_PARAMETER,
+)
 
 __all__ = [
     "Target",
@@ -101,6 +106,8 @@ class BuildOptions:
         max_inflight: orchestrator's in-flight BLS batches per instance (< python thread-pool-size 32).
         max_voxels: preprocess_model's ``max_voxels`` parameter: the most voxels an IMAGE, and the
             volume it resamples to, may have (``nnunet_triton.validation``); 0 = no limit.
+        max_request_bytes: preprocess_model's ``max_request_bytes`` parameter: the most bytes a request's
+            float32 logits or probabilities may take (``validation.check_request_memory``); 0 = none.
         metrics: the Python pipeline models export the custom ``nnunet_*`` metrics (``serving.metrics``);
             False writes their ``metrics`` parameter as "false".
     """
@@ -119,6 +126,7 @@ class BuildOptions:
     stitch_instances: int = 1
     max_inflight: int = 4
     max_voxels: int = DEFAULT_MAX_VOXELS
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     gpus: tuple[int, ...] = ()
     metrics: bool = True
 
@@ -137,8 +145,9 @@ class BuildOptions:
                 f"torch_threads and fold_queue_delay_us must be >= 0, got "
                 f"{self.torch_threads} and {self.fold_queue_delay_us}."
             )
-        if self.max_voxels < 0:
-            raise ValueError(f"max_voxels must be >= 0 (0 = no limit), got {self.max_voxels}.")
+        for name in ("max_voxels", "max_request_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}.")
         self._resolve_per_sample_forward()
         if self.fold_precision not in ("fp32", "fp16"):
             raise ValueError(f"fold_precision must be 'fp32' or 'fp16', got {self.fold_precision!r}.")
@@ -226,7 +235,8 @@ def preprocess_spec(config: InferenceConfig, options: BuildOptions) -> ModelSpec
             TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.network.num_input_channels)),
             TensorSpec(io_names.CASE_PROPERTIES, "FP64", (_VARIABLE,)),
         ),
-        parameters={MAX_VOXELS_PARAMETER: str(options.max_voxels)},
+        parameters={MAX_VOXELS_PARAMETER: str(options.max_voxels),
+                    MAX_REQUEST_BYTES_PARAMETER: str(options.max_request_bytes)},
     )
 
 

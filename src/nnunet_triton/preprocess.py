@@ -22,7 +22,7 @@ from nnunet_triton.errors import InputValidationError
 from nnunet_triton.normalization import normalize
 from nnunet_triton.plans import InferenceConfig
 from nnunet_triton.resampling import compute_new_shape, resample_with_settings
-from nnunet_triton.validation import check_voxel_limit
+from nnunet_triton.validation import check_request_memory, check_voxel_limit
 
 __all__ = [
     "CaseProperties",
@@ -180,7 +180,8 @@ def resampled_geometry(config: InferenceConfig, shape_after_cropping: Sequence[i
 
 
 def preprocess_case(
-    image: Any, spacing: Sequence[float], config: InferenceConfig, *, max_voxels: int = 0
+    image: Any, spacing: Sequence[float], config: InferenceConfig, *, max_voxels: int = 0,
+    max_request_bytes: int = 0,
 ) -> tuple[Any, CaseProperties]:
     """``DefaultPreprocessor.run_case_npy(data, None, {'spacing': spacing}, ...)`` without the seg.
 
@@ -190,7 +191,9 @@ def preprocess_case(
 
     ``max_voxels`` (0 = no limit) caps ``C * prod(target_shape)``: the shape nnU-Net computes after
     cropping (``compute_new_shape(data.shape[1:], original_spacing, target_spacing)``) is checked with
-    :func:`nnunet_triton.validation.check_voxel_limit` before normalization and resampling allocate it.
+    :func:`nnunet_triton.validation.check_voxel_limit` before normalization and resampling allocate it;
+    ``max_request_bytes`` (0 = none) caps the request's float32 logits and probabilities
+    (:func:`nnunet_triton.validation.check_request_memory`) at the same point.
     """
     validate_image(image, config.num_input_channels)
     spacing = validate_spacing(spacing, image.ndim - 1)
@@ -204,6 +207,7 @@ def preprocess_case(
     shape_after = tuple(int(s) for s in data.shape[1:])
     new_spacing, new_shape = resampled_geometry(config, shape_after, original_spacing)
     check_voxel_limit("resampled image", (data.shape[0], *new_shape), max_voxels)
+    check_request_memory(config.labels.num_segmentation_heads, new_shape, shape_before, max_request_bytes)
     data = normalize(data, mask, config.normalization)
     data = resample_with_settings(data, new_shape, original_spacing, new_spacing, config.resampling_data)
     props = CaseProperties(

@@ -299,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--model-repository", required=True, type=Path)
         if name == "exec":
+            cmd.add_argument("--watchdog", action="store_true",
+                             help="fork nnunet_triton.watchdog first: it reloads a model whose process dies "
+                                  "(the server must run with --model-control-mode=explicit)")
             cmd.add_argument("server_command", nargs=argparse.REMAINDER, help="-- tritonserver ...")
     return parser
 
@@ -321,6 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     sys.stderr.write(f"thread budget: {json.dumps(budget.to_dict(), sort_keys=True)}\n")
     command += budget.server_args()
+    if args.watchdog:
+        from nnunet_triton.watchdog import fork_for_exec
+
+        command = fork_for_exec(command, args.model_repository)
     os.execvpe(command[0], command, {**os.environ, **budget.environment()})
     return 0  # pragma: no cover - exec does not return
 

@@ -1,4 +1,4 @@
-"""Size limits for requests: a configurable voxel cap on the input and on the resampled volume.
+"""Size limits for requests: a voxel cap on the input and the resampled volume, and a memory budget.
 
 nnU-Net has no such limit (``nnUNetPredictor`` processes whatever it is given until memory runs out).
 A server does need one: a single oversized volume, or a small volume with a large (coarse) spacing
@@ -15,6 +15,13 @@ Where they are called (see ``docs/reliability.md``):
 * the limit comes from the model config parameter ``max_voxels`` (:func:`max_voxels_from_parameters`),
   which ``repository/build.py --max-voxels`` writes (``BuildOptions.max_voxels``, default
   :data:`DEFAULT_MAX_VOXELS`); ``0`` disables the check.
+* the memory budget: the same place checks :func:`check_request_memory`, the float32 logits (K x the
+  resampled shape: stitch_model converts the fp16 logits to float32 to resample them) and the float32
+  probabilities in the original geometry (K x the image's shape: resampled logits, softmax, the
+  PROBABILITIES output) against the model parameter ``max_request_bytes``
+  (``repository/build.py --max-request-bytes``, default :data:`DEFAULT_MAX_REQUEST_BYTES`; 0 = none).
+  A model with many labels reaches it long before the voxel cap (117 labels x 512 x 512 x 600 voxels
+  is 73 GB of probabilities).
 """
 
 from __future__ import annotations
@@ -27,8 +34,12 @@ from nnunet_triton.errors import InputValidationError
 __all__ = [
     "DEFAULT_MAX_VOXELS",
     "MAX_VOXELS_PARAMETER",
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "MAX_REQUEST_BYTES_PARAMETER",
     "check_voxel_limit",
+    "check_request_memory",
     "max_voxels_from_parameters",
+    "max_request_bytes_from_parameters",
 ]
 
 # 2**28 = 512 x 512 x 1024 voxels (a long CT at full in-plane resolution), 1 GiB per float32 copy. By the
@@ -38,6 +49,11 @@ __all__ = [
 # raise it (or 0 = no limit) on bigger machines.
 DEFAULT_MAX_VOXELS = 2**28
 MAX_VOXELS_PARAMETER = "max_voxels"
+# 8 GiB per float32 array: at the default voxel cap (2^28) that allows 8 classes; the working memory of
+# one such request is ~3x the largest array (docs/reliability.md "Memory limits").
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**30
+MAX_REQUEST_BYTES_PARAMETER = "max_request_bytes"
+_FLOAT32_BYTES = 4
 
 
 def check_voxel_limit(name: str, shape: Sequence[int], max_voxels: int) -> int:
@@ -55,21 +71,56 @@ def check_voxel_limit(name: str, shape: Sequence[int], max_voxels: int) -> int:
     return count
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def check_request_memory(num_heads: int, preprocessed_shape: Sequence[int], original_shape: Sequence[int],
+                         max_bytes: int) -> tuple[int, int]:
+    """Return the bytes of the request's float32 logits (``num_heads`` x ``preprocessed_shape``) and
+    probabilities (``num_heads`` x ``original_shape``); raise when either exceeds ``max_bytes`` (0 = no
+    budget). Pure arithmetic on shapes: call it before allocating.
+
+    Raises:
+        InputValidationError: (INVALID_ARG) naming both sizes, their shapes and the budget.
+    """
+    pre = tuple(int(s) for s in preprocessed_shape)
+    orig = tuple(int(s) for s in original_shape)
+    logits = num_heads * math.prod(pre) * _FLOAT32_BYTES
+    probabilities = num_heads * math.prod(orig) * _FLOAT32_BYTES
+    if max_bytes > 0 and max(logits, probabilities) > max_bytes:
+        raise InputValidationError(
+            f"request needs {_size(logits)} for its logits ({num_heads} x {pre} float32, preprocessed "
+            f"geometry) and {_size(probabilities)} for its probabilities ({num_heads} x {orig} float32, "
+            f"original geometry), more than the server's budget of {_size(max_bytes)} ({max_bytes} bytes) "
+            f"per array (model parameter {MAX_REQUEST_BYTES_PARAMETER!r})."
+        )
+    return logits, probabilities
+
+
+def _nonnegative_parameter(parameters: Mapping[str, str], name: str, default: int) -> int:
+    raw = parameters.get(name)
+    if raw is None or str(raw).strip() == "":
+        return default
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"model parameter {name!r} must be an integer >= 0, got {raw!r}.")
+    return value
+
+
 def max_voxels_from_parameters(parameters: Mapping[str, str], default: int = DEFAULT_MAX_VOXELS) -> int:
     """The ``max_voxels`` model parameter (``{key: string_value}``), ``default`` when absent.
 
     Raises:
         ValueError: the value is not an integer >= 0.
     """
-    raw = parameters.get(MAX_VOXELS_PARAMETER)
-    if raw is None or str(raw).strip() == "":
-        return default
-    try:
-        value = int(str(raw).strip())
-    except ValueError:
-        raise ValueError(
-            f"model parameter {MAX_VOXELS_PARAMETER!r} must be an integer >= 0, got {raw!r}."
-        ) from None
-    if value < 0:
-        raise ValueError(f"model parameter {MAX_VOXELS_PARAMETER!r} must be an integer >= 0, got {raw!r}.")
-    return value
+    return _nonnegative_parameter(parameters, MAX_VOXELS_PARAMETER, default)
+
+
+def max_request_bytes_from_parameters(parameters: Mapping[str, str],
+                                      default: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
+    """The ``max_request_bytes`` model parameter, ``default`` when absent (ValueError when malformed)."""
+    return _nonnegative_parameter(parameters, MAX_REQUEST_BYTES_PARAMETER, default)

@@ -39,6 +39,8 @@ MAX_INFLIGHT = 4
 # preprocess_model's voxel limit in the test repositories: 20x the largest fixture case (~1e5 voxels),
 # small enough that a request over it is cheap to send (test_bad_input.py).
 TEST_MAX_VOXELS = 2**21
+# ... and a memory budget of 16 MiB per float32 array: 3 labels x 1.4 M voxels (test_bad_input.py).
+TEST_MAX_REQUEST_BYTES = 2**24
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ def build(dataset: str) -> Path:
     options = BuildOptions(
         tile_batch_size=TILE_BATCH_SIZE, per_sample_forward=True, max_inflight=MAX_INFLIGHT,
         max_voxels=TEST_MAX_VOXELS,
+        max_request_bytes=TEST_MAX_REQUEST_BYTES,
     )
     out = BUILD_ROOT / (Path("copies", *Path(dataset).parts[-2:]) if Path(dataset).is_absolute() else dataset)
     return build_repository(model_dir(dataset), out, options=options).out

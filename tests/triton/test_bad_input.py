@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pipeline_support import SYNTHCT, TEST_MAX_VOXELS, predictor, probe_case, reference, shared_server
+from pipeline_support import (
+    SYNTHCT,
+    TEST_MAX_REQUEST_BYTES,
+    TEST_MAX_VOXELS,
+    predictor,
+    probe_case,
+    reference,
+    shared_server,
+)
 
 from nnunet_triton import io_names
 from nnunet_triton.client import NnunetClient
@@ -391,5 +399,28 @@ def test_image_resampled_over_voxel_limit_gets_invalid_arg_naming_limit_and_next
         client, image, spacing,
         f"resampled image has {voxels} voxels (shape {(1, *new_shape)}), more than the server's limit of "
         f"{TEST_MAX_VOXELS} voxels (model parameter 'max_voxels')",
+    )
+    _assert_probe_segments(client)
+
+
+def test_image_over_memory_budget_gets_invalid_arg_naming_sizes_and_next_request_succeeds(client):
+    from nnunetv2.preprocessing.resampling.default_resampling import compute_new_shape
+
+    probe = probe_case(SYNTHCT)
+    shape = (1, 100, 128, 128)  # 1.6 M voxels: under the voxel limit, but 3 labels x 4 B = 19.7 MB > 16 MiB
+    spacing = np.asarray(probe.spacing, np.float64)
+    p = predictor(SYNTHCT, None, False, 0.5)
+    transpose = p.plans_manager.transpose_forward
+    shape_t, spacing_t = [shape[1 + t] for t in transpose], [spacing[t] for t in transpose]
+    new_shape = tuple(int(s) for s in compute_new_shape(shape_t, spacing_t, p.configuration_manager.spacing))
+    heads = len(p.dataset_json["labels"])
+    assert math.prod(shape) <= TEST_MAX_VOXELS and math.prod(new_shape) <= TEST_MAX_VOXELS
+    assert heads * math.prod(shape) * 4 > TEST_MAX_REQUEST_BYTES
+    _assert_over_limit_rejected(
+        client, np.zeros(shape, np.float32), spacing,
+        f"float32, preprocessed geometry) and {heads * math.prod(shape) * 4 / 2**20:.1f} MiB for its "
+        f"probabilities ({heads} x {tuple(shape_t)} float32, original geometry), more than the server's "
+        f"budget of 16.0 MiB ({TEST_MAX_REQUEST_BYTES} bytes) per array "
+        "(model parameter 'max_request_bytes')",
     )
     _assert_probe_segments(client)

@@ -53,7 +53,8 @@ def test_deploy_serves_the_model_and_redeploy_is_a_no_op_until_undeploy(
         assert http == handle.http_url and "repository built" in first
 
         client = httpclient.InferenceServerClient(http)
-        index = {m["name"]: m.get("state") for m in client.get_model_repository_index()}
+        index = {m["name"]: m.get("state")
+                 for m in client.get_model_repository_index(headers=handle.control_headers)}
         client.close()
         models = sorted(p.parent.name for p in (tmp_path / "repo").glob("*/config.pbtxt"))
         assert index == {name: "READY" for name in models}  # explicit mode: every model, BLS callees too

@@ -141,7 +141,7 @@ def test_start_raises_server_error_with_log_tail_when_a_model_fails_to_load(trit
 
 def test_start_rejects_load_models_when_model_control_mode_is_none(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"load_models \['identity'\] needs model_control_mode='explicit'"):
-        embedded_server.start(tmp_path, load_models=("identity",))
+        embedded_server.start(tmp_path, model_control_mode="none", load_models=("identity",))
 
 
 def test_start_rejects_model_repository_when_it_does_not_exist(tmp_path) -> None:
@@ -174,10 +174,13 @@ def test_cli_start_status_stop_manage_a_detached_server(identity_model_repositor
         assert embedded_server.main([*args, "status"]) == 0
         status = json.loads(capsys.readouterr().out)
         assert (status["pid"], status["running"], status["ready"]) == (started["pid"], True, True)
+        assert (status["healthy"], status["problems"], status["watchdog_running"]) == (True, [], True)
+        assert "control_token" not in status  # the model-control token stays in server.json (mode 0600)
 
         assert embedded_server.main([*args, "stop"]) == 0
         # started by this process (detached), so it lingers as a zombie until Python reaps it
-        assert not psutil.pid_exists(started["pid"]) or psutil.Process(started["pid"]).status() == "zombie"
+        for pid in (started["pid"], started["watchdog_pid"]):  # the server and its watchdog
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
         assert embedded_server.main([*args, "status"]) == 3
     finally:
         embedded_server.main([*args, "stop"])

@@ -55,7 +55,7 @@ def test_request_fails_naming_fold_model_when_unloaded_and_succeeds_after_reload
     probe = probe_case(SYNTHCT)
     control = http.InferenceServerClient(explicit_server.http_url, network_timeout=900)
     try:
-        control.unload_model("fold_0")
+        control.unload_model("fold_0", headers=explicit_server.control_headers)
         _wait_ready(control, "fold_0", ready=False)
         with NnunetClient(_url(explicit_server, protocol), protocol=protocol, timeout_s=900) as client:
             with pytest.raises(
@@ -64,7 +64,7 @@ def test_request_fails_naming_fold_model_when_unloaded_and_succeeds_after_reload
                 client.segment(probe.image, probe.spacing, mirroring=False)
         assert info.value.status in INTERNAL_OR_UNAVAILABLE, (info.value.status, str(info.value))
     finally:
-        control.load_model("fold_0")
+        control.load_model("fold_0", headers=explicit_server.control_headers)
         _wait_ready(control, "fold_0", ready=True)
         control.close()
     _assert_probe_segments(explicit_server, protocol)

@@ -114,7 +114,8 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
     server = argv[argv.index("tritonserver") :]
     image_at = argv.index(spec.image_tag)
     assert argv[image_at + 1 : argv.index("tritonserver")] == (
-        "python3", "-m", "nnunet_triton.thread_budget", "exec", "--model-repository", "/models", "--")
+        "python3", "-m", "nnunet_triton.thread_budget", "exec", "--watchdog", "--model-repository", "/models",
+        "--")
     loaded = [arg.split("=", 1)[1] for arg in server if arg.startswith("--load-model=")]
     assert loaded == sorted(p.parent.name for p in tmp_path.glob("*/config.pbtxt"))  # BLS callees too
     assert argv[: argv.index("--health-cmd")] == (
@@ -163,7 +164,7 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
         "--disable-auto-complete-config",
     )
     health = argv[argv.index("--health-cmd") + 1]
-    assert "http://127.0.0.1:8000/v2/health/ready" in health
+    assert health == "python3 -m nnunet_triton.health --url 127.0.0.1:8000 --model-repository /models"
     assert argv[argv.index("--health-start-period") + 1] == "900s"
 
 

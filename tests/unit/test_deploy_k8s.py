@@ -41,6 +41,8 @@ def test_k8s_deployment_has_gpu_shm_probes_and_repository_volume(tmp_path: Path)
         "limits": {"cpu": "4", "memory": f"{spec.plan.host_memory_mib}Mi", "nvidia.com/gpu": 1},
     }
     probe = {"port": "http"}
+    health = ["python3", "-m", "nnunet_triton.health", "--url", "127.0.0.1:8000",
+              "--model-repository", "/models"]
     assert (container["startupProbe"], container["livenessProbe"], container["readinessProbe"]) == (
         {
             "httpGet": {"path": "/v2/health/ready", **probe},
@@ -49,16 +51,16 @@ def test_k8s_deployment_has_gpu_shm_probes_and_repository_volume(tmp_path: Path)
             "failureThreshold": 120,
         },
         {
-            "httpGet": {"path": "/v2/health/live", **probe},
+            "exec": {"command": health},
             "periodSeconds": 10,
-            "timeoutSeconds": 5,
-            "failureThreshold": 3,
+            "timeoutSeconds": 10,
+            "failureThreshold": 6,
         },
         {
-            "httpGet": {"path": "/v2/health/ready", **probe},
+            "exec": {"command": health},
             "periodSeconds": 5,
-            "timeoutSeconds": 5,
-            "failureThreshold": 3,
+            "timeoutSeconds": 10,
+            "failureThreshold": 2,
         },
     )
     assert pod["volumes"] == [
@@ -67,7 +69,7 @@ def test_k8s_deployment_has_gpu_shm_probes_and_repository_volume(tmp_path: Path)
     ]
     assert pod["initContainers"][0]["image"] == "registry.example/nnunet-models:abc"
     assert container["args"] == list(docker.server_command(spec.info, spec.plan, gpus=1))
-    assert container["args"][:7] == ["python3", "-m", "nnunet_triton.thread_budget", "exec",
+    assert container["args"][:8] == ["python3", "-m", "nnunet_triton.thread_budget", "exec", "--watchdog",
                                      "--model-repository", "/models", "--"]
     assert "--load-model=fold_1" in container["args"]
 

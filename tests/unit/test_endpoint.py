@@ -47,6 +47,35 @@ def test_segment_with_retry_raises_at_once_when_error_is_not_unavailable(statuse
     assert delays == [] and len(client.calls) == 1
 
 
+class DeadModelClient:
+    """``segment`` first fails with one of Triton's own errors about a model that is not running."""
+
+    def __init__(self, status, message):
+        self.error, self.calls = ClientError(message, status=status), 0
+
+    def segment(self, image, spacing, **options):
+        self.calls += 1
+        if self.calls == 1:
+            raise self.error
+        return "ok"
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [
+        ("500", "in ensemble 'nnunet', Stub process 'preprocess_model_0_0' is not healthy."),
+        ("StatusCode.INTERNAL", "in ensemble 'nnunet', model 'fold_0' failed: Model 'fold_0' is not ready."),
+        ("404", "Request for unknown model: 'nnunet' has no available versions"),
+        (None, "model 'nnunet' is not ready on http://127.0.0.1:8000 (not in the repository, still loading, "
+               "or failed to load: see the server log)."),
+    ],
+)
+def test_segment_with_retry_retries_when_a_composing_model_is_not_running(status, message):
+    client, delays = DeadModelClient(status, message), []
+    assert endpoint.segment_with_retry(client, None, None, backoff_s=0.5, sleep=delays.append) == "ok"
+    assert (delays, client.calls) == ([0.5], 2)
+
+
 def test_segment_with_retry_raises_when_retries_are_exhausted():
     client, delays = FlakyClient(["503"] * 3), []
     with pytest.raises(ClientError, match="busy"):

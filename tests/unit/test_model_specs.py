@@ -25,7 +25,7 @@ from nnunet_triton.model_specs import (
     stitch_spec,
 )
 from nnunet_triton.plans import InferenceConfig, load_inference_config
-from nnunet_triton.validation import max_voxels_from_parameters
+from nnunet_triton.validation import max_request_bytes_from_parameters, max_voxels_from_parameters
 
 PATCH = (16, 24, 32)
 _CONFIGURATION = {
@@ -212,16 +212,18 @@ def test_orchestrator_parameters_list_fold_models_in_config_order() -> None:
     }
 
 
-@pytest.mark.parametrize(("options", "expected"), [
-    (BuildOptions(), str(2**28)),
-    (BuildOptions(max_voxels=1000), "1000"),
-    (BuildOptions(max_voxels=0), "0"),
+@pytest.mark.parametrize(("options", "expected", "budget"), [
+    (BuildOptions(), str(2**28), str(8 * 2**30)),
+    (BuildOptions(max_voxels=1000, max_request_bytes=4096), "1000", "4096"),
+    (BuildOptions(max_voxels=0, max_request_bytes=0), "0", "0"),
 ])
-def test_preprocess_parameters_carry_max_voxels_from_build_options(options: BuildOptions,
-                                                                    expected: str) -> None:
+def test_preprocess_parameters_carry_max_voxels_and_memory_budget_from_build_options(
+        options: BuildOptions, expected: str, budget: str) -> None:
     message = _parse(preprocess_spec(_config(), options))
-    assert _params(message) == {"FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "max_voxels": expected}
+    assert _params(message) == {"FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "max_voxels": expected,
+                                "max_request_bytes": budget}
     assert max_voxels_from_parameters(_params(message)) == int(expected)
+    assert max_request_bytes_from_parameters(_params(message)) == int(budget)
 
 
 def test_segmentation_is_uint16_when_a_label_exceeds_255() -> None:

@@ -406,3 +406,18 @@ def test_preprocess_case_is_unchanged_when_resampled_shape_is_within_max_voxels(
     limited, limited_props = preprocess_case(xp.asarray(image), spacing, config, max_voxels=max_voxels)
     assert tuple(limited.shape) == (1, *new_shape) and limited_props == props
     np.testing.assert_array_equal(to_numpy(limited), to_numpy(unlimited))
+
+
+def test_preprocess_case_raises_naming_logits_and_probabilities_sizes_when_over_memory_budget(xp):
+    image, spacing, config, new_shape = _resampled_case()
+    heads = config.labels.num_segmentation_heads
+    logits, probabilities = heads * int(np.prod(new_shape)) * 4, heads * int(np.prod(image.shape[1:])) * 4
+    budget = max(logits, probabilities) - 1
+    expected = (rf"more than the server's budget of .* \({budget} bytes\) per array "
+                r"\(model parameter 'max_request_bytes'\)")
+    with pytest.raises(InputValidationError, match=expected) as info:
+        preprocess_case(xp.asarray(image), spacing, config, max_request_bytes=budget)
+    assert f"({heads} x {tuple(new_shape)} float32, preprocessed geometry)" in str(info.value)
+    assert info.value.triton_code == "INVALID_ARG"
+    limited, _ = preprocess_case(xp.asarray(image), spacing, config, max_request_bytes=budget + 1)
+    assert tuple(limited.shape) == (1, *new_shape)

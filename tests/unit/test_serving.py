@@ -32,10 +32,13 @@ class FakeError:
     UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED = range(6)
 
     def __init__(self, message: str, code: int) -> None:
-        self._message, self.code = message, code
+        self._message, self._code = message, code
 
     def message(self) -> str:
         return self._message
+
+    def code(self) -> int:
+        return self._code
 
 
 class FakeResponse:
@@ -107,7 +110,7 @@ def pb(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 )
 def test_error_response_maps_triton_code_when_given_exception(exc, code: int, message: str) -> None:
     response = serving.error_response(exc)
-    assert (response.error().code, response.error().message()) == (code, message)
+    assert (response.error().code(), response.error().message()) == (code, message)
     assert response.output_tensors() == []
 
 
@@ -117,7 +120,7 @@ def test_internal_error_response_logs_traceback_and_returns_internal(caplog) -> 
     except ZeroDivisionError as exc:
         response = serving.internal_error_response(exc, logging.getLogger("test"))
     error = response.error()
-    assert (error.code, error.message()) == (FakeError.INTERNAL, "ZeroDivisionError: boom")
+    assert (error.code(), error.message()) == (FakeError.INTERNAL, "ZeroDivisionError: boom")
     assert "Traceback" in caplog.text and "boom" in caplog.text
 
 
@@ -173,6 +176,41 @@ def test_infer_raises_submodel_error_naming_model_when_its_response_has_error() 
     FakeBlsRequest.response = FakeResponse(error=FakeError("out of memory", FakeError.INTERNAL))
     with pytest.raises(errors.SubmodelError, match="model 'fold_1' failed: out of memory"):
         asyncio.run(serving.infer("fold_1", {"INPUT__0": np.zeros(2, np.float32)}, ["OUTPUT__0"]))
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "expected"),
+    [
+        ("overloaded", FakeError.UNAVAILABLE, "UNAVAILABLE"),
+        ("bad tile", FakeError.INVALID_ARG, "INVALID_ARG"),
+        ("unsupported", FakeError.UNSUPPORTED, "UNSUPPORTED"),
+        ("out of memory", FakeError.INTERNAL, "INTERNAL"),
+        ("Stub process 'fold_0_0_0' is not healthy.", FakeError.INTERNAL, "UNAVAILABLE"),
+        ("Failed for execute the inference request. Model 'fold_0' is not ready.", FakeError.INTERNAL,
+         "UNAVAILABLE"),
+        ("Request for unknown model: 'fold_0' has no available versions", FakeError.NOT_FOUND, "UNAVAILABLE"),
+    ],
+)
+def test_submodel_error_keeps_callee_code_and_makes_a_callee_that_is_not_running_unavailable(
+        message: str, code: int, expected: str, pb: types.ModuleType) -> None:
+    FakeBlsRequest.response = FakeResponse(error=FakeError(message, code))
+    with pytest.raises(errors.SubmodelError) as info:
+        asyncio.run(serving.infer("fold_0", {"INPUT__0": np.zeros(2, np.float32)}, ["OUTPUT__0"]))
+    assert info.value.triton_code == expected
+    response = serving.error_response(info.value)  # what the orchestrator answers
+    assert response.error().code() == getattr(FakeError, expected)
+    assert response.error().message() == f"model 'fold_0' failed: {message}"
+
+
+def test_submodel_error_without_callee_code_is_internal(pb: types.ModuleType) -> None:
+    class OldError:  # a TritonError without code() (python_backend before 23.x)
+        def message(self) -> str:
+            return "boom"
+
+    FakeBlsRequest.response = FakeResponse(error=OldError())
+    with pytest.raises(errors.SubmodelError) as info:
+        asyncio.run(serving.infer("fold_0", {"INPUT__0": np.zeros(2, np.float32)}, ["OUTPUT__0"]))
+    assert info.value.triton_code == "INTERNAL"
 
 
 def test_infer_raises_submodel_error_when_an_output_is_missing() -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "tritonserver_args",
     "server_command",
     "health_command",
+    "health_probe",
     "dockerfile_build_args",
     "docker_build_command",
     "docker_run_command",
@@ -140,16 +141,25 @@ def server_command(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit_ti
 
     ``nnunet_triton.thread_budget exec`` reads the container's CPUs (affinity and cgroup quota, so
     ``docker run --cpus`` and a pod's ``limits.cpu`` count) and the repository's fold instances, sets
-    ``OMP_WAIT_POLICY=PASSIVE`` and the fold threads, and execs tritonserver (same pid, same signals).
+    ``OMP_WAIT_POLICY=PASSIVE`` and the fold threads, forks the watchdog (``nnunet_triton.watchdog``:
+    it reloads a model whose process died) and execs tritonserver (same pid, same signals).
     """
-    return ("python3", "-m", "nnunet_triton.thread_budget", "exec", "--model-repository", repository, "--",
+    return ("python3", "-m", "nnunet_triton.thread_budget", "exec", "--watchdog",
+            "--model-repository", repository, "--",
             *tritonserver_args(info, plan, gpus=gpus, exit_timeout_s=exit_timeout_s, repository=repository))
 
 
+def health_probe(port: int = CONTAINER_PORTS["http"],
+                 repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
+    """The honest health check inside the container (``nnunet_triton.health``): exit 0 only when the
+    server is ready and every model is ready with all its Python-backend processes alive."""
+    return ("python3", "-m", "nnunet_triton.health", "--url", f"127.0.0.1:{port}",
+            "--model-repository", repository)
+
+
 def health_command(port: int = CONTAINER_PORTS["http"]) -> str:
-    """Container-side readiness check (the image has python3, not necessarily curl); exit 1 unless 200."""
-    url = f"http://127.0.0.1:{port}/v2/health/ready"
-    return f"python3 -c \"import urllib.request; urllib.request.urlopen('{url}', timeout=5)\""
+    """``health_probe`` as one shell command line (``docker run --health-cmd``)."""
+    return " ".join(health_probe(port))
 
 
 def check_image_compatible(spec: DeploySpec) -> None:

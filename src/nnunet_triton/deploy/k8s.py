@@ -1,8 +1,10 @@
 """Kubernetes manifests (a kustomize base) for one Triton per GPU behind a Service, scaled on queue time.
 
-Follows the pattern of Triton's ``deploy/k8s-onprem`` chart: liveness on ``/v2/health/live``, readiness
-and a long startup probe on ``/v2/health/ready`` (the model is READY only after warm-up), an HPA on a
-custom per-pod metric served by prometheus-adapter from Triton's queue-time counters. Differences: the
+Follows the pattern of Triton's ``deploy/k8s-onprem`` chart: a long startup probe on ``/v2/health/ready``
+(the model is READY only after warm-up), an HPA on a custom per-pod metric served by prometheus-adapter
+from Triton's queue-time counters. Differences: liveness and readiness are exec probes of
+``nnunet_triton.health`` (Triton's endpoints stay 200 while a model's process is dead; the watchdog in
+the container reloads it, and liveness restarts the container only when that failed for a minute); the
 metric is the queue time of ``orchestrator_model`` only (the stage that holds a whole request), the
 model repository comes from an init container image or a PVC, and ``/dev/shm`` is a memory-backed
 emptyDir sized by :func:`~nnunet_triton.deploy.sizing.plan_memory` (Python-backend shm regions).
@@ -16,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from nnunet_triton.deploy.docker import CONTAINER_PORTS, CONTAINER_REPOSITORY, server_command
+from nnunet_triton.deploy.docker import CONTAINER_PORTS, CONTAINER_REPOSITORY, health_probe, server_command
 from nnunet_triton.deploy.repository_info import RepositoryInfo
 from nnunet_triton.deploy.sizing import MemoryPlan
 
@@ -110,6 +112,12 @@ def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": 5, "failureThreshold": failures}
 
 
+def _health_probe(period_s: int, failures: int) -> dict[str, Any]:
+    # nnunet_triton.health: Triton's ready endpoints stay 200 while a model's process is dead
+    return {"exec": {"command": list(health_probe())}, "periodSeconds": period_s,
+            "timeoutSeconds": 10, "failureThreshold": failures}
+
+
 def _server_container(spec: K8sSpec) -> dict[str, Any]:
     memory = f"{spec.plan.host_memory_mib}Mi"
     return {
@@ -126,8 +134,10 @@ def _server_container(spec: K8sSpec) -> dict[str, Any]:
                          {"name": "dshm", "mountPath": "/dev/shm"}],
         "startupProbe": _probe("/v2/health/ready", _PROBE_PERIOD_S,
                                math.ceil(spec.startup_timeout_s / _PROBE_PERIOD_S)),
-        "livenessProbe": _probe("/v2/health/live", _PROBE_PERIOD_S, 3),
-        "readinessProbe": _probe("/v2/health/ready", 5, 3),
+        # the watchdog reloads a dead model in seconds; only when it could not for a minute does the
+        # kubelet restart the container. Readiness drops the pod from the Service within 10 s.
+        "livenessProbe": _health_probe(_PROBE_PERIOD_S, 6),
+        "readinessProbe": _health_probe(5, 2),
         # let the Service drop this pod before tritonserver starts draining (rolling updates)
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
     }

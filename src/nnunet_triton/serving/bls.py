@@ -1,8 +1,9 @@
 """The one helper every BLS call goes through (style rule 6).
 
 It checks *its own* response (the tutorials' Part 6 bug checked another variable) and raises
-:class:`~nnunet_triton.errors.SubmodelError` naming the callee, so the orchestrator can fail the
-request with a message that says which model broke.
+:class:`~nnunet_triton.errors.SubmodelError` naming the callee and carrying the callee's Triton error
+code (as python_backend's ``bls_error_code`` example reads ``error.code()``), so the orchestrator fails
+the request with a message that says which model broke and a code the client can act on.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from nnunet_triton.errors import SubmodelError
+from nnunet_triton.errors import NOT_RUNNING_MESSAGES, SubmodelError
 from nnunet_triton.serving._pb import pb_utils
 from nnunet_triton.serving.tensors import output_tensor, tensor_to_array
 
-__all__ = ["build_request", "infer"]
+__all__ = ["build_request", "callee_code", "infer"]
 
 
 def build_request(
@@ -86,10 +87,27 @@ async def infer(
     return _outputs(model_name, response, output_names, xp=xp, copy=copy)
 
 
+_CODE_NAMES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED",
+               "ALREADY_EXISTS", "CANCELLED")
+
+
+def callee_code(error: Any) -> str:
+    """The name of a callee error's Triton code (``TritonError.code()``), UNAVAILABLE for a callee that
+    is not running (``NOT_RUNNING_MESSAGES``), INTERNAL when it has none."""
+    message = error.message()
+    if any(text in message for text in NOT_RUNNING_MESSAGES):
+        return "UNAVAILABLE"
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    pb = pb_utils()
+    names = {getattr(pb.TritonError, name): name for name in _CODE_NAMES if hasattr(pb.TritonError, name)}
+    return names.get(code, "INTERNAL")
+
+
 def _outputs(model_name: str, response: Any, output_names: Sequence[str], *, xp: ModuleType | None,
              copy: bool) -> dict[str, Any]:
     if response.has_error():
-        raise SubmodelError(f"model {model_name!r} failed: {response.error().message()}")
+        error = response.error()
+        raise SubmodelError(f"model {model_name!r} failed: {error.message()}", triton_code=callee_code(error))
     pb = pb_utils()
     result = {}
     for name in output_names:
