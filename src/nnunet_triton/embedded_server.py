@@ -387,6 +387,7 @@ def _start_watchdog(handle: ServerHandle, launch: _Launch) -> None:
                "--server-pid", str(handle.pid), "--model-repository", str(launch.model_repository),
                "--events-file", str(events)]
     with open(log_path, "ab") as log:
+        offset = log.tell()  # the log is appended to across restarts: only this watchdog's lines count
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, watchdog.TOKEN_ENV: handle.control_token},
@@ -394,6 +395,13 @@ def _start_watchdog(handle: ServerHandle, launch: _Launch) -> None:
         )
     handle.watchdog_pid, handle.events_file, handle._watchdog = process.pid, str(events), process
     _write_state(launch.state_file, handle)
+    deadline = time.monotonic() + 60.0
+    announced = f" {watchdog.WATCHING} tritonserver pid ".encode()
+    while announced not in log_path.read_bytes()[offset:]:
+        if process.poll() is not None or time.monotonic() > deadline:
+            handle.stop()
+            raise ServerError(f"the watchdog did not start; last lines of {log_path}:\n{_tail(log_path)}")
+        time.sleep(0.05)
     LOGGER.info("watchdog pid %d reloads models whose process dies (log %s)", process.pid, log_path)
 
 

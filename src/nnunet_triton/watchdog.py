@@ -13,9 +13,9 @@ every launcher starts the server with ``--model-control-mode=explicit``:
 
 A model somebody unloaded on purpose has no stubs *and* is not ready: the watchdog leaves it alone.
 It exits when the server process is gone (``make stop`` stops it first). When the server died on its
-own (``kill -9``, the OOM killer) nothing restarts it here; the watchdog then waits for the orphaned
-stubs to exit and removes the ``/dev/shm`` regions they leave behind (Triton removes them only on a
-clean exit), and logs what happened. In a container, tritonserver is PID 1: its death ends the
+own (``kill -9``, the OOM killer) nothing restarts it here; the watchdog then ends the orphaned stubs
+(some linger for minutes) and removes the ``/dev/shm`` regions they leave behind (Triton removes them
+only on a clean exit), and logs what happened. In a container, tritonserver is PID 1: its death ends the
 container and the restart policy (``docker run --restart``, the kubelet) starts a new one.
 
 The model-repository API is restricted to requests carrying the header ``CONTROL_HEADER`` with a
@@ -62,6 +62,7 @@ LOGGER = logging.getLogger("nnunet_triton.watchdog")
 CONTROL_HEADER = "x-nnunet-triton-control"
 TOKEN_ENV = "NNUNET_TRITON_CONTROL_TOKEN"
 DEFAULT_INTERVAL_S = 1.0
+WATCHING = "watching"  # first word of the log line written after the first check
 MAX_BACKOFF_S = 30.0
 
 
@@ -86,6 +87,15 @@ class Recovery:
     ok: bool
     attempt: int = 1
     error: str | None = None
+
+
+def _is_stub(stub: StubProcess) -> bool:
+    """``stub``'s pid still runs that stub (not a reused pid)."""
+    try:
+        argv = Path(f"/proc/{stub.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return _pid_alive(stub.pid) and len(argv) > 2 and argv[2].decode(errors="replace") == stub.shm_region
 
 
 def _pid_alive(pid: int) -> bool:
@@ -131,27 +141,38 @@ class Watchdog:
 
     def run(self) -> int:
         """Loop until the server process is gone or ``stop`` is called; 0 always."""
-        LOGGER.info("watching tritonserver pid %d at %s (%d models, every %.1f s)", self.server_pid, self.url,
-                    len(self.models), self.interval_s)
+        announced = False
         while not self._stop and _pid_alive(self.server_pid):
             self.tick()
+            if not announced:  # after the first check: the launcher waits for this line
+                LOGGER.info("%s tritonserver pid %d at %s (%d models, %d processes, every %.1f s)", WATCHING,
+                            self.server_pid, self.url, len(self.models), len(self._stubs), self.interval_s)
+                announced = True
             time.sleep(self.interval_s)
         if self._stop:
             LOGGER.info("watchdog stops (asked to)")
             return 0
         LOGGER.error("tritonserver pid %d died without being stopped; nothing restarts it here (start it "
                      "again: `make serve` / `make deploy`)", self.server_pid)
-        self.remove_leaked_regions()
+        self.clean_up_after_server()
         return 0
 
-    def remove_leaked_regions(self, wait_s: float = 60.0) -> list[str]:
-        """After the server died: wait for its stubs to exit, then remove their shm regions."""
-        deadline = time.monotonic() + wait_s
-        while any(_pid_alive(s.pid) for s in self._stubs.values()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        removed = [r for r in sorted({s.shm_region for s in self._stubs.values()}) if self._unlink(r)]
-        LOGGER.warning("removed %d shared-memory region(s) the dead server left in %s", len(removed),
-                       self.shm)
+    def clean_up_after_server(self, grace_s: float = 5.0) -> list[str]:
+        """After the server died: end its orphaned stubs (they serve nothing; some linger for minutes) once
+        ``grace_s`` has passed, then remove their shm regions. Returns the regions removed."""
+        stubs = list(self._stubs.values())
+        deadline = time.monotonic() + grace_s
+        while any(_is_stub(s) for s in stubs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        lingering = [s for s in stubs if _is_stub(s)]
+        for stub in lingering:
+            os.kill(stub.pid, signal.SIGKILL)
+        deadline = time.monotonic() + grace_s
+        while any(_pid_alive(s.pid) for s in stubs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        removed = [r for r in sorted({s.shm_region for s in stubs}) if self._unlink(r)]
+        LOGGER.warning("%d orphaned stub process(es) of %d ended with SIGKILL; removed %d shared-memory "
+                       "region(s) from %s", len(lingering), len(stubs), len(removed), self.shm)
         return removed
 
     def _unlink(self, region: str) -> bool:

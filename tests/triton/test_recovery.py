@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline_support import SYNTHCT, probe_case, reference, shared_server
+from pipeline_support import REPO_ROOT, SYNTHCT, build, probe_case, reference, shared_server
 
 from nnunet_triton import health
 from nnunet_triton.client import NnunetClient
@@ -205,3 +205,123 @@ def test_model_repository_api_refuses_requests_without_the_launchers_token(serve
     finally:
         control.close()
 
+
+
+def _free_ports(count: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == pid]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[1])
+
+
+def test_container_entry_point_forks_a_watchdog_that_reloads_a_killed_model(tmp_path):
+    """What the Docker image and the Kubernetes pod run (``deploy.docker.server_command``), minus Docker:
+    ``thread_budget exec --watchdog -- tritonserver ...`` forks the watchdog and execs the server."""
+    import subprocess
+    import sys
+
+    from nnunet_triton.triton_install import prepare_home, server_env
+
+    installation = prepare_home(os.environ.get("NNUNET_TRITON_HOME", REPO_ROOT / "build" / "triton-home"))
+    repo = build(SYNTHCT)
+    http_port, grpc_port, metrics_port = _free_ports(3)
+    command = [
+        sys.executable, "-m", "nnunet_triton.thread_budget", "exec", "--watchdog",
+        "--model-repository", str(repo), "--", str(installation.server_bin), f"--model-repository={repo}",
+        f"--backend-directory={installation.backend_dir}", f"--cache-directory={installation.cache_dir}",
+        "--http-address=127.0.0.1", f"--http-port={http_port}", "--grpc-address=127.0.0.1",
+        f"--grpc-port={grpc_port}", "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port}",
+        "--model-control-mode=explicit", "--load-model=*", "--disable-auto-complete-config",
+        "--backend-config=python,stub-timeout-seconds=120", "--exit-timeout-secs=5",
+    ]
+    with open(tmp_path / "container.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env=server_env(installation), start_new_session=True)
+    url = f"127.0.0.1:{http_port}"
+    try:
+        _wait(lambda: health.check_health(url, health.repository_models(repo), server_pid=process.pid).healthy
+              or process.poll() is not None, "the container's server healthy", 300)
+        assert process.poll() is None, (tmp_path / "container.log").read_text()[-3000:]
+        assert Path(f"/proc/{process.pid}/exe").resolve() == installation.server_bin.resolve()  # exec'd
+        (watchdog,) = [p for p in _children(process.pid)
+                       if b"thread_budget" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        with pytest.raises(Exception, match="This API is restricted"):
+            import tritonclient.http as http
+
+            http.InferenceServerClient(url).unload_model("fold_0")
+
+        (victim,) = [s for s in health.stub_processes(process.pid) if s.model == "fold_0"]
+        os.kill(victim.pid, signal.SIGKILL)
+        def reloaded() -> bool:
+            pids = [s.pid for s in health.stub_processes(process.pid) if s.model == "fold_0"]
+            return pids not in ([], [victim.pid]) and health.check_health(
+                url, health.repository_models(repo), server_pid=process.pid).healthy
+
+        _wait(reloaded, "fold_0 reloaded by the container's watchdog", RECOVERY_LIMIT_S)
+        probe = probe_case(SYNTHCT)
+        with NnunetClient(url, timeout_s=REQUEST_TIMEOUT_S) as client:
+            result = client.segment(probe.image, probe.spacing, mirroring=False)
+        np.testing.assert_array_equal(result.segmentation, reference(SYNTHCT, probe.name, False).segmentation)
+        assert b"model 'fold_0' reloaded" in (tmp_path / "container.log").read_bytes()
+    finally:
+        process.terminate()  # docker stop: SIGTERM to PID 1
+        process.wait(60)
+    _wait(lambda: _parent(watchdog) is None, "the watchdog exits with the server", 30)
+
+
+def test_killed_tritonserver_is_reported_not_running_its_leftovers_removed_and_a_new_start_serves(
+        identity_model_repository, tmp_path, capsys):
+    """``make serve`` / ``make deploy`` (embedded, detached): nothing restarts a SIGKILLed tritonserver on a
+    workstation; the watchdog removes what it leaves behind, ``status`` says so, a new start serves."""
+    import json
+
+    from nnunet_triton import embedded_server
+
+    args = ["--home", str(tmp_path / "home")]
+    start = [*args, "start", "--model-repository", str(identity_model_repository)]
+    try:
+        assert embedded_server.main(start) == 0
+        started = json.loads(capsys.readouterr().out)
+        stubs = health.stub_processes(started["pid"])
+        assert stubs and all((SHM / s.shm_region).exists() for s in stubs)
+        os.kill(started["pid"], signal.SIGKILL)  # the OOM killer's choice
+
+        assert embedded_server.main([*args, "status"]) == 3
+        status = json.loads(capsys.readouterr().out)
+        assert (status["running"], status["healthy"], status["problems"]) == (
+            False, False, ["tritonserver is not running"])
+        with NnunetClient(f"127.0.0.1:{started['http_port']}", timeout_s=10) as client, \
+                pytest.raises(ClientError, match="is not reachable"):
+            client.check_ready()
+        # the watchdog waits for the orphaned stubs to exit, removes their shm regions, and exits
+        _wait(lambda: _parent(started["watchdog_pid"]) is None, "the watchdog exits", 120)
+        assert not any(_parent(s.pid) is not None for s in stubs), "a stub process outlived the server"
+        assert not any((SHM / s.shm_region).exists() for s in stubs), "a shm region outlived the server"
+        log = Path(started["log_file"]).with_name("tritonserver.watchdog.log").read_text()
+        assert f"tritonserver pid {started['pid']} died without being stopped" in log
+
+        assert embedded_server.main(start) == 0
+        again = json.loads(capsys.readouterr().out)
+        assert embedded_server.main([*args, "status"]) == 0
+        assert json.loads(capsys.readouterr().out)["pid"] == again["pid"] != started["pid"]
+    finally:
+        embedded_server.main([*args, "stop"])

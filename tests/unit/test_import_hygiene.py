@@ -55,3 +55,14 @@ def test_importing_every_library_module_loads_no_heavy_dependency_when_fresh_int
     }
     assert expected <= set(report)
     assert {name: mods for name, mods in report.items() if mods} == {}
+
+
+def test_health_probe_and_watchdog_import_only_the_standard_library():
+    # they run every few seconds as a Kubernetes exec probe / next to the server: cheap to start
+    code = ("import sys, json, nnunet_triton.health, nnunet_triton.watchdog; "
+            "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules} - "
+            "set(sys.stdlib_module_names))))")
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    result = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120,
+                            env=env, check=True)
+    assert set(json.loads(result.stdout)) - {"__main__"} == {"nnunet_triton"}
