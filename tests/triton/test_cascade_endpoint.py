@@ -15,6 +15,7 @@ from functools import cache
 import numpy as np
 import pytest
 from pipeline_support import BUILD_ROOT, FIXTURES, cases
+from recovery_support import Load, assert_recovers_under_load
 
 from nnunet_triton.client import NnunetClient
 from nnunet_triton.errors import PlansError
@@ -96,6 +97,14 @@ def test_cascade_endpoint_returns_the_cascade_stages_probabilities(cascade_serve
         result = client.segment(case.image, case.spacing, mirroring=False, probabilities=True)
     assert result.probabilities.shape == expected.shape
     assert float(np.abs(result.probabilities - expected).max()) <= 1e-6
+
+
+def test_killed_previous_stage_fold_is_reloaded_and_cascade_answers_stay_correct_under_load(cascade_server):
+    case = cases(CASCADE)[0]
+    image = np.ascontiguousarray(case.image[:, :16, :32, :32])  # a crop: short requests, same code path
+    _, expected = _nnunet_cascade(image, case.spacing, False)
+    load = Load(cascade_server, image, case.spacing, expected, options={"mirroring": False})
+    assert_recovers_under_load(cascade_server, "previous_stage_fold_all", load)
 
 
 def test_cascade_build_refuses_when_the_previous_stage_folder_is_missing(tmp_path):

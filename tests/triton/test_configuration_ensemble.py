@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from pipeline_support import BUILD_ROOT, FIXTURES, cases, predictor
+from recovery_support import Load, assert_recovers_under_load
 
 from nnunet_triton.client import NnunetClient
 from nnunet_triton.errors import PlansError
@@ -67,6 +68,15 @@ def test_configuration_ensemble_equals_nnunetv2_ensemble(ensemble_server, index,
         case.image, {"spacing": list(case.spacing)}) for m in MEMBERS]
     if index == 0 and not mirroring:  # the ensemble is not just one member's answer
         assert any(not np.array_equal(expected, s) for s in member_segmentations)
+
+
+def test_killed_combine_model_is_reloaded_and_ensemble_answers_stay_correct_under_load(ensemble_server,
+                                                                                       tmp_path):
+    case = cases(MEMBERS[0])[0]
+    image = np.ascontiguousarray(case.image[:, :16, :32, :32])  # a crop: short requests, same code path
+    expected, _ = _nnunet_ensemble(image, case.spacing, False, tmp_path)
+    load = Load(ensemble_server, image, case.spacing, expected, options={"mirroring": False})
+    assert_recovers_under_load(ensemble_server, "combine_model", load)
 
 
 def test_ensemble_build_refuses_members_with_different_labels(tmp_path):
