@@ -26,7 +26,13 @@ from pathlib import Path
 
 from nnunet_triton import watchdog
 from nnunet_triton.errors import ServerError
-from nnunet_triton.health import HealthReport, check_health, repository_models
+from nnunet_triton.health import (
+    HealthReport,
+    check_health,
+    remove_shm_regions,
+    repository_models,
+    stub_processes,
+)
 from nnunet_triton.thread_budget import ThreadBudget, plan_budget, repository_folds
 from nnunet_triton.triton_install import (
     DEFAULT_HOME,
@@ -172,6 +178,7 @@ class ServerHandle:
         timeout_s = self.exit_timeout_s + 10.0 if timeout_s is None else timeout_s
         self._stop_watchdog()  # first: a stopping server's models must not be "recovered"
         ours = self.is_running()
+        regions = [s.shm_region for s in stub_processes(self.pid)] if ours else []
         if ours:
             LOGGER.info("stopping tritonserver pid %d", self.pid)
             os.kill(self.pid, signal.SIGTERM)
@@ -183,6 +190,10 @@ class ServerHandle:
                 self._wait_exit(10.0)
         if ours or self._process is not None:  # never signal a group we cannot prove is ours
             self._reap_group()
+        # Triton 2.51 leaves the regions of some reloaded instances behind even on a clean exit
+        leftover = remove_shm_regions(regions)
+        if leftover:
+            LOGGER.info("removed %d shm region(s) tritonserver left in /dev/shm", len(leftover))
         self._remove_run_files()
 
     def _stop_watchdog(self) -> None:

@@ -94,6 +94,36 @@ def stub_processes(server_pid: int | None = None, *, proc: str | Path = "/proc")
     return sorted(found, key=lambda s: s.pid)
 
 
+SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
+
+
+def remove_shm_regions(regions: Iterable[str], shm: str | Path = "/dev/shm") -> list[str]:
+    """Unlink the named Python-backend shm regions that still exist; return those removed. Only the
+    name goes: a process that still maps a region keeps its pages until it unmaps them."""
+    removed = []
+    for region in sorted(set(regions)):
+        path = Path(shm) / region
+        if region.startswith(SHM_REGION_PREFIX) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(region)
+    return removed
+
+
+def unmapped_shm_regions(shm: str | Path = "/dev/shm", *, proc: str | Path = "/proc") -> list[str]:
+    """Python-backend shm regions in ``shm`` that no visible process maps (left by a server that died)."""
+    present = {p.name for p in Path(shm).glob(f"{SHM_REGION_PREFIX}*")}
+    for entry in Path(proc).iterdir():
+        if not present:
+            break
+        if entry.name.isdigit():
+            try:
+                maps = (entry / "maps").read_text(errors="replace")
+            except OSError:
+                continue
+            present = {r for r in present if r not in maps}
+    return sorted(present)
+
+
 def find_server_pid(*, proc: str | Path = "/proc") -> int | None:
     """The pid of the one running ``tritonserver`` (a container's PID 1); None when there is none."""
     pids = [pid for pid, state, _, argv in _proc_entries(Path(proc))

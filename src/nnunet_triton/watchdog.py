@@ -45,7 +45,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.health import StubProcess, check_health, repository_models, stub_processes
+from nnunet_triton.health import (
+    StubProcess,
+    check_health,
+    remove_shm_regions,
+    repository_models,
+    stub_processes,
+    unmapped_shm_regions,
+)
 
 __all__ = [
     "CONTROL_HEADER",
@@ -170,17 +177,10 @@ class Watchdog:
         deadline = time.monotonic() + grace_s
         while any(_pid_alive(s.pid) for s in stubs) and time.monotonic() < deadline:
             time.sleep(0.1)
-        removed = [r for r in sorted({s.shm_region for s in stubs}) if self._unlink(r)]
+        removed = remove_shm_regions((s.shm_region for s in stubs), self.shm)
         LOGGER.warning("%d orphaned stub process(es) of %d ended with SIGKILL; removed %d shared-memory "
                        "region(s) from %s", len(lingering), len(stubs), len(removed), self.shm)
         return removed
-
-    def _unlink(self, region: str) -> bool:
-        path = self.shm / region
-        if not path.is_file():
-            return False
-        path.unlink(missing_ok=True)
-        return True
 
     def tick(self) -> list[Recovery]:
         """One check; reload what is broken or still pending. Returns the recoveries attempted."""
@@ -190,7 +190,7 @@ class Watchdog:
             self._stubs = {(s.model, s.instance): s for s in stubs}
         report = check_health(self.url, self.models, server_pid=self.server_pid, config_cache=self._configs,
                               stubs=stubs)
-        if not report.server_ready:
+        if not report.server_live:  # not "ready": strict readiness is false while a reload is pending
             return []
         for model in report.models:
             if model.broken and model.name not in self._pending:
@@ -227,17 +227,15 @@ class Watchdog:
         self._record(recovery)
         return recovery
 
-    def _release_regions(self, model: str, regions: Sequence[str], wait_s: float = 5.0) -> None:
-        """Triton 2.51 frees a dead stub's shm region when the old instance goes, but keeps the instance
-        (and the region) for good once requests failed on it: then unlink the region's name, so nothing
-        outlives the server (the pages stay mapped in tritonserver until it exits)."""
-        deadline = time.monotonic() + wait_s
-        while any((self.shm / r).exists() for r in regions) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        kept = [r for r in regions if self._unlink(r)]
+    def _release_regions(self, model: str, regions: Sequence[str]) -> None:
+        """Triton 2.51 frees a dead stub's shm region when the old instance goes, but mostly keeps the
+        instance (and the region) for good once requests failed on it, even past a clean server exit.
+        After the reload the region serves nobody: unlink its name, so nothing outlives the server (the
+        pages stay mapped in tritonserver until it exits; Triton's own later unlink is a no-op)."""
+        kept = remove_shm_regions(regions, self.shm)
         if kept:
-            LOGGER.warning("Triton kept the shm region(s) %s of model %r's dead process; removed their names "
-                           "(their memory is released when tritonserver exits)", kept, model)
+            LOGGER.warning("removed the shm region(s) %s of model %r's dead process (their memory is "
+                           "released when tritonserver exits)", kept, model)
 
     def _control(self, model: str, action: str) -> None:
         url = f"http://{self.url}/v2/repository/models/{urllib.parse.quote(model)}/{action}"
@@ -286,6 +284,10 @@ def fork_for_exec(server_args: list[str], model_repository: str | Path, *,
     watch its parent, which becomes tritonserver) and return ``server_args`` plus the restricted-API
     flags with a fresh token."""
     token = os.environ.get(TOKEN_ENV) or new_token()
+    # a container's /dev/shm (a pod's emptyDir) outlives a crashed server: nothing of ours runs yet here
+    stale = remove_shm_regions(unmapped_shm_regions())
+    if stale:
+        LOGGER.warning("removed %d shm region(s) a previous server left in /dev/shm", len(stale))
     models = repository_models(model_repository)
     url = f"127.0.0.1:{_http_port(server_args)}"
     parent = os.getpid()

@@ -211,3 +211,35 @@ def test_killed_tritonserver_is_reported_not_running_its_leftovers_removed_and_a
         assert json.loads(capsys.readouterr().out)["pid"] == again["pid"] != started["pid"]
     finally:
         embedded_server.main([*args, "stop"])
+
+
+def test_watchdog_retries_a_failing_reload_with_backoff_until_the_model_loads(triton_server, tmp_path):
+    import json
+
+    from conftest import IDENTITY_MODEL, write_identity_repository
+
+    repo = write_identity_repository(tmp_path / "repo")
+    model_py = repo / IDENTITY_MODEL / "1" / "model.py"
+    good = model_py.read_text()
+    with triton_server(repo) as server:
+        events = Path(server.events_file)
+        (victim,) = stubs_of(server, IDENTITY_MODEL)
+        with paused(server.watchdog_pid):
+            os.kill(victim.pid, signal.SIGKILL)
+            # the reload will fail, as a model whose initialize runs out of memory does
+            broken = "    def initialize(self, args):\n        raise MemoryError('test')\n\n    def execute("
+            model_py.write_text(good.replace("    def execute(", broken, 1))
+        wait_until(lambda: events.is_file() and len(events.read_text().splitlines()) >= 2,
+                   "two failed reloads", 60)
+        failed = [json.loads(line) for line in events.read_text().splitlines()]
+        assert [(e["model"], e["ok"], e["attempt"]) for e in failed[:2]] == [
+            (IDENTITY_MODEL, False, 1), (IDENTITY_MODEL, False, 2)]
+        assert "MemoryError" in failed[0]["error"] and failed[0]["dead"] == [victim.instance]
+        report = server.health()
+        assert not report.healthy and report.problems() == [f"tritonserver at {server.http_url} is not ready",
+                                                            f"model {IDENTITY_MODEL!r} is not ready"]
+
+        model_py.write_text(good)  # the cause goes away: the next try (backoff <= 30 s) loads it
+        wait_until(lambda: server.health().healthy, "identity reloaded after the failures", 60)
+        last = json.loads(events.read_text().splitlines()[-1])
+        assert (last["ok"], last["attempt"] >= 3, last["error"]) == (True, True, None)
