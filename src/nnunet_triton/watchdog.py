@@ -40,12 +40,14 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from nnunet_triton.health import (
+    ModelHealth,
     StubProcess,
     check_health,
     remove_shm_regions,
@@ -142,6 +144,7 @@ class Watchdog:
         self._pending: dict[str, _Pending] = {}
         self._stop = False
         self._stubs: dict[tuple[str, str], StubProcess] = {}  # (model, instance) -> stub, last scan with any
+        self._needed: dict[str, int] = {}  # model -> live stubs it needs, once seen ready and complete
 
     def stop(self, *_: object) -> None:
         self._stop = True
@@ -183,25 +186,35 @@ class Watchdog:
         return removed
 
     def tick(self) -> list[Recovery]:
-        """One check; reload what is broken or still pending. Returns the recoveries attempted."""
+        """One check; reload what is broken or still pending. Returns the recoveries attempted.
+
+        Cheap when nothing is wrong: one ``/proc`` scan; Triton is asked (``check_health``) only about
+        models with fewer live stubs than their config needs, or not seen ready yet."""
         previous = self._stubs
         stubs = stub_processes(self.server_pid)
         if stubs:
             self._stubs = {(s.model, s.instance): s for s in stubs}
-        report = check_health(self.url, self.models, server_pid=self.server_pid, config_cache=self._configs,
-                              stubs=stubs)
-        if not report.server_live:  # not "ready": strict readiness is false while a reload is pending
-            return []
-        for model in report.models:
-            if model.broken and model.name not in self._pending:
-                dead = tuple(sorted(set(model.expected) - set(model.alive)))
-                regions = tuple(previous[(model.name, i)].shm_region
-                                for i in dead if (model.name, i) in previous)
-                LOGGER.warning("%s; reloading it", model.problem())
-                self._pending[model.name] = _Pending(0.0, 1, dead, regions, time.time())
+        alive = Counter(s.model for s in stubs)
+        suspects = [m for m in self.models if m not in self._needed or alive[m] < self._needed[m]]
+        if suspects:
+            report = check_health(self.url, suspects, server_pid=self.server_pid, config_cache=self._configs,
+                                  stubs=stubs)
+            if not report.server_live:  # not "ready": strict readiness is false while a reload is pending
+                return []
+            for model in report.models:
+                if model.ok:
+                    self._needed[model.name] = len(model.expected)  # 0: not a Python-backend model
+                if model.broken and model.name not in self._pending:
+                    self._start_recovery(model, previous)
         now = time.monotonic()
         return [self._recover(name, pending) for name, pending in list(self._pending.items())
                 if now >= pending.retry_at]
+
+    def _start_recovery(self, model: ModelHealth, previous: dict[tuple[str, str], StubProcess]) -> None:
+        dead = tuple(sorted(set(model.expected) - set(model.alive)))
+        regions = tuple(previous[(model.name, i)].shm_region for i in dead if (model.name, i) in previous)
+        LOGGER.warning("%s; reloading it", model.problem())
+        self._pending[model.name] = _Pending(0.0, 1, dead, regions, time.time())
 
     def _recover(self, model: str, pending: _Pending) -> Recovery:
         try:
