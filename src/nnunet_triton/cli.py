@@ -4,6 +4,8 @@
         [--step-size 0.5] [-f 0 1] [--save-probabilities] [--continue-prediction]
         [--output-format nifti|nrrd|mha|dicom-seg] [--concurrency N]
     nnunet-triton info [--url HOST:PORT] [--protocol http|grpc] [--json]
+    nnunet-triton validate (--model RESULTS_FOLDER | --against REFERENCE_SET) -i IN [--record DIR]
+        [--min-dice 0.999 | --exact] [--probabilities] [--report DIR]   (see nnunet_triton.validate)
 
 IN is an image file (its ``_0001``.. channel siblings are found), a folder of cases in nnU-Net naming
 (``case_0000.nii.gz``, ``case_0001.nii.gz``), or a folder of DICOM files (one or many series, searched
@@ -157,7 +159,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     info = sub.add_parser("info", help="describe the deployed model")
     info.add_argument("--json", action="store_true", help="print the description as JSON")
-    for p in (predict, info):
+    from nnunet_triton.validate.cli import add_parser as add_validate
+
+    for p in (predict, info, add_validate(sub)):
         p.add_argument(
             "--url",
             default=os.environ.get("NNUNET_TRITON_URL"),
@@ -366,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
+        if args.command == "validate":
+            from nnunet_triton.validate.cli import validate
+
+            return validate(args, _url(args))
         return predict(args) if args.command == "predict" else info(args)
     except ClientError as exc:
         _say(f"nnunet-triton: server error: {exc}")

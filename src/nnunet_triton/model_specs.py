@@ -35,6 +35,7 @@ from nnunet_triton.config_gen import (
     TensorSpec,
     WarmupInput,
 )
+from nnunet_triton.endpoint import description_parameters
 from nnunet_triton.plans import InferenceConfig
 from nnunet_triton.validation import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -341,13 +342,16 @@ def fold_spec(config: InferenceConfig, fold: int | str, options: BuildOptions) -
 
 
 def ensemble_spec(config: InferenceConfig) -> ModelSpec:
-    """``nnunet``: the one public endpoint (maps are ``{composing model tensor: ensemble tensor}``)."""
+    """``nnunet``: the one public endpoint (maps are ``{composing model tensor: ensemble tensor}``); its
+    config parameter ``nnunet_description`` publishes the model (``endpoint.description_parameters``:
+    dataset, plans, configuration, trainer, folds, labels, ...) for ``info``, the clients and ``validate``."""
     n = io_names
     same = lambda *names: {name: name for name in names}  # noqa: E731
     return ModelSpec(
         name=n.ENDPOINT_MODEL,
         platform="ensemble",
         max_batch_size=0,
+        parameters=description_parameters(config),
         inputs=(
             TensorSpec(n.IMAGE, "FP32", _image_dims(config.num_input_channels)),
             TensorSpec(n.SPACING, "FP64", (N_IMAGE_SPATIAL_DIMS,)),

@@ -102,3 +102,12 @@ def test_deploy_and_demo_pass_every_model_and_fold(tmp_path: Path) -> None:
 def test_perf_passes_its_arguments_word_by_word(tmp_path: Path) -> None:
     (perf,) = _make(tmp_path, "perf", "PERF_ARGS=--workloads fixture --systems endpoint,predictor")
     assert perf == ["-m", "tools.perf.run", "--workloads", "fixture", "--systems", "endpoint,predictor"]
+
+
+def test_validate_passes_model_input_folds_and_its_arguments(tmp_path: Path) -> None:
+    (validate,) = _make(tmp_path, "validate", "MODEL=/m/a b", "INPUT=/cases/x y", "FOLDS=0 1",
+                        "VALIDATE_ARGS=--exact --disable-tta")
+    assert validate[:2] == ["-m", "tools.validate"]
+    assert _value(validate, "--model") == ["/m/a b"] and _value(validate, "--input") == ["/cases/x y"]
+    assert _value(validate, "--folds") == ["0", "1"]
+    assert validate[validate.index("--", 2):] == ["--", "--exact", "--disable-tta"]

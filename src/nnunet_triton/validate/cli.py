@@ -1,0 +1,142 @@
+"""``nnunet-triton validate``: does the endpoint answer what nnU-Net answers, on these cases?
+
+    nnunet-triton validate --model RESULTS_FOLDER -i CASES [--record DIR] [--url ...]
+        [--min-dice 0.999 | --exact]
+    nnunet-triton validate --against DIR -i CASES [--url ...]
+
+With ``--model`` every case goes through nnU-Net's own ``nnUNetPredictor`` here (CPU) and through the
+endpoint, with the same folds (default: every deployed fold), step size and mirroring; ``--record DIR``
+also stores the endpoint's answers as a reference set (only when every case passed). ``--against DIR``
+compares with a reference set instead, without nnU-Net. The report (``validation.md``, ``.html``,
+``.json``) goes to ``--report``. Exit code: 0 every case passed, 1 a case failed or the run was
+interrupted, 2 refused (bad input, another model, other options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from nnunet_triton import __version__
+from nnunet_triton.errors import InputValidationError
+from nnunet_triton.validate.compare import segmentation_labels
+from nnunet_triton.validate.references import IDENTITY_KEYS, RecordedReference, ReferenceWriter
+from nnunet_triton.validate.report import write_report
+from nnunet_triton.validate.run import (
+    NnunetReference,
+    RequestOptions,
+    Thresholds,
+    ValidationResult,
+    deployment_mismatch,
+    run_validation,
+)
+
+__all__ = ["add_parser", "validate"]
+
+LOGGER = logging.getLogger("nnunet_triton.validate")
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("validate", help="compare the endpoint with nnU-Net (or a recorded reference set)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="the nnU-Net results folder the endpoint was built from")
+    source.add_argument("--against", type=Path, help="a reference set recorded earlier (--record)")
+    p.add_argument("-i", "--input", required=True, type=Path, help="file, case folder or DICOM folder")
+    p.add_argument("--record", type=Path, default=None,
+                   help="with --model: store the endpoint's answers here")
+    p.add_argument("--report", type=Path, default=Path("validation_report"), help="report folder")
+    p.add_argument("-f", "--folds", nargs="+", default=None,
+                   help="subset of the deployed folds (default all)")
+    p.add_argument("--step-size", type=float, default=0.5, dest="step_size")
+    p.add_argument("--disable-tta", action="store_true", dest="disable_tta", help="no mirroring")
+    p.add_argument("--probabilities", action="store_true", help="also compare the probabilities")
+    p.add_argument("--min-dice", type=float, default=0.999, help="per label (default 0.999)")
+    p.add_argument("--exact", action="store_true", help="every voxel must be equal (the CPU path)")
+    return p
+
+
+def _versions(description: Any) -> dict[str, Any]:
+    found: dict[str, Any] = {"nnunet_triton": __version__, "triton_server": description.server_version}
+    for package in ("nnunetv2", "torch", "numpy"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def _progress(jobs: list[Any]) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(jobs, total=len(jobs), unit="case", file=sys.stderr, disable=None)
+
+
+def validate(args: argparse.Namespace, url: str) -> int:
+    from nnunet_triton.cli import collect_jobs
+    from nnunet_triton.client import NnunetClient
+    from nnunet_triton.endpoint import describe_endpoint
+
+    if args.record is not None and args.model is None:
+        raise InputValidationError("--record needs --model: a reference set is recorded from a validated "
+                                   "run.")
+    thresholds = Thresholds(min_dice=args.min_dice, exact=args.exact)
+    jobs = collect_jobs(args.input)
+    if not jobs:
+        raise InputValidationError(f"--input {args.input}: no cases found (nnU-Net naming or DICOM series).")
+    description = describe_endpoint(url, args.protocol, timeout_s=min(args.timeout, 60.0))
+    published = dict(description.published)
+    deployed = [str(f) for f in published.get("folds") or []]
+    folds = tuple(args.folds) if args.folds else tuple(deployed) or None
+    options = RequestOptions(folds=folds, mirroring=not args.disable_tta, tile_step_size=args.step_size,
+                             probabilities=args.probabilities)
+    identity = {k: published.get(k) for k in IDENTITY_KEYS}
+    if args.against is not None:
+        reference: Any = RecordedReference.open(args.against)
+        reference.check_compatible(identity, options.to_dict())
+        kind = f"reference set {args.against} (recorded {reference.manifest.get('created')})"
+    else:
+        from nnunet_triton.plans import read_model_folder
+
+        config = read_model_folder(args.model, folds=folds)
+        mismatch = deployment_mismatch(published, config)
+        if mismatch:
+            raise InputValidationError(f"the server at {url} serves another model than --model {args.model} ("
+                                       + "; ".join(mismatch) + ").")
+        reference = NnunetReference(args.model, options)
+        kind = "nnU-Net (nnUNetPredictor, CPU)"
+    writer = ReferenceWriter(args.record, identity, options.to_dict(), _versions(description)) \
+        if args.record is not None else None
+    result = ValidationResult(title=f"Validation of {published.get('dataset_name', 'the endpoint')} at {url}",
+                              options=options, thresholds=thresholds, reference_kind=kind,
+                              deployment={**identity, "url": url, **_versions(description)}, total=len(jobs))
+    with NnunetClient(url, protocol=args.protocol, timeout_s=args.timeout) as client:
+        def segment(image: Any, spacing: Any) -> tuple[Any, Any]:
+            answer = client.segment(image, spacing, mirroring=options.mirroring,
+                                    tile_step_size=options.tile_step_size, folds=options.folds,
+                                    probabilities=options.probabilities)
+            return answer.segmentation, answer.probabilities
+
+        labels = segmentation_labels(list((published.get("labels") or description.labels).items()),
+                                     published.get("regions_class_order"))
+        run_validation(_progress(jobs), segment, reference, labels, result,
+                       num_channels=description.num_channels, record=writer.add if writer else None)
+    written = write_report(result, args.report)
+    _finish_record(writer, result)
+    verdict = "PASS" if result.passed else ("INTERRUPTED" if result.interrupted else "FAIL")
+    sys.stderr.write(f"{verdict}: {sum(c.passed for c in result.cases)} of {result.total} case(s) passed; "
+                     f"report {written['validation.html']}\n")
+    return 0 if result.passed else 1
+
+
+def _finish_record(writer: ReferenceWriter | None, result: ValidationResult) -> None:
+    if writer is None:
+        return
+    if result.passed:
+        sys.stderr.write(f"reference set recorded: {writer.close()}\n")
+    else:
+        writer.discard()
+        sys.stderr.write("reference set NOT recorded: not every case passed.\n")
