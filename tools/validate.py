@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = args.validate_args[1:] if args.validate_args[:1] == ["--"] else args.validate_args
     try:
-        built = build_repository(args.model, args.out / "model_repository", folds=args.folds)
+        folds = [int(f) if f.isdigit() else f for f in args.folds] if args.folds else None  # 0..4 or "all"
+        built = build_repository(args.model, args.out / "model_repository", folds=folds)
         run = {name: args.out / name for name in ("tritonserver.log", "tritonserver.pid", "server.json")}
         with embedded_server.start(built.out, log_file=run["tritonserver.log"],
                                    pid_file=run["tritonserver.pid"], state_file=run["server.json"],

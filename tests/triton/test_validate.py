@@ -121,3 +121,16 @@ def test_validate_fails_with_nnunets_numbers_when_the_deployment_differs(server,
         a, b = expected == label.value, got == label.value
         total = int(a.sum() + b.sum())
         assert label.dice == pytest.approx(2 * int((a & b).sum()) / total if total else 1.0)
+
+
+def test_make_validate_tool_builds_serves_validates_and_stops(tmp_path):
+    """What ``make validate MODEL=... INPUT=... FOLDS=0`` runs (tools/validate.py), end to end."""
+    from tools import validate as tool
+
+    cases = model_dir(SYNTHCT).parent / "imagesTs"
+    code = tool.main(["--model", str(model_dir(SYNTHCT)), "--input", str(cases), "--folds", "0",
+                      "--out", str(tmp_path / "out"), "--", "--exact", "--disable-tta"])
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "report" / "validation.json").read_text())
+    assert report["passed"] and report["options"]["folds"] == ["0"] and report["total"] == 3
+    assert not (tmp_path / "out" / "server.json").exists()  # the server was stopped

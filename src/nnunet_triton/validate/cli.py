@@ -101,18 +101,20 @@ def validate(args: argparse.Namespace, url: str) -> int:
     else:
         from nnunet_triton.plans import read_model_folder
 
-        config = read_model_folder(args.model, folds=folds)
+        fold_ids = [int(f) if f.isdigit() else f for f in folds or ()] or None  # 0..4 or "all"
+        config = read_model_folder(args.model, folds=fold_ids)
         mismatch = deployment_mismatch(published, config)
         if mismatch:
             raise InputValidationError(f"the server at {url} serves another model than --model {args.model} ("
                                        + "; ".join(mismatch) + ").")
         reference = NnunetReference(args.model, options)
         kind = "nnU-Net (nnUNetPredictor, CPU)"
-    writer = ReferenceWriter(args.record, identity, options.to_dict(), _versions(description)) \
+    versions = {**_versions(description), "reference_device": "cpu" if args.model else None}
+    writer = ReferenceWriter(args.record, identity, options.to_dict(), versions) \
         if args.record is not None else None
     result = ValidationResult(title=f"Validation of {published.get('dataset_name', 'the endpoint')} at {url}",
                               options=options, thresholds=thresholds, reference_kind=kind,
-                              deployment={**identity, "url": url, **_versions(description)}, total=len(jobs))
+                              deployment={**identity, "url": url, **versions}, total=len(jobs))
     with NnunetClient(url, protocol=args.protocol, timeout_s=args.timeout) as client:
         def segment(image: Any, spacing: Any) -> tuple[Any, Any]:
             answer = client.segment(image, spacing, mirroring=options.mirroring,

@@ -146,6 +146,10 @@ def html_page(result: ValidationResult) -> str:
             parts.append(f"<figure><img class='case-picture' alt='{e(case.case)}' src='{picture}'>"
                          f"<figcaption>{e(case.case)}: {case.comparison.differing_voxels} differing voxels"
                          "</figcaption></figure>")
+    # the page counts its decoded pictures (checked in a headless browser by the tests)
+    parts.append("<script>window.addEventListener('load', () => document.body.setAttribute("
+                 "'data-images-loaded', [...document.images].filter(i => i.complete && i.naturalWidth > 0)"
+                 ".length));</script>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 

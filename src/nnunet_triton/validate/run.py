@@ -25,7 +25,7 @@ __all__ = ["Thresholds", "RequestOptions", "CaseResult", "ValidationResult", "Nn
 
 LOGGER = logging.getLogger(__name__)
 CASE_ERRORS = (NnunetTritonError, OSError, ValueError, RuntimeError)
-DEPLOYMENT_KEYS = ("dataset_name", "plans_name", "configuration", "trainer_name")
+DEPLOYMENT_KEYS = ("dataset_name", "plans_name", "configuration", "trainer_name", "patch_size", "spacing")
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,8 @@ class ValidationResult:
 def deployment_mismatch(published: Mapping[str, Any], config: Any) -> list[str]:
     """What differs between the endpoint's description and a model folder's ``InferenceConfig``."""
     local = {"dataset_name": config.dataset_name, "plans_name": config.plans_name,
-             "configuration": config.configuration, "trainer_name": config.network.trainer_name}
+             "configuration": config.configuration, "trainer_name": config.network.trainer_name,
+             "patch_size": list(config.patch_size), "spacing": list(config.spacing)}
     return [f"{key}: served {published.get(key)!r}, model folder {local[key]!r}"
             for key in DEPLOYMENT_KEYS if published.get(key) != local[key]]
 
