@@ -79,6 +79,18 @@ def test_killed_combine_model_is_reloaded_and_ensemble_answers_stay_correct_unde
     assert_recovers_under_load(ensemble_server, "combine_model", load)
 
 
+def test_validate_refuses_to_compare_an_ensemble_of_configurations_with_one_member(ensemble_server, tmp_path,
+                                                                                   capsys):
+    from nnunet_triton import cli
+
+    member = FIXTURES / MEMBERS[0]
+    code = cli.main(["validate", "--url", ensemble_server.http_url, "--model", str(member),
+                     "-i", str(member.parent / "imagesTs"), "--report", str(tmp_path / "r")])
+    assert code == 2
+    assert "the endpoint is an ensemble of configurations or a cascade" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_ensemble_build_refuses_members_with_different_labels(tmp_path):
     from repository.build import build_ensemble_repository
 

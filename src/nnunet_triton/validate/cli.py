@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton import __version__
+from nnunet_triton import __version__, io_names
 from nnunet_triton.errors import InputValidationError
 from nnunet_triton.validate.compare import segmentation_labels
 from nnunet_triton.validate.references import IDENTITY_KEYS, RecordedReference, ReferenceWriter
@@ -103,6 +103,10 @@ def validate(args: argparse.Namespace, url: str) -> int:
 
         fold_ids = [int(f) if f.isdigit() else f for f in folds or ()] or None  # 0..4 or "all"
         config = read_model_folder(args.model, folds=fold_ids)
+        if io_names.COMBINE_MODEL in description.composing_models or config.previous_stage is not None:
+            raise InputValidationError(
+                "validate --model compares with one nnU-Net configuration; the endpoint is an ensemble of "
+                "configurations or a cascade, which validate does not reproduce yet.")
         mismatch = deployment_mismatch(published, config)
         if mismatch:
             raise InputValidationError(f"the server at {url} serves another model than --model {args.model} ("
