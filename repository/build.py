@@ -51,7 +51,7 @@ from nnunet_triton import config_gen, io_names, model_specs  # noqa: E402
 from nnunet_triton.ensembling import check_ensemble_members  # noqa: E402
 from nnunet_triton.errors import NnunetTritonError, PlansError  # noqa: E402
 from nnunet_triton.model_specs import BuildOptions, FoldRunner, Target  # noqa: E402
-from nnunet_triton.plans import CHECKPOINT_NAME, InferenceConfig, read_model_folder  # noqa: E402
+from nnunet_triton.plans import CHECKPOINT_NAME, InferenceConfig, parse_fold, read_model_folder  # noqa: E402
 from nnunet_triton.postprocessing import (  # noqa: E402
     POSTPROCESSING_FILE,
     PostprocessingPlan,
@@ -477,10 +477,6 @@ def build_ensemble_repository(
     return BuildResult(out=out, rebuilt=True, input_hash=input_hash, seconds=seconds)
 
 
-def _parse_fold(text: str) -> int | str:
-    return "all" if text == "all" else int(text)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Build a Triton model repository from an nnU-Net results folder.")
     p.add_argument("--model", required=True, type=Path, nargs="+",
@@ -488,7 +484,7 @@ def _parser() -> argparse.ArgumentParser:
                         "two or more folders build an ensemble of configurations (nnUNetv2_ensemble)")
     p.add_argument("--configuration", nargs="+", default=None,
                    help="check that the checkpoints use this configuration (one per --model, or one for all)")
-    p.add_argument("--folds", nargs="+", type=_parse_fold, default=None, help="default: all fold_<k> found")
+    p.add_argument("--folds", nargs="+", type=parse_fold, default=None, help="default: all fold_<k> found")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "model_repository")
     p.add_argument("--target", choices=[t.value for t in Target], default=Target.CPU.value)
     p.add_argument("--tile-batch-size", type=int, default=BuildOptions.tile_batch_size,

@@ -15,6 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
+from nnunet_triton.plans import parse_fold
+
 LOGGER = logging.getLogger("validate")
 
 
@@ -22,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, required=True, help="nnU-Net results folder")
     p.add_argument("--input", type=Path, required=True, help="cases (nnU-Net naming) or a DICOM folder")
-    p.add_argument("--folds", nargs="+", default=None, help="folds to serve and compare (default: all found)")
+    p.add_argument("--folds", nargs="+", type=parse_fold, default=None,
+                   help="folds to serve and compare (default: all found)")
     p.add_argument("--out", type=Path, default=Path("build/validate"), help="repository and report folder")
     p.add_argument("validate_args", nargs=argparse.REMAINDER, help="-- options of nnunet-triton validate")
     return p
@@ -37,15 +40,14 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = args.validate_args[1:] if args.validate_args[:1] == ["--"] else args.validate_args
     try:
-        folds = [int(f) if f.isdigit() else f for f in args.folds] if args.folds else None  # 0..4 or "all"
-        built = build_repository(args.model, args.out / "model_repository", folds=folds)
+        built = build_repository(args.model, args.out / "model_repository", folds=args.folds)
         run = {name: args.out / name for name in ("tritonserver.log", "tritonserver.pid", "server.json")}
         with embedded_server.start(built.out, log_file=run["tritonserver.log"],
                                    pid_file=run["tritonserver.pid"], state_file=run["server.json"],
                                    ready_timeout_s=900) as server:
             return cli.main(["validate", "--url", server.http_url, "--model", str(args.model), "-i",
                              str(args.input), "--report", str(args.out / "report"),
-                             *(["-f", *args.folds] if args.folds else []), *extra])
+                             *(["-f", *map(str, args.folds)] if args.folds else []), *extra])
     except NnunetTritonError as exc:
         LOGGER.error("%s", exc)
         return 2

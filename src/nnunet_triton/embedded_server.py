@@ -29,6 +29,7 @@ from nnunet_triton.errors import ServerError
 from nnunet_triton.health import (
     HealthReport,
     check_health,
+    pid_alive,
     remove_shm_regions,
     repository_models,
     stub_processes,
@@ -64,14 +65,6 @@ DEFAULT_BACKEND_CONFIG: Mapping[str, Mapping[str, str]] = {
     }
 }
 _PR_SET_PDEATHSIG = 1
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 def _group_alive(pgid: int) -> bool:
@@ -142,7 +135,7 @@ class ServerHandle:
     def is_running(self) -> bool:
         if self._process is not None:
             return self._process.poll() is None
-        if not _pid_alive(self.pid):
+        if not pid_alive(self.pid):
             return False
         try:  # guard against pid reuse: only ever signal our own tritonserver
             return Path(f"/proc/{self.pid}/cmdline").read_bytes().split(b"\0")[0].decode() == self.server_bin
@@ -167,7 +160,7 @@ class ServerHandle:
         if self._watchdog is not None:
             return self._watchdog.poll() is None
         pid = self.watchdog_pid
-        return pid is not None and _pid_alive(pid) and _is_watchdog(pid)
+        return pid is not None and pid_alive(pid) and _is_watchdog(pid)
 
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM, wait ``timeout_s`` (default: exit timeout + 10 s), then SIGKILL server and stubs.
@@ -202,14 +195,10 @@ class ServerHandle:
         assert self.watchdog_pid is not None
         os.kill(self.watchdog_pid, signal.SIGTERM)
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            if self._watchdog is not None:
-                if self._watchdog.poll() is not None:
-                    return
-            elif not _pid_alive(self.watchdog_pid):
-                return
+        while self.watchdog_running() and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(self.watchdog_pid, signal.SIGKILL)
+        if self.watchdog_running():
+            os.kill(self.watchdog_pid, signal.SIGKILL)
 
     def _wait_exit(self, timeout_s: float) -> bool:
         if self._process is not None:
@@ -219,7 +208,7 @@ class ServerHandle:
             except subprocess.TimeoutExpired:
                 return False
         deadline = time.monotonic() + timeout_s
-        while _pid_alive(self.pid):
+        while pid_alive(self.pid):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.1)

@@ -32,6 +32,7 @@ __all__ = [
     "load_inference_config",
     "read_model_folder",
     "detect_folds",
+    "parse_fold",
     "load_checkpoint",
 ]
 
@@ -454,6 +455,11 @@ def load_inference_config(
         file_ending=str(dataset.get("file_ending", ".nii.gz")),
         previous_stage=previous_stage,
     )
+
+
+def parse_fold(text: str) -> int | str:
+    """A fold as the command lines take it: ``"all"`` or a number (ValueError otherwise)."""
+    return "all" if text == "all" else int(text)
 
 
 def detect_folds(model_dir: str | Path, checkpoint_name: str = CHECKPOINT_NAME) -> tuple[int | str, ...]:

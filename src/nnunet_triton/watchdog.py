@@ -50,6 +50,7 @@ from nnunet_triton.health import (
     ModelHealth,
     StubProcess,
     check_health,
+    pid_alive,
     remove_shm_regions,
     repository_models,
     stub_processes,
@@ -104,15 +105,7 @@ def _is_stub(stub: StubProcess) -> bool:
         argv = Path(f"/proc/{stub.pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return _pid_alive(stub.pid) and len(argv) > 2 and argv[2].decode(errors="replace") == stub.shm_region
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return pid_alive(stub.pid) and len(argv) > 2 and argv[2].decode(errors="replace") == stub.shm_region
 
 
 @dataclass
@@ -152,7 +145,7 @@ class Watchdog:
     def run(self) -> int:
         """Loop until the server process is gone or ``stop`` is called; 0 always."""
         announced = False
-        while not self._stop and _pid_alive(self.server_pid):
+        while not self._stop and pid_alive(self.server_pid):
             self.tick()
             if not announced:  # after the first check: the launcher waits for this line
                 LOGGER.info("%s tritonserver pid %d at %s (%d models, %d processes, every %.1f s)", WATCHING,
@@ -178,7 +171,7 @@ class Watchdog:
         for stub in lingering:
             os.kill(stub.pid, signal.SIGKILL)
         deadline = time.monotonic() + grace_s
-        while any(_pid_alive(s.pid) for s in stubs) and time.monotonic() < deadline:
+        while any(pid_alive(s.pid) for s in stubs) and time.monotonic() < deadline:
             time.sleep(0.1)
         removed = remove_shm_regions((s.shm_region for s in stubs), self.shm)
         LOGGER.warning("%d orphaned stub process(es) of %d ended with SIGKILL; removed %d shared-memory "

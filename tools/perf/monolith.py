@@ -24,7 +24,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from nnunet_triton import config_gen, model_specs  # noqa: E402
-from nnunet_triton.plans import CHECKPOINT_NAME, InferenceConfig, read_model_folder  # noqa: E402
+from nnunet_triton.plans import CHECKPOINT_NAME, InferenceConfig, parse_fold, read_model_folder  # noqa: E402
 
 __all__ = ["MONOLITH_MODEL", "ADAPTER", "monolith_spec", "build_monolith_repository", "main"]
 
@@ -85,16 +85,12 @@ def build_monolith_repository(model_dir: Path, out: Path, *, folds: Sequence[int
     return out
 
 
-def _parse_fold(text: str) -> int | str:
-    return "all" if text == "all" else int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Write the monolith repository; exit 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="nnU-Net results folder")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--folds", nargs="+", type=_parse_fold, default=None)
+    parser.add_argument("--folds", nargs="+", type=parse_fold, default=None)
     parser.add_argument("--instances", type=int, default=1)
     parser.add_argument("--torch-threads", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

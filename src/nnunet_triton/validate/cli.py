@@ -23,6 +23,7 @@ from typing import Any
 
 from nnunet_triton import __version__, io_names
 from nnunet_triton.errors import InputValidationError
+from nnunet_triton.plans import parse_fold
 from nnunet_triton.validate.compare import segmentation_labels
 from nnunet_triton.validate.references import IDENTITY_KEYS, RecordedReference, ReferenceWriter
 from nnunet_triton.validate.report import write_report
@@ -49,7 +50,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--record", type=Path, default=None,
                    help="with --model: store the endpoint's answers here")
     p.add_argument("--report", type=Path, default=Path("validation_report"), help="report folder")
-    p.add_argument("-f", "--folds", nargs="+", default=None,
+    p.add_argument("-f", "--folds", nargs="+", type=parse_fold, default=None,
                    help="subset of the deployed folds (default all)")
     p.add_argument("--step-size", type=float, default=0.5, dest="step_size")
     p.add_argument("--disable-tta", action="store_true", dest="disable_tta", help="no mirroring")
@@ -89,8 +90,7 @@ def validate(args: argparse.Namespace, url: str) -> int:
         raise InputValidationError(f"--input {args.input}: no cases found (nnU-Net naming or DICOM series).")
     description = describe_endpoint(url, args.protocol, timeout_s=min(args.timeout, 60.0))
     published = dict(description.published)
-    deployed = [str(f) for f in published.get("folds") or []]
-    folds = tuple(args.folds) if args.folds else tuple(deployed) or None
+    folds = tuple(args.folds or published.get("folds") or ()) or None
     options = RequestOptions(folds=folds, mirroring=not args.disable_tta, tile_step_size=args.step_size,
                              probabilities=args.probabilities)
     identity = {k: published.get(k) for k in IDENTITY_KEYS}
@@ -101,8 +101,7 @@ def validate(args: argparse.Namespace, url: str) -> int:
     else:
         from nnunet_triton.plans import read_model_folder
 
-        fold_ids = [int(f) if f.isdigit() else f for f in folds or ()] or None  # 0..4 or "all"
-        config = read_model_folder(args.model, folds=fold_ids)
+        config = read_model_folder(args.model, folds=folds)
         if io_names.COMBINE_MODEL in description.composing_models or config.previous_stage is not None:
             raise InputValidationError(
                 "validate --model compares with one nnU-Net configuration; the endpoint is an ensemble of "

@@ -42,7 +42,7 @@ def _criterion(result: ValidationResult) -> str:
 
 def _rows(case: CaseResult) -> list[list[str]]:
     if case.comparison is None:
-        return [[case.case, "ERROR", "", "", "", "", html.unescape(case.error or "")]]
+        return [[case.case, "ERROR", "", "", "", "", case.error or ""]]
     c = case.comparison
     rows = []
     for label in c.labels or ():

@@ -17,14 +17,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError
+from nnunet_triton.cli import CASE_ERRORS
+from nnunet_triton.errors import ClientError, InputValidationError
 from nnunet_triton.validate.compare import CaseComparison, compare_case
 
 __all__ = ["Thresholds", "RequestOptions", "CaseResult", "ValidationResult", "NnunetReference",
            "Reference", "run_validation", "deployment_mismatch"]
 
 LOGGER = logging.getLogger(__name__)
-CASE_ERRORS = (NnunetTritonError, OSError, ValueError, RuntimeError)
 DEPLOYMENT_KEYS = ("dataset_name", "plans_name", "configuration", "trainer_name", "patch_size", "spacing")
 
 
@@ -89,7 +89,7 @@ class NnunetReference:
                 tile_step_size=self.options.tile_step_size, use_gaussian=True,
                 use_mirroring=self.options.mirroring, perform_everything_on_device=False,
                 device=torch.device("cpu"), verbose=False, verbose_preprocessing=False, allow_tqdm=False)
-            folds = [f if f == "all" else int(f) for f in self.options.folds] if self.options.folds else None
+            folds = list(self.options.folds) if self.options.folds else None
             predictor.initialize_from_trained_model_folder(str(self.model_folder), use_folds=folds)
             self._predictor = predictor
         data = np.ascontiguousarray(image, dtype=np.float32)  # nnU-Net's readers give float32
