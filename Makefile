@@ -127,8 +127,8 @@ export: $(SETUP_STAMP) ## Export each fold of MODEL="<results folder> ..." to To
 
 fixtures: $(SETUP_STAMP) ## Regenerate the committed nnU-Net fixture models under tests/fixtures (trains with nnU-Net; slow)
 	$(PY) tools/make_fixture_model.py --out tests/fixtures --which all
-	$(PY) tools/make_variety_fixtures.py --out tests/fixtures
-	$(PY) tools/make_cascade_fixture.py --out tests/fixtures
+	$(PY) -m tools.make_variety_fixtures --out tests/fixtures
+	$(PY) -m tools.make_cascade_fixture --out tests/fixtures
 
 deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (TARGET=embedded|docker|k8s; DEPLOY_ARGS=--execute runs docker/kubectl)
 	$(PY) tools/deploy.py --model $(or $(MODEL),$(FIXTURE_MODEL)) --target $(TARGET) \

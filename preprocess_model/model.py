@@ -1,20 +1,20 @@
 """Triton Python model ``preprocess_model``: IMAGE + SPACING -> PREPROCESSED + CASE_PROPERTIES.
 
-A thin adapter around :func:`nnunet_triton.preprocess.preprocess_case` (nnU-Net's
+A thin adapter around :func:`nnunet_triton.numerics.preprocess.preprocess_case` (nnU-Net's
 ``DefaultPreprocessor.run_case_npy``). It also validates the request parameters (the per-request
 options, forwarded by the ``nnunet`` ensemble to every step) so that a bad option fails before any
 expensive work. Each request is answered on its own: a bad one gets an INVALID_ARG response, the others
 of the same batch are unaffected. Custom metrics (``serving.StepMetrics``, docs/deploy.md "Metrics")
 time ``preprocess_case``.
 
-Config parameter ``max_voxels`` (``nnunet_triton.validation``; 0 = no limit): the IMAGE input and the
+Config parameter ``max_voxels`` (``nnunet_triton.numerics.limits``; 0 = no limit): the IMAGE input and the
 resampled volume (C x the shape nnU-Net resamples to) may hold at most that many voxels; larger requests
 get INVALID_ARG naming the tensor, its voxel count and the limit before preprocessing allocates anything.
 Config parameter ``max_request_bytes`` (0 = none): the request's float32 logits and probabilities may
 not exceed it (``validation.check_request_memory``), checked at the same point.
 
 In a cascade stage (``previous_stage`` in the configuration) the previous stage's SEGMENTATION arrives as
-PREVIOUS_SEGMENTATION and :func:`nnunet_triton.cascade.preprocess_cascade_case` appends its one-hot
+PREVIOUS_SEGMENTATION and :func:`nnunet_triton.numerics.cascade.preprocess_cascade_case` appends its one-hot
 encoding (nnU-Net's data iterators) to the preprocessed image.
 
 I/O (``max_batch_size: 0``):
@@ -32,16 +32,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from nnunet_triton import io_names, serving
-from nnunet_triton.cascade import preprocess_cascade_case
 from nnunet_triton.errors import NnunetTritonError
-from nnunet_triton.orchestration import parse_request_options
-from nnunet_triton.plans import InferenceConfig
-from nnunet_triton.preprocess import preprocess_case
-from nnunet_triton.validation import (
-    check_voxel_limit,
-    max_request_bytes_from_parameters,
-    max_voxels_from_parameters,
-)
+from nnunet_triton.numerics.cascade import preprocess_cascade_case
+from nnunet_triton.numerics.limits import check_voxel_limit
+from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.numerics.preprocess import preprocess_case
+from nnunet_triton.options import parse_request_options
+from nnunet_triton.parameters import PreprocessParameters
 
 CONFIG_FILE = "inference_config.json"
 
@@ -55,9 +52,8 @@ class TritonPythonModel:
 
             self._logger = pb_utils.Logger
             self._config = InferenceConfig.from_json((Path(__file__).parent / CONFIG_FILE).read_text())
-            params = serving.model_parameters(args)
-            self._limits = {"max_voxels": max_voxels_from_parameters(params),
-                            "max_request_bytes": max_request_bytes_from_parameters(params)}
+            params = PreprocessParameters.from_parameters(serving.model_parameters(args))
+            self._limits = {"max_voxels": params.max_voxels, "max_request_bytes": params.max_request_bytes}
             self._metrics = serving.StepMetrics.create(args, self._config)
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None

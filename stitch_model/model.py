@@ -1,6 +1,7 @@
 """Triton Python model ``stitch_model``: LOGITS + CASE_PROPERTIES -> SEGMENTATION (+ PROBABILITIES).
 
-A thin adapter around :func:`nnunet_triton.export.convert_logits_to_segmentation` (nnU-Net's
+A thin adapter around
+:func:`nnunet_triton.numerics.prediction_export.convert_logits_to_segmentation` (nnU-Net's
 ``convert_predicted_logits_to_segmentation_with_correct_shape``): resample the fold-averaged logits back
 to the cropped original geometry, argmax (or region thresholds), uncrop, transpose back.
 
@@ -30,18 +31,14 @@ import numpy as np
 
 from nnunet_triton import io_names, serving
 from nnunet_triton.errors import NnunetTritonError, PlansError
-from nnunet_triton.export import convert_logits_to_segmentation
-from nnunet_triton.orchestration import parse_request_options
-from nnunet_triton.plans import InferenceConfig
-from nnunet_triton.postprocessing import apply_postprocessing, load_deployed_postprocessing
-from nnunet_triton.preprocess import CaseProperties
+from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.numerics.postprocessing import apply_postprocessing, load_deployed_postprocessing
+from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
+from nnunet_triton.numerics.preprocess import CaseProperties
+from nnunet_triton.options import ProbabilitiesOutput, parse_request_options
+from nnunet_triton.parameters import StitchParameters
 
 CONFIG_FILE = "inference_config.json"
-# config parameter: "request" (default: the `probabilities` request option decides), "always" (an ensemble
-# member, whose PROBABILITIES feed combine_model), "never" (a cascade's previous stage: only SEGMENTATION
-# is used, so a client's probabilities=true must not make it compute them)
-PARAM_PROBABILITIES_OUTPUT = "probabilities_output"
-_PROBABILITIES_OUTPUT_VALUES = ("request", "always", "never")
 
 
 class TritonPythonModel:
@@ -61,13 +58,9 @@ class TritonPythonModel:
                     f"{max_label}."
                 )
             self._metrics = serving.StepMetrics.create(args, self._config)
-            mode = serving.model_parameters(args).get(PARAM_PROBABILITIES_OUTPUT, "request")
-            if mode not in _PROBABILITIES_OUTPUT_VALUES:
-                raise PlansError(
-                    f"config parameter {PARAM_PROBABILITIES_OUTPUT!r} must be one of "
-                    f"{_PROBABILITIES_OUTPUT_VALUES}, got {mode!r}."
-                )
-            self._probabilities_output = mode
+            # config parameter probabilities_output (request / always / never: parameters.StitchParameters)
+            params = StitchParameters.from_parameters(serving.model_parameters(args))
+            self._probabilities_output = params.probabilities_output
             self._postprocessing = load_deployed_postprocessing(Path(__file__).parent)
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None
@@ -80,8 +73,8 @@ class TritonPythonModel:
             options = parse_request_options(serving.request_parameters(request), self._config)
             logits = serving.input_array(request, io_names.LOGITS)
             props = CaseProperties.from_array(serving.input_array(request, io_names.CASE_PROPERTIES))
-            want_probabilities = self._probabilities_output == "always" or (
-                options.probabilities and self._probabilities_output == "request"
+            want_probabilities = self._probabilities_output is ProbabilitiesOutput.ALWAYS or (
+                options.probabilities and self._probabilities_output is ProbabilitiesOutput.REQUEST
             )
             with record.timed():
                 result = convert_logits_to_segmentation(

@@ -71,7 +71,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def write_identity_repository(root: Path) -> Path:
     """Write ``<root>/identity`` (Python backend, config.pbtxt from config_gen) and return ``root``."""
-    from nnunet_triton import config_gen
+    from nnunet_triton.builder import config_gen
 
     tensors = [
         (config_gen.TensorSpec(i, dt, (-1, -1, -1)), config_gen.TensorSpec(o, dt, (-1, -1, -1)))
@@ -102,7 +102,7 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any
     """
     if importlib.util.find_spec("pytriton") is None:
         pytest.skip("nvidia-pytriton (which ships tritonserver) is not installed; run `make setup`")
-    from nnunet_triton import embedded_server
+    from nnunet_triton.server import embedded as embedded_server
 
     @contextlib.contextmanager
     def start(model_repository: str | Path, **kwargs: Any) -> Iterator[embedded_server.ServerHandle]:

@@ -4,7 +4,7 @@
         [--image <case>_0000.nii.gz] [--out build/demo] [--protocol http|grpc] [--no-mirroring]
 
 Steps: build the model repository with ``repository/build.py`` (a no-op when it is up to date), start
-the embedded ``tritonserver`` (``nnunet_triton.embedded_server``) on free loopback ports, read the image
+the embedded ``tritonserver`` (``nnunet_triton.server.embedded``) on free loopback ports, read the image
 with SimpleITK, segment it with ONE call of the ``nnunet`` endpoint through ``NnunetClient``, write the
 label map as NIfTI with the input's spacing, origin and direction, print labels, voxel counts and
 timings, and stop the server (also when something fails).
@@ -18,14 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from nnunet_triton.errors import NnunetTritonError
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-for _path in (REPO_ROOT, REPO_ROOT / "src"):  # runnable from a checkout before `pip install -e .`
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-import numpy as np  # noqa: E402
-
-from nnunet_triton.errors import NnunetTritonError  # noqa: E402
 
 LOGGER = logging.getLogger("demo")
 DEFAULT_MODEL = Path("tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny")
@@ -92,9 +89,9 @@ def _case_name(first: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nnunet_triton import embedded_server
-    from nnunet_triton.client import NnunetClient
-    from repository.build import build_ensemble_repository, build_repository
+    from nnunet_triton.builder.repository import build_ensemble_repository, build_repository
+    from nnunet_triton.client.client import NnunetClient
+    from nnunet_triton.server import embedded as embedded_server
 
     model_dirs = [_resolve(m) for m in args.model]
     folds = [f if f == "all" else int(f) for f in args.folds] if args.folds else None

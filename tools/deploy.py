@@ -24,15 +24,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-for _path in (REPO_ROOT / "src", REPO_ROOT):  # runnable from a checkout before `pip install -e .`
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+from nnunet_triton.errors import NnunetTritonError
+from nnunet_triton.server import deploy
+from nnunet_triton.server.deploy import docker, k8s
+from nnunet_triton.server.deploy.repository_info import METADATA_FILE, torch_minor
 
-from nnunet_triton import deploy  # noqa: E402
-from nnunet_triton.deploy import docker, k8s  # noqa: E402
-from nnunet_triton.deploy.repository_info import METADATA_FILE, torch_minor  # noqa: E402
-from nnunet_triton.errors import NnunetTritonError  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 LOGGER = logging.getLogger("deploy")
 DEFAULT_MODEL = REPO_ROOT / "tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny"
@@ -42,7 +39,7 @@ DEFAULT_OUT = {"embedded": "build/model_repository", "docker": "build/model_repo
 
 
 def _build_options(args: argparse.Namespace, target: str) -> object:
-    from nnunet_triton.model_specs import BuildOptions
+    from nnunet_triton.builder.model_specs import BuildOptions
 
     return BuildOptions(target=target, tile_batch_size=args.tile_batch_size,
                         fold_precision=args.precision if target == "gpu" else "fp32",
@@ -51,7 +48,7 @@ def _build_options(args: argparse.Namespace, target: str) -> object:
 
 
 def _read_config(args: argparse.Namespace):  # -> InferenceConfig
-    from nnunet_triton.plans import read_model_folder
+    from nnunet_triton.numerics.plans import read_model_folder
 
     if len(args.models) > 1 and args.target != "embedded":
         raise NnunetTritonError(
@@ -73,7 +70,7 @@ def _read_config(args: argparse.Namespace):  # -> InferenceConfig
 
 
 def _build(args: argparse.Namespace, target: str, export_device: str | None = None) -> None:
-    from repository.build import build_ensemble_repository, build_repository
+    from nnunet_triton.builder.repository import build_ensemble_repository, build_repository
 
     if len(args.models) > 1:
         result = build_ensemble_repository(args.models, args.out, options=_build_options(args, target),
@@ -102,8 +99,8 @@ def _deployed(handle: object) -> str | None:
 
 
 def _deploy_embedded(args: argparse.Namespace) -> int:
-    from nnunet_triton import embedded_server
-    from nnunet_triton.triton_install import resolve_home
+    from nnunet_triton.server import embedded as embedded_server
+    from nnunet_triton.server.triton_install import resolve_home
 
     _read_config(args)
     _build(args, "cpu")
@@ -239,8 +236,8 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
 
 def _undeploy(args: argparse.Namespace) -> int:
     if args.target == "embedded":
-        from nnunet_triton import embedded_server
-        from nnunet_triton.triton_install import resolve_home
+        from nnunet_triton.server import embedded as embedded_server
+        from nnunet_triton.server.triton_install import resolve_home
 
         (resolve_home(None) / "run" / DEPLOYED_FILE).unlink(missing_ok=True)
         return embedded_server.main(["stop"])

@@ -21,7 +21,7 @@ kept under ``predictions/`` (step 0.5, Gaussian, mirroring, fold ``all``).
 
 Usage (from the repository root)::
 
-    python tools/make_cascade_fixture.py --out tests/fixtures
+    python -m tools.make_cascade_fixture --out tests/fixtures
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from make_fixture_model import (  # noqa: E402  (tools/ is not a package)
+from tools.make_fixture_model import (
     CHECKPOINT_KEYS_KEPT,
     LABELS,
     GeometryRanges,
@@ -317,7 +315,7 @@ def build(out_root: Path, work_dir: Path) -> dict[str, Any]:
     configurations = plans["configurations"]
     record: dict[str, Any] = {
         "dataset": DATASET_NAME,
-        "command": "python tools/make_cascade_fixture.py --out tests/fixtures",
+        "command": "python -m tools.make_cascade_fixture --out tests/fixtures",
         "seed": SEED,
         "training_seeds": {stage.configuration: SEED * 100 + i for i, stage in enumerate(STAGES)},
         "fold": FOLD,

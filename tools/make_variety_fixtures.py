@@ -21,7 +21,7 @@ the fixtures exist for parity of serving with ``nnUNetPredictor``, not for accur
 
 Usage (from the repository root)::
 
-    python tools/make_variety_fixtures.py --out tests/fixtures
+    python -m tools.make_variety_fixtures --out tests/fixtures
 """
 
 from __future__ import annotations
@@ -38,9 +38,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from make_fixture_model import (  # noqa: E402  (tools/ is not a package)
+from tools.make_fixture_model import (
     CaseGeometry,
     GeometryRanges,
     HeldOutCase,
@@ -333,7 +331,7 @@ def build(out_root: Path, work_dir: Path) -> dict[str, Any]:
     extract_fingerprint_dataset(DATASET_ID, num_processes=1, check_dataset_integrity=True, clean=True,
                                 verbose=False, show_progress_bar=False)
     planned: set[str] = set()
-    record: dict[str, Any] = {"dataset": DATASET_NAME, "command": "python tools/make_variety_fixtures.py "
+    record: dict[str, Any] = {"dataset": DATASET_NAME, "command": "python -m tools.make_variety_fixtures "
                               "--out tests/fixtures", "seed": SEED, "torch": torch.__version__,
                               "held_out_cases": held_out, "models": {}}
     for index, model in enumerate(MODELS):

@@ -34,9 +34,6 @@ from typing import Any
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-for _path in (REPO_ROOT / "src", REPO_ROOT):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
 LOGGER = logging.getLogger("soak")
 DEFAULT_MODEL = (
@@ -455,14 +452,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _start_server(args: argparse.Namespace) -> Any:
-    from nnunet_triton import embedded_server
-    from nnunet_triton.model_specs import BuildOptions
-    from repository.build import build_repository
+    from nnunet_triton.builder.model_specs import BuildOptions
+    from nnunet_triton.builder.repository import build_repository
+    from nnunet_triton.server import embedded as embedded_server
 
     repository = args.repository
     if repository is None:
         options = BuildOptions(
-            tile_batch_size=TILE_BATCH_SIZE, max_forward_batch=1, max_inflight=MAX_INFLIGHT
+            tile_batch_size=TILE_BATCH_SIZE, per_sample_forward=True, max_inflight=MAX_INFLIGHT
         )
         dataset = args.model.parent.name
         repository = build_repository(

@@ -4,7 +4,7 @@
         [-- validate options, e.g. --exact --disable-tta --record DIR]
 
 The repository goes to ``<out>/model_repository`` (a no-op rebuild when up to date), the server starts on
-free loopback ports (``nnunet_triton.embedded_server``), the report goes to ``<out>/report``; the server is
+free loopback ports (``nnunet_triton.server.embedded``), the report goes to ``<out>/report``; the server is
 stopped also when something fails. The exit code is ``nnunet-triton validate``'s.
 """
 
@@ -15,7 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
-from nnunet_triton.plans import parse_fold
+from nnunet_triton.numerics.plans import parse_fold
 
 LOGGER = logging.getLogger("validate")
 
@@ -34,9 +34,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from nnunet_triton import cli, embedded_server
+    from nnunet_triton.builder.repository import build_repository
+    from nnunet_triton.client import cli
     from nnunet_triton.errors import NnunetTritonError
-    from repository.build import build_repository
+    from nnunet_triton.server import embedded as embedded_server
 
     extra = args.validate_args[1:] if args.validate_args[:1] == ["--"] else args.validate_args
     try:

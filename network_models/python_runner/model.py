@@ -3,7 +3,7 @@
 A stand-in for the ``pytorch_libtorch`` backend with the same name and I/O (``INPUT__0`` ->
 ``OUTPUT__0``), for servers without libtorch (the embedded CPU server). Every ``execute`` gets the
 requests of one dynamic batch; their tiles are concatenated along the batch axis and run as ONE
-forward (or tile by tile with ``per_sample_forward``; see ``nnunet_triton.fold_runner``), then split
+forward (or tile by tile with ``per_sample_forward``; see ``nnunet_triton.pipeline.fold_runner``), then split
 back per request.
 
 Config parameters (``model_specs.python_fold_spec``):
@@ -23,16 +23,10 @@ from pathlib import Path
 
 from nnunet_triton import io_names, serving
 from nnunet_triton.errors import NnunetTritonError
-from nnunet_triton.fold_runner import load_runner
+from nnunet_triton.parameters import FoldRunnerParameters
+from nnunet_triton.pipeline.fold_runner import load_runner
 
 _TORCH_DTYPES = {"TYPE_FP32": "float32", "TYPE_FP16": "float16"}
-
-
-def _flag(text: str) -> bool:
-    value = text.strip().lower()
-    if value not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"parameter per_sample_forward must be true or false, got {text!r}.")
-    return value in ("true", "1", "yes")
 
 
 class TritonPythonModel:
@@ -44,18 +38,18 @@ class TritonPythonModel:
 
             self._logger = pb_utils.Logger
             config = json.loads(args["model_config"])
-            params = serving.model_parameters(args)
+            params = FoldRunnerParameters.from_parameters(serving.model_parameters(args))
             input_config = pb_utils.get_input_config_by_name(config, io_names.FOLD_INPUT)
             output_config = pb_utils.get_output_config_by_name(config, io_names.FOLD_OUTPUT)
             device = "cpu"
             if args["model_instance_kind"] == "GPU":
                 device = f"cuda:{int(args['model_instance_device_id'])}"
             self._runner = load_runner(
-                Path(__file__).parent / params.get("model_filename", "model.pt"),
+                Path(__file__).parent / params.model_filename,
                 device=device,
-                num_threads=int(params.get("torch_num_threads", "0")),
+                num_threads=params.torch_num_threads,
                 sample_shape=[int(d) for d in input_config["dims"]],
-                max_forward_batch=1 if _flag(params.get("per_sample_forward", "false")) else 0,
+                max_forward_batch=1 if params.per_sample_forward else 0,
                 output_dtype=_TORCH_DTYPES[output_config["data_type"]],
             )
         except Exception:

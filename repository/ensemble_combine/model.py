@@ -3,7 +3,7 @@
 ``nnUNetv2_ensemble`` behind the one endpoint: every member pipeline (``member<i>_preprocess_model`` ->
 ``member<i>_orchestrator_model`` -> ``member<i>_stitch_model``, which always returns PROBABILITIES in the
 original geometry) feeds ``PROBABILITIES_<i>``; this model averages them in member order
-(:func:`nnunet_triton.ensembling.average_probabilities`), converts them to the segmentation like
+(:func:`nnunet_triton.numerics.ensembling.average_probabilities`), converts them to the segmentation like
 ``LabelManager.convert_probabilities_to_segmentation``, and applies the ensemble's postprocessing
 (``postprocessing.json`` next to this file, from nnU-Net's ``postprocessing.pkl``) unless the request
 parameter ``postprocessing`` is false. PROBABILITIES (the average) are returned only when the request
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names, serving
-from nnunet_triton.ensembling import average_probabilities, segmentation_from_probabilities
 from nnunet_triton.errors import NnunetTritonError, PlansError
-from nnunet_triton.orchestration import parse_request_options
-from nnunet_triton.plans import InferenceConfig
-from nnunet_triton.postprocessing import apply_postprocessing, load_deployed_postprocessing
+from nnunet_triton.numerics.ensembling import average_probabilities, segmentation_from_probabilities
+from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.numerics.postprocessing import apply_postprocessing, load_deployed_postprocessing
+from nnunet_triton.options import parse_request_options
 
 CONFIG_FILE = "inference_config.json"
 

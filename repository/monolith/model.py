@@ -5,7 +5,7 @@ What a user would write without this project: one Python model whose ``execute``
 request, on CPU. It exists to be benchmarked against the ``nnunet`` ensemble (tools/perf), so it has
 the endpoint's I/O (IMAGE FP32 [C, z, y, x], SPACING FP64 [3] -> SEGMENTATION, PROBABILITIES only when
 asked) and reads the same request parameters (``mirroring``, ``tile_step_size``, ``folds``,
-``probabilities``, validated by ``nnunet_triton.orchestration.parse_request_options``). Requests run
+``probabilities``, validated by ``nnunet_triton.pipeline.orchestration.parse_request_options``). Requests run
 one after another per instance: preprocessing, every fold's sliding window and the export share one
 thread of control, as in nnU-Net.
 
@@ -27,8 +27,9 @@ import numpy as np
 
 from nnunet_triton import io_names, serving
 from nnunet_triton.errors import NnunetTritonError
-from nnunet_triton.orchestration import parse_request_options
-from nnunet_triton.plans import InferenceConfig
+from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.options import parse_request_options
+from nnunet_triton.parameters import FoldRunnerParameters
 
 CONFIG_FILE = "inference_config.json"
 MODEL_DIR = "nnunet_model"
@@ -46,7 +47,7 @@ class TritonPythonModel:
             self._logger = pb_utils.Logger
             here = Path(__file__).parent
             self._config = InferenceConfig.from_json((here / CONFIG_FILE).read_text())
-            threads = int(serving.model_parameters(args).get("torch_num_threads", "0"))
+            threads = FoldRunnerParameters.from_parameters(serving.model_parameters(args)).torch_num_threads
             if threads:
                 torch.set_num_threads(threads)
             on_gpu = args["model_instance_kind"] == "GPU"

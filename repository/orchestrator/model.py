@@ -2,7 +2,7 @@
 
 For each request: read the per-request options (request parameters, forwarded by the ``nnunet``
 ensemble), then run nnU-Net's sliding window for every selected fold concurrently
-(:func:`nnunet_triton.orchestration.predict_folds_async`): pad, plan tiles, send batches of tiles
+(:func:`nnunet_triton.pipeline.orchestration.predict_folds_async`): pad, plan tiles, send batches of tiles
 (mirrored copies are extra batch items) to the ``fold_<k>`` models through BLS, un-flip, TTA-average,
 Gaussian-accumulate in tile order, and average the folds' fp16 logits in fold order. All numerics are
 library calls; this file only moves tensors. A fold model's error fails the request with a message
@@ -11,7 +11,7 @@ request's ``is_cancelled()`` is checked: once the client has cancelled, no furth
 issued (batches already sent finish on the fold models and are dropped), and the request ends with
 CANCELLED.
 
-Config parameters (config.pbtxt ``parameters``):
+Config parameters (``nnunet_triton.parameters.OrchestratorParameters``):
     fold_models      comma list of fold model names, same length and order as inference_config.json folds
     tile_batch_size  network inputs per BLS call (<= the fold models' max_batch_size)
     max_inflight     BLS calls in flight per request over all folds (< python thread-pool-size, 32)
@@ -33,27 +33,14 @@ import numpy as np
 
 from nnunet_triton import io_names, serving
 from nnunet_triton.errors import NnunetTritonError, PlansError, RequestCancelledError
-from nnunet_triton.gaussian import compute_gaussian
-from nnunet_triton.orchestration import RequestOptions, parse_request_options, predict_folds_async
-from nnunet_triton.plans import InferenceConfig
-from nnunet_triton.sliding_window import mirror_combinations
+from nnunet_triton.numerics.gaussian import compute_gaussian
+from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.numerics.sliding_window import mirror_combinations
+from nnunet_triton.options import RequestOptions, parse_request_options
+from nnunet_triton.parameters import PARAM_FOLD_MODELS, OrchestratorParameters
+from nnunet_triton.pipeline.orchestration import predict_folds_async
 
 CONFIG_FILE = "inference_config.json"
-PARAM_FOLD_MODELS = "fold_models"
-PARAM_TILE_BATCH_SIZE = "tile_batch_size"
-PARAM_MAX_INFLIGHT = "max_inflight"
-
-
-def _positive_int(params: dict[str, str], key: str) -> int:
-    try:
-        value = int(params[key])
-    except (KeyError, ValueError):
-        raise PlansError(
-            f"config parameter {key!r} must be an integer >= 1, got {params.get(key)!r}."
-        ) from None
-    if value < 1:
-        raise PlansError(f"config parameter {key!r} must be an integer >= 1, got {value}.")
-    return value
 
 
 def _device_of(data: Any) -> str:
@@ -70,16 +57,16 @@ class TritonPythonModel:
 
             self._logger = pb_utils.Logger
             self._config = InferenceConfig.from_json((Path(__file__).parent / CONFIG_FILE).read_text())
-            params = serving.model_parameters(args)
-            names = [n.strip() for n in params.get(PARAM_FOLD_MODELS, "").split(",") if n.strip()]
+            params = OrchestratorParameters.from_parameters(serving.model_parameters(args))
+            names = list(params.fold_models)
             if len(names) != len(self._config.folds):
                 raise PlansError(
                     f"config parameter {PARAM_FOLD_MODELS!r} must name one model per fold "
                     f"{list(self._config.folds)}, got {names}."
                 )
             self._fold_models = dict(zip(self._config.folds, names, strict=True))
-            self._tile_batch_size = _positive_int(params, PARAM_TILE_BATCH_SIZE)
-            self._max_inflight = _positive_int(params, PARAM_MAX_INFLIGHT)
+            self._tile_batch_size = params.tile_batch_size
+            self._max_inflight = params.max_inflight
             self._gaussian = compute_gaussian(self._config.patch_size)
             self._metrics = serving.StepMetrics.create(args, self._config, counts=serving.ORCHESTRATOR_COUNTS)
         except Exception:

@@ -11,6 +11,7 @@ __all__ = [
     "NnunetTritonError",
     "PlansError",
     "UnsupportedModelError",
+    "ConfigParameterError",
     "InputValidationError",
     "SubmodelError",
     "ResourceExhaustedError",
@@ -26,7 +27,7 @@ __all__ = [
 
 # Triton's words for a model that is not running: its stub process died ("Stub process 'fold_0_0_0' is
 # not healthy."), it is unloaded or being reloaded ("Model 'fold_0' is not ready", "... has no available
-# versions"). Triton calls these INTERNAL or NOT_FOUND; they are transient (nnunet_triton.watchdog
+# versions"). Triton calls these INTERNAL or NOT_FOUND; they are transient (nnunet_triton.server.watchdog
 # reloads the model), so the orchestrator re-codes them UNAVAILABLE and the client retries them.
 NOT_RUNNING_MESSAGES = ("is not healthy", "is not ready", "has no available versions")
 
@@ -47,6 +48,10 @@ class UnsupportedModelError(PlansError):
     """The model uses an nnU-Net setting this project does not (yet) reproduce."""
 
     triton_code = "UNSUPPORTED"
+
+
+class ConfigParameterError(PlansError, ValueError):
+    """A parameter of a model's config.pbtxt is malformed or breaks its rule (``parameters.py``)."""
 
 
 class InputValidationError(NnunetTritonError):

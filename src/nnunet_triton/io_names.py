@@ -35,7 +35,7 @@ def typed_endpoint(dtype: str, endpoint: str = ENDPOINT_MODEL) -> str:
     return endpoint if dtype == "FP32" else f"{endpoint}_{dtype.lower()}"
 
 # Rate-limiter resource one fold-model execution holds on CPU servers; the thread budget
-# (nnunet_triton.thread_budget) gives the server as many as may compute at once.
+# (nnunet_triton.server.thread_budget) gives the server as many as may compute at once.
 FOLD_SLOT_RESOURCE = "nnunet_fold_slot"
 
 # --- composing models ------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from nnunet_triton.builder import repository as build
+from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.errors import ExportError, PlansError, UnsupportedModelError
-from nnunet_triton.model_specs import BuildOptions
-from repository import build
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get(
@@ -200,8 +200,8 @@ def test_build_uses_an_explicit_postprocessing_pkl_and_refuses_an_unknown_functi
 
 
 def test_input_hash_changes_with_max_voxels_and_build_writes_it_into_preprocess_config(built) -> None:
-    from network_models.export import ExportOptions
-    from nnunet_triton.plans import read_model_folder
+    from nnunet_triton.builder.torchscript import ExportOptions
+    from nnunet_triton.numerics.plans import read_model_folder
 
     config, export_options = read_model_folder(MODEL_DIR, folds=(0,)), ExportOptions()
     hashes = {

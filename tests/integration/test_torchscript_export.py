@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from network_models import export
+from nnunet_triton.builder import torchscript as export
 from nnunet_triton.errors import ExportError, UnsupportedModelError
-from nnunet_triton.fold_runner import load_runner
+from nnunet_triton.pipeline.fold_runner import load_runner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get(

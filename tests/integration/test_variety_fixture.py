@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nnunet_triton.plans import read_model_folder
-from nnunet_triton.postprocessing import find_postprocessing_pkl, load_postprocessing_pkl
+from nnunet_triton.numerics.plans import read_model_folder
+from nnunet_triton.numerics.postprocessing import find_postprocessing_pkl, load_postprocessing_pkl
 
 DATASET = Path(__file__).resolve().parents[1] / "fixtures" / "Dataset903_SynthMulti"
 CHECKPOINT_KEYS = {"network_weights", "init_args", "trainer_name", "inference_allowed_mirroring_axes",

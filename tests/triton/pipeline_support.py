@@ -14,7 +14,6 @@ when nothing changed.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -25,8 +24,6 @@ import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # `repository` and `network_models` live at the checkout root
-    sys.path.insert(0, str(REPO_ROOT))
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 MODEL_FOLDER = "nnUNetTrainer__nnUNetPlans__3d_tiny"
@@ -99,8 +96,8 @@ def probe_case(dataset: str) -> Case:
 
 def build(dataset: str) -> Path:
     """Build (or reuse) the test repository of ``dataset`` and return its path."""
-    from nnunet_triton.model_specs import BuildOptions
-    from repository.build import build_repository
+    from nnunet_triton.builder.model_specs import BuildOptions
+    from nnunet_triton.builder.repository import build_repository
 
     options = BuildOptions(
         tile_batch_size=TILE_BATCH_SIZE, per_sample_forward=True, max_inflight=MAX_INFLIGHT,

@@ -2,7 +2,7 @@
 
 ``assert_recovers_under_load`` is the whole scenario: ``clients`` threads (half HTTP, half gRPC) send
 one case; the server's watchdog is paused (SIGSTOP) so the broken state can be observed; the model's
-stub gets SIGKILL (what the OOM killer does); ``nnunet_triton.health`` must name the model while
+stub gets SIGKILL (what the OOM killer does); ``nnunet_triton.server.health`` must name the model while
 Triton's own ready endpoints still answer 200; a request must fail on it; then the watchdog resumes and
 the endpoint must be healthy within ``RECOVERY_LIMIT_S`` and answer correctly. Every request got either
 the expected segmentation or a retryable error naming a model; none hung; one live stub per instance
@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from nnunet_triton import health
-from nnunet_triton.client import NnunetClient
-from nnunet_triton.endpoint import is_unavailable
+from nnunet_triton.client.client import NnunetClient
+from nnunet_triton.client.endpoint import is_unavailable
 from nnunet_triton.errors import ClientError
+from nnunet_triton.server import health
 
 RECOVERY_LIMIT_S = 30.0
 REQUEST_TIMEOUT_S = 300.0

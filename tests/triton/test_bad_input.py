@@ -32,7 +32,7 @@ from pipeline_support import (
 )
 
 from nnunet_triton import io_names
-from nnunet_triton.client import NnunetClient
+from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import InputValidationError
 
 NO_MIRRORING = {"mirroring": False}  # keeps every request cheap; the option path is the same
@@ -121,7 +121,7 @@ def _bad_requests() -> dict[str, BadRequest]:
             r"'nnunet'",
             outputs=(io_names.SEGMENTATION, io_names.LOGITS),
         ),
-        # --- rejected by preprocess_model (nnunet_triton.preprocess)
+        # --- rejected by preprocess_model (nnunet_triton.numerics.preprocess)
         "zero_length_axis": BadRequest(
             image[:, :, :0],
             spacing,
@@ -170,7 +170,7 @@ def _bad_requests() -> dict[str, BadRequest]:
             r"spacing entries must be finite and > 0, "
             rf"got \({z}, inf, {x}\)",
         ),
-        # --- rejected by the request-option parser (nnunet_triton.orchestration.parse_request_options)
+        # --- rejected by the request-option parser (orchestration.parse_request_options)
         "tile_step_size_zero": BadRequest(
             image,
             spacing,

@@ -17,7 +17,7 @@ import pytest
 from pipeline_support import BUILD_ROOT, FIXTURES, cases
 from recovery_support import Load, assert_recovers_under_load
 
-from nnunet_triton.client import NnunetClient
+from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import PlansError
 
 DATASET = "Dataset904_SynthCascade"
@@ -29,8 +29,8 @@ TIMEOUT_S = 1800.0
 
 @pytest.fixture(scope="module")
 def cascade_server(triton_server):
-    from nnunet_triton.model_specs import BuildOptions
-    from repository.build import build_repository
+    from nnunet_triton.builder.model_specs import BuildOptions
+    from nnunet_triton.builder.repository import build_repository
 
     if not (FIXTURES / CASCADE / "plans.json").is_file():
         pytest.skip(f"fixture {CASCADE} is missing (tools/make_cascade_fixture.py)")
@@ -110,7 +110,7 @@ def test_killed_previous_stage_fold_is_reloaded_and_cascade_answers_stay_correct
 def test_cascade_build_refuses_when_the_previous_stage_folder_is_missing(tmp_path):
     import shutil
 
-    from repository.build import build_repository
+    from nnunet_triton.builder.repository import build_repository
 
     copy = tmp_path / CASCADE.split("/")[1]
     shutil.copytree(FIXTURES / CASCADE, copy)

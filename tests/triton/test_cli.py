@@ -1,4 +1,4 @@
-"""``nnunet-triton`` (``python -m nnunet_triton.cli``) against the embedded server with the SynthCT fixture.
+"""``nnunet-triton`` (``python -m nnunet_triton``) against the embedded server with the SynthCT fixture.
 
 - a folder with one corrupt case: the good cases are written (nnU-Net's segmentations, the input's
   geometry), the bad one is reported, the exit code is 1;
@@ -45,7 +45,7 @@ def _env() -> dict[str, str]:
 
 
 def _command(server, *args: str) -> list[str]:
-    return [sys.executable, "-m", "nnunet_triton.cli", *args[:1], "--url", server.http_url, *args[1:]]
+    return [sys.executable, "-m", "nnunet_triton.client.cli", *args[:1], "--url", server.http_url, *args[1:]]
 
 
 def _cli(server, *args: str) -> subprocess.CompletedProcess[str]:
@@ -140,7 +140,7 @@ def test_predict_saves_probabilities_like_nnunet_when_asked(server, tmp_path):
 def _write_small_cases(target: Path, count: int, url: str) -> dict[str, np.ndarray]:
     """``count`` one-tile crops of the first case as NIfTI inputs; returns the endpoint's segmentation of each
     (no mirroring), computed up front so that the interrupted run can be checked file by file."""
-    from nnunet_triton.client import NnunetClient
+    from nnunet_triton.client.client import NnunetClient
 
     target.mkdir(parents=True, exist_ok=True)
     case = cases(SYNTHCT)[0]
@@ -202,8 +202,8 @@ def test_interrupted_run_leaves_no_partial_outputs_and_continue_prediction_finis
 
 
 def test_predict_on_dicom_folder_writes_dicom_seg_and_nifti_with_dicom_geometry(server, tmp_path):
-    from nnunet_triton import dicom
-    from nnunet_triton.client import NnunetClient
+    from nnunet_triton.client.client import NnunetClient
+    from nnunet_triton.client.dicom import volume as dicom
 
     case = cases(SYNTHCT)[0]
     series = dicom_support.write_volume_as_ct(
@@ -282,7 +282,7 @@ def test_predict_exits_2_with_clear_message_when_server_is_unreachable(tmp_path)
         [
             sys.executable,
             "-m",
-            "nnunet_triton.cli",
+            "nnunet_triton.client.cli",
             "predict",
             "-i",
             str(tmp_path / "in"),
@@ -321,8 +321,8 @@ def test_concurrent_predict_writes_the_same_files_as_a_sequential_run_and_report
 
 def test_concurrency_default_comes_from_the_orchestrator_instances_and_bad_values_are_refused(
         server, tmp_path):
-    from nnunet_triton.cli import default_concurrency
-    from nnunet_triton.endpoint import describe_endpoint
+    from nnunet_triton.client.cli import default_concurrency
+    from nnunet_triton.client.endpoint import describe_endpoint
 
     description = describe_endpoint(server.http_url)
     assert description.orchestrator_instances == 1 and default_concurrency(description) == 2

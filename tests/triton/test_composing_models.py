@@ -10,7 +10,7 @@ import pytest
 from pipeline_support import SYNTHCT, cases, probe_case, reference, shared_server
 
 from nnunet_triton import io_names
-from nnunet_triton.preprocess import CaseProperties
+from nnunet_triton.numerics.preprocess import CaseProperties
 
 IMAGE_DIMS = [1, -1, -1, -1]
 LOGIT_DIMS = [3, -1, -1, -1]
@@ -57,7 +57,7 @@ def client(server):
 def _infer(client, model: str, inputs: dict[str, np.ndarray], outputs: list[str], parameters=None):
     import tritonclient.http as http
 
-    from nnunet_triton.config_gen import triton_dtype
+    from nnunet_triton.builder.config_gen import triton_dtype
 
     tensors = []
     for name, array in inputs.items():

@@ -12,7 +12,7 @@ import pytest
 from pipeline_support import SYNTHCT, cases, probe_case, reference, shared_server
 
 from nnunet_triton import io_names
-from nnunet_triton.client import NnunetClient
+from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import ClientError
 
 INVALID_ARG = {"400", "StatusCode.INVALID_ARGUMENT"}  # HTTP / gRPC spelling of Triton's INVALID_ARG

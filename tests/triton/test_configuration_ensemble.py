@@ -16,7 +16,7 @@ import pytest
 from pipeline_support import BUILD_ROOT, FIXTURES, cases, predictor
 from recovery_support import Load, assert_recovers_under_load
 
-from nnunet_triton.client import NnunetClient
+from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import PlansError
 
 MULTI = "Dataset903_SynthMulti"
@@ -27,8 +27,8 @@ PROBABILITY_TOLERANCE = 1e-6
 
 @pytest.fixture(scope="module")
 def ensemble_server(triton_server):
-    from nnunet_triton.model_specs import BuildOptions
-    from repository.build import build_ensemble_repository
+    from nnunet_triton.builder.model_specs import BuildOptions
+    from nnunet_triton.builder.repository import build_ensemble_repository
 
     for member in MEMBERS:
         if not (FIXTURES / member / "plans.json").is_file():
@@ -81,7 +81,7 @@ def test_killed_combine_model_is_reloaded_and_ensemble_answers_stay_correct_unde
 
 def test_validate_refuses_to_compare_an_ensemble_of_configurations_with_one_member(ensemble_server, tmp_path,
                                                                                    capsys):
-    from nnunet_triton import cli
+    from nnunet_triton.client import cli
 
     member = FIXTURES / MEMBERS[0]
     code = cli.main(["validate", "--url", ensemble_server.http_url, "--model", str(member),
@@ -92,7 +92,7 @@ def test_validate_refuses_to_compare_an_ensemble_of_configurations_with_one_memb
 
 
 def test_ensemble_build_refuses_members_with_different_labels(tmp_path):
-    from repository.build import build_ensemble_repository
+    from nnunet_triton.builder.repository import build_ensemble_repository
 
     other = FIXTURES / "Dataset901_SynthCT" / "nnUNetTrainer__nnUNetPlans__3d_tiny"
     with pytest.raises(PlansError, match="labels"):

@@ -38,8 +38,8 @@ def test_deploy_serves_the_model_and_redeploy_is_a_no_op_until_undeploy(
 ) -> None:
     import tritonclient.http as httpclient
 
-    from nnunet_triton.client import NnunetClient
-    from nnunet_triton.embedded_server import ServerHandle
+    from nnunet_triton.client.client import NnunetClient
+    from nnunet_triton.server.embedded import ServerHandle
     from tools import deploy as tool
 
     monkeypatch.setenv("NNUNET_TRITON_HOME", str(tmp_path / "home"))

@@ -18,8 +18,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import np_to_triton_dtype
 
-from nnunet_triton import config_gen, embedded_server
+from nnunet_triton.builder import config_gen
 from nnunet_triton.errors import ServerError
+from nnunet_triton.server import embedded as embedded_server
 
 FLOAT_SPECIALS = np.array(
     [0.0, -0.0, np.inf, -np.inf, np.finfo(np.float32).tiny / 4, -np.finfo(np.float32).max, 1e-45, -1e-45],
@@ -188,7 +189,7 @@ def test_cli_start_status_stop_manage_a_detached_server(identity_model_repositor
 
 def test_importing_embedded_server_imports_neither_triton_nor_pytriton() -> None:
     code = (
-        "import sys, nnunet_triton.embedded_server; "
+        "import sys, nnunet_triton.server.embedded; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tritonclient', 'pytriton', 'torch')))"
     )
     src = Path(__file__).resolve().parents[2] / "src"

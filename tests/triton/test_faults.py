@@ -17,7 +17,7 @@ import pytest
 from pipeline_support import SYNTHCT, build, model_dir, probe_case, reference
 
 from nnunet_triton import io_names
-from nnunet_triton.client import NnunetClient
+from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import ClientError
 
 INTERNAL_OR_UNAVAILABLE = {"500", "503", "StatusCode.INTERNAL", "StatusCode.UNAVAILABLE"}
@@ -126,9 +126,9 @@ def test_grpc_cancel_stops_orchestrator_sending_tiles_and_next_request_is_correc
     import tritonclient.grpc as grpc
     import tritonclient.http as http
 
-    from nnunet_triton.plans import read_model_folder
-    from nnunet_triton.sliding_window import mirror_combinations
-    from nnunet_triton.tiling import tile_slicers
+    from nnunet_triton.numerics.plans import read_model_folder
+    from nnunet_triton.numerics.sliding_window import mirror_combinations
+    from nnunet_triton.numerics.tiling import tile_slicers
 
     config = read_model_folder(model_dir(SYNTHCT))
     data = np.random.default_rng(0).standard_normal((1, 96, 128, 128), dtype=np.float32)

@@ -18,8 +18,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from nnunet_triton import io_names
-from nnunet_triton.model_specs import BuildOptions
-from repository import build
+from nnunet_triton.builder import repository as build
+from nnunet_triton.builder.model_specs import BuildOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get(
@@ -80,7 +80,7 @@ def networks() -> dict[int, torch.nn.Module]:
 
 
 def _tiles(n: int, seed: int) -> np.ndarray:
-    from nnunet_triton.plans import read_model_folder
+    from nnunet_triton.numerics.plans import read_model_folder
 
     config = read_model_folder(MODEL_DIR, folds=(0,))
     shape = (n, config.num_input_channels, *config.patch_size)

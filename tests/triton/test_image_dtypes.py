@@ -13,7 +13,7 @@ import pytest
 from pipeline_support import SYNTHCT, cases, probe_case, reference, shared_server
 
 from nnunet_triton import io_names
-from nnunet_triton.client import NnunetClient
+from nnunet_triton.client.client import NnunetClient
 
 TIMEOUT_S = 600.0
 

@@ -18,7 +18,7 @@ import pytest
 from pipeline_support import FIXTURES, REPO_ROOT, cases
 from test_configuration_ensemble import MEMBERS, _nnunet_ensemble
 
-from nnunet_triton.client import NnunetClient
+from nnunet_triton.client.client import NnunetClient
 
 
 def _free_port() -> int:

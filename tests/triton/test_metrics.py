@@ -22,10 +22,12 @@ import pytest
 from pipeline_support import SYNTHCT, TILE_BATCH_SIZE, build, cases, shared_server
 
 from nnunet_triton import io_names
-from nnunet_triton.client import ClientError, NnunetClient
-from nnunet_triton.orchestration import DEFAULT_TILE_STEP_SIZE, plan_tile_batches
-from nnunet_triton.plans import InferenceConfig
-from nnunet_triton.preprocess import preprocess_case
+from nnunet_triton.client.client import ClientError, NnunetClient
+from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.numerics.preprocess import preprocess_case
+from nnunet_triton.numerics.sliding_window import mirror_combinations, plan_tile_batches
+from nnunet_triton.numerics.tiling import tile_slicers
+from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE
 from nnunet_triton.serving.metrics import (
     COMPUTE_DURATION,
     COMPUTE_LATENCY,
@@ -33,8 +35,6 @@ from nnunet_triton.serving.metrics import (
     REQUEST_FAILURE,
     REQUEST_SUCCESS,
 )
-from nnunet_triton.sliding_window import mirror_combinations
-from nnunet_triton.tiling import tile_slicers
 
 # (mirroring, folds) per request: 8 tiles x 8 variants x 1 fold + 8 tiles x 1 variant x 2 folds
 REQUESTS = ((True, (0,)), (False, (0, 1)))

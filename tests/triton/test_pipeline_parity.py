@@ -34,7 +34,7 @@ from pipeline_support import (
 )
 
 from nnunet_triton import io_names
-from nnunet_triton.client import NnunetClient
+from nnunet_triton.client.client import NnunetClient
 
 PROBABILITY_TOLERANCE = 1e-6
 TIMEOUT_S = 1800.0
@@ -79,7 +79,7 @@ def _case(dataset: str, index: int):
 
 
 def _labels(dataset: str) -> tuple[int, ...]:
-    from nnunet_triton.plans import read_model_folder
+    from nnunet_triton.numerics.plans import read_model_folder
 
     return read_model_folder(model_dir(dataset)).labels.all_labels
 

@@ -9,8 +9,8 @@ import pytest
 import SimpleITK as sitk
 from pipeline_support import SYNTHCT, cases, model_dir, reference, shared_server
 
+from nnunet_triton.client.predictor import TritonPredictor
 from nnunet_triton.errors import UnsupportedModelError
-from nnunet_triton.predictor import TritonPredictor
 
 PROBABILITY_TOLERANCE = 1e-6  # float32 exp on the server vs torch's (test_pipeline_parity)
 

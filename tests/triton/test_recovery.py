@@ -1,10 +1,10 @@
 """Self-healing on the real server: ``kill -9`` of each model's process under load.
 
 The shared SynthCT server is started by the default launcher (explicit model control + the watchdog,
-``nnunet_triton.watchdog``). For each Python model of the pipeline, while 4 clients (2 HTTP, 2 gRPC)
+``nnunet_triton.server.watchdog``). For each Python model of the pipeline, while 4 clients (2 HTTP, 2 gRPC)
 send the probe case without mirroring: the watchdog is paused (SIGSTOP) so that the broken state can be
 observed, the model's stub is killed with SIGKILL (what the OOM killer does), the honest health check
-(``nnunet_triton.health``) must say which model is broken while Triton's own endpoints still answer 200,
+(``server.health``) must say which model is broken while Triton's own endpoints still answer 200,
 then the watchdog resumes and the endpoint must be healthy and answer correctly again within 30 s.
 Every request must have got either nnU-Net's segmentation or a retryable error naming a model; no
 request may hang; no stub process or ``/dev/shm`` region may be left behind.
@@ -32,9 +32,9 @@ from recovery_support import (
     wait_until,
 )
 
-from nnunet_triton import health
-from nnunet_triton.client import NnunetClient
+from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import ClientError
+from nnunet_triton.server import health
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,8 @@ def test_health_cli_exits_nonzero_naming_the_broken_model_until_the_watchdog_rel
 
     def cli() -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "nnunet_triton.health", "--url", server.http_url, "--model-repository",
+            [sys.executable, "-m", "nnunet_triton.server.health", "--url", server.http_url,
+             "--model-repository",
              server.model_repository, "--server-pid", str(server.pid)],
             capture_output=True, text=True, timeout=60, check=False)
 
@@ -124,13 +125,13 @@ def test_container_entry_point_forks_a_watchdog_that_reloads_a_killed_model(tmp_
     import subprocess
     import sys
 
-    from nnunet_triton.triton_install import prepare_home, server_env
+    from nnunet_triton.server.triton_install import prepare_home, server_env
 
     installation = prepare_home(os.environ.get("NNUNET_TRITON_HOME", REPO_ROOT / "build" / "triton-home"))
     repo = build(SYNTHCT)
     http_port, grpc_port, metrics_port = _free_ports(3)
     command = [
-        sys.executable, "-m", "nnunet_triton.thread_budget", "exec", "--watchdog",
+        sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
         "--model-repository", str(repo), "--", str(installation.server_bin), f"--model-repository={repo}",
         f"--backend-directory={installation.backend_dir}", f"--cache-directory={installation.cache_dir}",
         "--http-address=127.0.0.1", f"--http-port={http_port}", "--grpc-address=127.0.0.1",
@@ -180,7 +181,7 @@ def test_killed_tritonserver_is_reported_not_running_its_leftovers_removed_and_a
     workstation; the watchdog removes what it leaves behind, ``status`` says so, a new start serves."""
     import json
 
-    from nnunet_triton import embedded_server
+    from nnunet_triton.server import embedded as embedded_server
 
     args = ["--home", str(tmp_path / "home")]
     start = [*args, "start", "--model-repository", str(identity_model_repository)]

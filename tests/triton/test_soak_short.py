@@ -9,13 +9,10 @@ answer was right; ``make soak`` (10 min) is the real growth check.
 from __future__ import annotations
 
 import json
-import sys
 
-from pipeline_support import REPO_ROOT, SYNTHCT, build, model_dir
+from pipeline_support import SYNTHCT, build, model_dir
 
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-import soak  # noqa: E402
+from tools import soak
 
 
 def test_short_soak_gives_only_right_answers_and_writes_report(tmp_path):

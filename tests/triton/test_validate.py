@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from pipeline_support import ANISO, SYNTHCT, model_dir, shared_server
 
-from nnunet_triton import cli
+from nnunet_triton.client import cli
 
 FAST = ["--disable-tta"]
 LABELS = [(1, "organ"), (2, "lesion")]
@@ -85,7 +85,7 @@ def test_validate_refuses_an_input_folder_without_cases(server, tmp_path, capsys
 def test_validate_fails_with_nnunets_numbers_when_the_deployment_differs(server, tmp_path):
     """The endpoint asked for fold 0 only, nnU-Net for both folds: the report's Dice is the Dice of those
     two label maps, computed here independently."""
-    from nnunet_triton.client import NnunetClient
+    from nnunet_triton.client.client import NnunetClient
     from nnunet_triton.validate.compare import compare_case
     from nnunet_triton.validate.run import (
         NnunetReference,

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nnunet_triton.deploy import docker, k8s, sizing
-from nnunet_triton.deploy.repository_info import ModelGeometry, RepositoryInfo
-from nnunet_triton.model_specs import BuildOptions, repository_specs
-from nnunet_triton.plans import InferenceConfig, load_inference_config
+from nnunet_triton.builder.model_specs import BuildOptions, repository_specs
+from nnunet_triton.numerics.plans import InferenceConfig, load_inference_config
+from nnunet_triton.server.deploy import docker, k8s, sizing
+from nnunet_triton.server.deploy.repository_info import ModelGeometry, RepositoryInfo
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20

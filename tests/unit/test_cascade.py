@@ -1,4 +1,4 @@
-"""nnunet_triton.cascade against nnU-Net 2.8.1's cascade input (bit-identical on NumPy).
+"""nnunet_triton.numerics.cascade against nnU-Net 2.8.1's cascade input (bit-identical on NumPy).
 
 The reference is nnU-Net's own data iterator, ``PreprocessAdapterFromNpy`` (what
 ``nnUNetPredictor.predict_single_npy_array(..., segmentation_previous_stage)`` runs):
@@ -30,10 +30,10 @@ try:
 except ImportError:
     import parity_support as ps
 
-from nnunet_triton._xp import to_numpy
-from nnunet_triton.cascade import convert_labelmap_to_one_hot, preprocess_cascade_case
 from nnunet_triton.errors import InputValidationError, UnsupportedModelError
-from nnunet_triton.plans import InferenceConfig, load_inference_config, read_model_folder
+from nnunet_triton.numerics._xp import to_numpy
+from nnunet_triton.numerics.cascade import convert_labelmap_to_one_hot, preprocess_cascade_case
+from nnunet_triton.numerics.plans import InferenceConfig, load_inference_config, read_model_folder
 
 CUPY_ATOL = 1e-5  # image channels on CuPy: as tests/unit/test_preprocess.py (float32 reduction order)
 # One-hot channels on CuPy: resize_segmentation breaks exact ties of interpolated indicators; CuPy's zoom

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import nnunet_triton
-from nnunet_triton.client import NnunetClient, _as_image, request_parameters
+from nnunet_triton.client.client import NnunetClient, _as_image, request_parameters
 from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError
 
 
@@ -61,7 +61,7 @@ def test_client_raises_value_error_when_protocol_is_unknown():
 
 
 def test_importing_client_does_not_import_tritonclient():
-    code = "import sys, nnunet_triton.client; print('tritonclient' in sys.modules)"
+    code = "import sys, nnunet_triton.client.client; print('tritonclient' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(Path(nnunet_triton.__file__).parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "False"

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from nnunet_triton.config_gen import (
+from nnunet_triton.builder.config_gen import (
     DynamicBatching,
     EnsembleStep,
     InstanceGroup,
@@ -231,7 +231,7 @@ def test_spec_raises_value_error_naming_the_rule_when_invalid(make_spec, message
 
 
 def test_importing_config_gen_does_not_import_tritonclient() -> None:
-    code = "import sys, nnunet_triton.config_gen; sys.exit('tritonclient' in sys.modules)"
+    code = "import sys, nnunet_triton.builder.config_gen; sys.exit('tritonclient' in sys.modules)"
     src = Path(__file__).resolve().parents[2] / "src"
 
     result = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(src)}, check=False)

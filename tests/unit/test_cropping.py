@@ -1,4 +1,4 @@
-"""nnunet_triton.cropping against nnU-Net 2.8.1's crop_to_nonzero and acvl_utils' bbox helpers."""
+"""nnunet_triton.numerics.cropping against nnU-Net 2.8.1's crop_to_nonzero and acvl_utils' bbox helpers."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from acvl_utils.cropping_and_padding.bounding_boxes import get_bbox_from_mask, insert_crop_into_image
 from nnunetv2.preprocessing.cropping import cropping as nn_cropping
 
-from nnunet_triton import cropping
-from nnunet_triton._xp import to_numpy
+from nnunet_triton.numerics import cropping
+from nnunet_triton.numerics._xp import to_numpy
 
 
 def _cupy_or_skip():

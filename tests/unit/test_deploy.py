@@ -1,7 +1,7 @@
-"""nnunet_triton.deploy: repository info from the builder's metadata, the TorchScript/libtorch check, sizing.
+"""server.deploy: repository info from the builder's metadata, the TorchScript/libtorch check, sizing.
 
 The repositories are fakes laid out like ``repository/build.py`` output (``deploy_support``); sizes are
-compared with the per-tensor formulas of ``nnunet_triton.deploy.sizing`` written out by hand, and the
+compared with the per-tensor formulas of ``nnunet_triton.server.deploy.sizing`` written out by hand, and the
 resampled shape with nnU-Net's own ``compute_new_shape``.
 """
 
@@ -14,10 +14,10 @@ import pytest
 from deploy_support import GPU_OPTIONS, PATCH, MiB, geometry, make_config, write_repository
 from nnunetv2.preprocessing.resampling.default_resampling import compute_new_shape
 
-from nnunet_triton.deploy import docker, sizing
-from nnunet_triton.deploy.repository_info import RepositoryInfo, check_torch_compatible
+from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.errors import DeployError
-from nnunet_triton.model_specs import BuildOptions
+from nnunet_triton.server.deploy import docker, sizing
+from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible
 
 # --- repository info and the torch check ------------------------------------------------------------------
 

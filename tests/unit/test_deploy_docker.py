@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from deploy_support import REPO_ROOT, MiB, docker_spec, write_repository
 
-from nnunet_triton.deploy import docker, sizing
-from nnunet_triton.deploy.repository_info import RepositoryInfo
+from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.errors import DeployError
-from nnunet_triton.model_specs import BuildOptions
+from nnunet_triton.server.deploy import docker, sizing
+from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 
 DOCKERFILE = REPO_ROOT / "deploy" / "Dockerfile"
 
@@ -114,7 +114,8 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
     server = argv[argv.index("tritonserver") :]
     image_at = argv.index(spec.image_tag)
     assert argv[image_at + 1 : argv.index("tritonserver")] == (
-        "python3", "-m", "nnunet_triton.thread_budget", "exec", "--watchdog", "--model-repository", "/models",
+        "python3", "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
+        "--model-repository", "/models",
         "--")
     loaded = [arg.split("=", 1)[1] for arg in server if arg.startswith("--load-model=")]
     assert loaded == sorted(p.parent.name for p in tmp_path.glob("*/config.pbtxt"))  # BLS callees too
@@ -164,7 +165,7 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
         "--disable-auto-complete-config",
     )
     health = argv[argv.index("--health-cmd") + 1]
-    assert health == "python3 -m nnunet_triton.health --url 127.0.0.1:8000 --model-repository /models"
+    assert health == "python3 -m nnunet_triton.server.health --url 127.0.0.1:8000 --model-repository /models"
     assert argv[argv.index("--health-start-period") + 1] == "900s"
 
 
@@ -254,7 +255,7 @@ print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() if n.startswi
     )
     assert result.returncode == 0, result.stderr
     files = [*json.loads(result.stdout.splitlines()[-1]), *(str(REPO_ROOT / a) for a in adapters)]
-    files.append(str(REPO_ROOT / "src/nnunet_triton/thread_budget.py"))  # the container's entry point
+    files.append(str(REPO_ROOT / "src/nnunet_triton/server/thread_budget.py"))  # the container's entry point
     assert any(f.endswith("orchestration.py") for f in files)
     vermin = shutil.which("vermin", path=str(Path(sys.executable).parent)) or shutil.which("vermin")
     if vermin is None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from deploy_support import GPU_OPTIONS, k8s_spec, make_config, write_repository
 
-from nnunet_triton.deploy import docker, k8s
-from nnunet_triton.deploy.repository_info import RepositoryInfo
+from nnunet_triton.server.deploy import docker, k8s
+from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 
 # --- Kubernetes ---------------------------------------------------------------------------------------------
 
@@ -41,7 +41,7 @@ def test_k8s_deployment_has_gpu_shm_probes_and_repository_volume(tmp_path: Path)
         "limits": {"cpu": "4", "memory": f"{spec.plan.host_memory_mib}Mi", "nvidia.com/gpu": 1},
     }
     probe = {"port": "http"}
-    health = ["python3", "-m", "nnunet_triton.health", "--url", "127.0.0.1:8000",
+    health = ["python3", "-m", "nnunet_triton.server.health", "--url", "127.0.0.1:8000",
               "--model-repository", "/models"]
     assert (container["startupProbe"], container["livenessProbe"], container["readinessProbe"]) == (
         {
@@ -69,7 +69,8 @@ def test_k8s_deployment_has_gpu_shm_probes_and_repository_volume(tmp_path: Path)
     ]
     assert pod["initContainers"][0]["image"] == "registry.example/nnunet-models:abc"
     assert container["args"] == list(docker.server_command(spec.info, spec.plan, gpus=1))
-    assert container["args"][:8] == ["python3", "-m", "nnunet_triton.thread_budget", "exec", "--watchdog",
+    assert container["args"][:8] == ["python3", "-m", "nnunet_triton.server.thread_budget", "exec",
+                                      "--watchdog",
                                      "--model-repository", "/models", "--"]
     assert "--load-model=fold_1" in container["args"]
 
@@ -186,7 +187,7 @@ def test_deploy_tool_undeploy_prints_docker_stop_and_remove(capsys) -> None:
 
 
 def test_deploy_tool_refuses_k8s_when_repository_targets_cpu(tmp_path: Path, caplog) -> None:
-    from nnunet_triton.model_specs import BuildOptions
+    from nnunet_triton.builder.model_specs import BuildOptions
     from tools import deploy as tool
 
     repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))

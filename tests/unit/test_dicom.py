@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 
-from nnunet_triton import dicom
-from nnunet_triton.dicom import DicomError, DicomOptions
+from nnunet_triton.client.dicom import volume as dicom
+from nnunet_triton.client.dicom.volume import DicomError, DicomOptions
 
 try:
     from . import dicom_support as support

@@ -8,8 +8,9 @@ import pydicom
 import pytest
 from pydicom.uid import SegmentationStorage
 
-from nnunet_triton import dicom, dicom_seg
-from nnunet_triton.dicom_seg import SegmentLabel
+from nnunet_triton.client.dicom import seg as dicom_seg
+from nnunet_triton.client.dicom import volume as dicom
+from nnunet_triton.client.dicom.seg import SegmentLabel
 from nnunet_triton.errors import InputValidationError
 
 try:

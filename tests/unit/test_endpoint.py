@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from nnunet_triton import cli, endpoint
-from nnunet_triton.endpoint import EndpointDescription
+from nnunet_triton.client import cli, endpoint
+from nnunet_triton.client.endpoint import EndpointDescription
 from nnunet_triton.errors import ClientError, InputValidationError
 
 try:

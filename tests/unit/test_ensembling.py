@@ -1,4 +1,4 @@
-"""nnunet_triton.ensembling against nnU-Net 2.8.1's nnUNetv2_ensemble (nnunetv2/ensembling/ensemble.py).
+"""numerics.ensembling against nnU-Net 2.8.1's nnUNetv2_ensemble (nnunetv2/ensembling/ensemble.py).
 
 ``average_probabilities`` is compared with nnU-Net's on .npz files written the way nnUNetv2_predict
 writes them; the segmentation with ``LabelManager.convert_probabilities_to_segmentation``. Both are
@@ -12,13 +12,13 @@ import pytest
 from nnunetv2.ensembling.ensemble import average_probabilities as nnunet_average
 from nnunetv2.utilities.label_handling.label_handling import LabelManager
 
-from nnunet_triton.ensembling import (
+from nnunet_triton.errors import InputValidationError, PlansError
+from nnunet_triton.numerics.ensembling import (
     average_probabilities,
     check_ensemble_members,
     segmentation_from_probabilities,
 )
-from nnunet_triton.errors import InputValidationError, PlansError
-from nnunet_triton.plans import LabelSettings
+from nnunet_triton.numerics.plans import LabelSettings
 
 LABELS = {"background": 0, "organ": 1, "lesion": 2}
 REGIONS = {"background": 0, "organ": [1, 2], "lesion": 2}

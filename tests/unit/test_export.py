@@ -1,4 +1,5 @@
-"""nnunet_triton.export against nnU-Net 2.8.1's convert_predicted_logits_to_segmentation_with_correct_shape.
+"""numerics.prediction_export against
+ nnU-Net 2.8.1's convert_predicted_logits_to_segmentation_with_correct_shape.
 
 Segmentations are compared with ``np.array_equal`` (dtype included). Probabilities agree to
 PROB_ATOL: nnU-Net's softmax/sigmoid use torch's vectorised float32 ``exp``, ours rounds a float64
@@ -15,16 +16,16 @@ import torch
 from nnunetv2.inference.export_prediction import convert_predicted_logits_to_segmentation_with_correct_shape
 from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
 
-from nnunet_triton._xp import to_numpy
 from nnunet_triton.errors import InputValidationError
-from nnunet_triton.export import (
+from nnunet_triton.numerics._xp import to_numpy
+from nnunet_triton.numerics.prediction_export import (
     apply_inference_nonlin,
     convert_logits_to_segmentation,
     segmentation_from_logits,
 )
-from nnunet_triton.preprocess import CaseProperties
-from nnunet_triton.resampling import compute_new_shape
-from nnunet_triton.sliding_window import predict_sliding_window
+from nnunet_triton.numerics.preprocess import CaseProperties
+from nnunet_triton.numerics.resampling import compute_new_shape
+from nnunet_triton.numerics.sliding_window import predict_sliding_window
 
 try:
     from . import parity_support as ps

@@ -1,4 +1,4 @@
-"""nnunet_triton.gaussian against nnU-Net 2.8.1's compute_gaussian: bit-identical float16."""
+"""nnunet_triton.numerics.gaussian against nnU-Net 2.8.1's compute_gaussian: bit-identical float16."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from nnunetv2.inference.sliding_window_prediction import compute_gaussian as nn_compute_gaussian
 
 from nnunet_triton.errors import InputValidationError
-from nnunet_triton.gaussian import compute_gaussian
+from nnunet_triton.numerics.gaussian import compute_gaussian
 
 try:
     from . import parity_support as ps

@@ -1,4 +1,4 @@
-"""nnunet_triton.health without a server: instance names from configs, verdicts, shm region clean-up.
+"""nnunet_triton.server.health without a server: instance names from configs, verdicts, shm region clean-up.
 
 The checks against a real server (dead stubs, the CLI, Kubernetes' exec probe command) are in
 tests/triton/test_recovery.py.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nnunet_triton import health
+from nnunet_triton.server import health
 
 REGION = health.SHM_REGION_PREFIX + "0000-test"
 

@@ -12,7 +12,7 @@ import pytest
 import SimpleITK as sitk
 from nnunetv2.imageio.simpleitk_reader_writer import SimpleITKIO
 
-from nnunet_triton import imageio
+from nnunet_triton.client import imageio
 from nnunet_triton.errors import InputValidationError
 
 SPACING = (0.8, 0.55, 3.2)  # SimpleITK (x, y, z): anisotropic

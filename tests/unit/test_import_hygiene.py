@@ -43,15 +43,15 @@ def test_importing_every_library_module_loads_no_heavy_dependency_when_fresh_int
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     expected = {
-        "nnunet_triton.tiling",
-        "nnunet_triton.gaussian",
-        "nnunet_triton.sliding_window",
-        "nnunet_triton.export",
-        "nnunet_triton.resampling",
-        "nnunet_triton.cropping",
-        "nnunet_triton.normalization",
-        "nnunet_triton.preprocess",
-        "nnunet_triton.plans",
+        "nnunet_triton.numerics.tiling",
+        "nnunet_triton.numerics.gaussian",
+        "nnunet_triton.numerics.sliding_window",
+        "nnunet_triton.numerics.prediction_export",
+        "nnunet_triton.numerics.resampling",
+        "nnunet_triton.numerics.cropping",
+        "nnunet_triton.numerics.normalization",
+        "nnunet_triton.numerics.preprocess",
+        "nnunet_triton.numerics.plans",
     }
     assert expected <= set(report)
     assert {name: mods for name, mods in report.items() if mods} == {}
@@ -59,7 +59,7 @@ def test_importing_every_library_module_loads_no_heavy_dependency_when_fresh_int
 
 def test_health_probe_and_watchdog_import_only_the_standard_library():
     # they run every few seconds as a Kubernetes exec probe / next to the server: cheap to start
-    code = ("import sys, json, nnunet_triton.health, nnunet_triton.watchdog; "
+    code = ("import sys, json, nnunet_triton.server.health, nnunet_triton.server.watchdog; "
             "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules} - "
             "set(sys.stdlib_module_names))))")
     env = {**os.environ, "PYTHONPATH": str(SRC)}

@@ -9,8 +9,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from nnunet_triton import io_names
-from nnunet_triton.config_gen import render_config
-from nnunet_triton.model_specs import (
+from nnunet_triton.builder.config_gen import render_config
+from nnunet_triton.builder.model_specs import (
     BuildOptions,
     FoldRunner,
     Target,
@@ -24,8 +24,8 @@ from nnunet_triton.model_specs import (
     repository_specs,
     stitch_spec,
 )
-from nnunet_triton.plans import InferenceConfig, load_inference_config
-from nnunet_triton.validation import max_request_bytes_from_parameters, max_voxels_from_parameters
+from nnunet_triton.numerics.plans import InferenceConfig, load_inference_config
+from nnunet_triton.parameters import PreprocessParameters
 
 PATCH = (16, 24, 32)
 _CONFIGURATION = {
@@ -222,8 +222,8 @@ def test_preprocess_parameters_carry_max_voxels_and_memory_budget_from_build_opt
     message = _parse(preprocess_spec(_config(), options))
     assert _params(message) == {"FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "max_voxels": expected,
                                 "max_request_bytes": budget}
-    assert max_voxels_from_parameters(_params(message)) == int(expected)
-    assert max_request_bytes_from_parameters(_params(message)) == int(budget)
+    assert PreprocessParameters.from_parameters(_params(message)).max_voxels == int(expected)
+    assert PreprocessParameters.from_parameters(_params(message)).max_request_bytes == int(budget)
 
 
 def test_segmentation_is_uint16_when_a_label_exceeds_255() -> None:
@@ -282,8 +282,7 @@ def test_repository_specs_lists_folds_then_pipeline_models() -> None:
         ({}, "true"),
         ({"target": "gpu", "fold_runner": "python"}, "false"),
         ({"per_sample_forward": False}, "false"),
-        ({"max_forward_batch": 1, "target": "gpu", "fold_runner": "python"}, "true"),
-        ({"max_forward_batch": 0}, "false"),
+        ({"per_sample_forward": True, "target": "gpu", "fold_runner": "python"}, "true"),
     ],
 )
 def test_python_fold_runs_per_sample_by_default_only_on_cpu(kwargs: dict, expected: str) -> None:
@@ -298,8 +297,6 @@ def test_python_fold_runs_per_sample_by_default_only_on_cpu(kwargs: dict, expect
         ({"fold_precision": "bf16"}, "fold_precision must be"),
         ({"tile_batch_size": 0}, r"must be >= 1, got \{'tile_batch_size': 0\}"),
         ({"torch_threads": -1}, "must be >= 0"),
-        ({"max_forward_batch": 4}, "max_forward_batch must be 0 or 1"),
-        ({"per_sample_forward": False, "max_forward_batch": 1}, "contradicts"),
         ({"target": "tpu"}, "'tpu' is not a valid Target"),
         ({"max_voxels": -1}, r"max_voxels must be >= 0 \(0 = no limit\), got -1"),
     ],

@@ -1,4 +1,4 @@
-"""nnunet_triton.normalization against nnU-Net 2.8.1's normalization classes (bit-identical on NumPy)."""
+"""numerics.normalization against nnU-Net 2.8.1's normalization classes (bit-identical on NumPy)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from nnunetv2.preprocessing.normalization import default_normalization_schemes as nn_norm
 
-from nnunet_triton import normalization
-from nnunet_triton._xp import to_numpy
 from nnunet_triton.errors import InputValidationError, UnsupportedModelError
-from nnunet_triton.plans import ChannelNormalization, IntensityProperties
+from nnunet_triton.numerics import normalization
+from nnunet_triton.numerics._xp import to_numpy
+from nnunet_triton.numerics.plans import ChannelNormalization, IntensityProperties
 
 # CuPy reduces float32 mean/std in another order than NumPy's pairwise sum: ~1e-7 relative on the
 # statistics, so ~1e-6 absolute on z-scores of order 10. CT/Rescale/RGB/No are elementwise: exact.

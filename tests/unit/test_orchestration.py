@@ -10,17 +10,15 @@ import numpy as np
 import pytest
 
 from nnunet_triton.errors import InputValidationError, SubmodelError
-from nnunet_triton.orchestration import (
-    RequestOptions,
+from nnunet_triton.numerics.sliding_window import (
     TileItem,
+    average_folds,
     extract_batch,
-    parse_fold_ids,
-    parse_request_options,
     plan_tile_batches,
-    predict_fold_async,
-    predict_folds_async,
+    predict_sliding_window,
 )
-from nnunet_triton.sliding_window import average_folds, predict_sliding_window
+from nnunet_triton.options import RequestOptions, parse_fold_ids, parse_request_options
+from nnunet_triton.pipeline.orchestration import predict_fold_async, predict_folds_async
 
 CONFIG = SimpleNamespace(folds=(0, 1, "all"))
 

@@ -1,4 +1,4 @@
-"""nnunet_triton.plans against nnU-Net 2.8.1's PlansManager / LabelManager on synthetic plans."""
+"""nnunet_triton.numerics.plans against nnU-Net 2.8.1's PlansManager / LabelManager on synthetic plans."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
 from test_preprocess import make_configuration, make_dataset, make_plans
 
 from nnunet_triton.errors import PlansError, UnsupportedModelError
-from nnunet_triton.plans import (
+from nnunet_triton.numerics.plans import (
     InferenceConfig,
     load_inference_config,
     read_model_folder,
@@ -216,7 +216,7 @@ def test_resampling_settings_default_like_nnunet_when_plans_kwargs_are_empty():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = resample_data_or_seg_to_shape(data, (8, 7, 12), [4.0, 1.0, 1.0], [2.0, 1.2, 0.8])
-    from nnunet_triton.resampling import resample_with_settings
+    from nnunet_triton.numerics.resampling import resample_with_settings
 
     ours = resample_with_settings(data, (8, 7, 12), [4.0, 1.0, 1.0], [2.0, 1.2, 0.8], config.resampling_data)
     assert np.array_equal(ours, ref)

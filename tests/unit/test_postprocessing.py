@@ -1,4 +1,4 @@
-"""nnunet_triton.postprocessing against nnU-Net 2.8.1's postprocessing (remove_connected_components.py).
+"""numerics.postprocessing against nnU-Net 2.8.1's postprocessing (remove_connected_components.py).
 
 Pickles are written with nnU-Net's own ``save_pickle`` of nnU-Net's own function objects, exactly as
 ``determine_postprocessing`` writes them; results are compared with ``np.array_equal`` (dtype included).
@@ -21,7 +21,7 @@ from nnunetv2.postprocessing.remove_connected_components import (
 )
 
 from nnunet_triton.errors import PlansError, UnsupportedModelError
-from nnunet_triton.postprocessing import (
+from nnunet_triton.numerics.postprocessing import (
     PostprocessingPlan,
     PostprocessingStep,
     apply_postprocessing,

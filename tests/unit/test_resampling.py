@@ -1,4 +1,4 @@
-"""nnunet_triton.resampling against nnU-Net 2.8.1's own resampling functions (bit-identical on NumPy)."""
+"""numerics.resampling against nnU-Net 2.8.1's own resampling functions (bit-identical on NumPy)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from nnunetv2.preprocessing.resampling import default_resampling as nn_resamplin
 from scipy.ndimage import map_coordinates
 from skimage.transform import resize as sk_resize
 
-from nnunet_triton import resampling
-from nnunet_triton._xp import to_numpy
 from nnunet_triton.errors import UnsupportedModelError
-from nnunet_triton.plans import ResamplingSettings
+from nnunet_triton.numerics import resampling
+from nnunet_triton.numerics._xp import to_numpy
+from nnunet_triton.numerics.plans import ResamplingSettings
 
 # CuPy: float64 interpolation on the GPU (FMA, other summation order) moves the float64 result by
 # ~1e-15 relative, which can flip the last bit of the float32/float16 output: one output ulp.

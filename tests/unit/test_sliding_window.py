@@ -1,4 +1,4 @@
-"""nnunet_triton.sliding_window against nnU-Net 2.8.1's nnUNetPredictor on the CPU.
+"""nnunet_triton.numerics.sliding_window against nnU-Net 2.8.1's nnUNetPredictor on the CPU.
 
 Every comparison is ``np.array_equal`` on float16 logits (max abs diff 0), except the one test
 that measures a real torch network's batch-1 vs batch-N outputs (oneDNN picks other conv kernels).
@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from nnunet_triton._xp import get_ndimage, to_numpy
 from nnunet_triton.errors import InputValidationError, NumericalError
-from nnunet_triton.gaussian import compute_gaussian
-from nnunet_triton.sliding_window import (
+from nnunet_triton.numerics._xp import get_ndimage, to_numpy
+from nnunet_triton.numerics.gaussian import compute_gaussian
+from nnunet_triton.numerics.sliding_window import (
     LogitAccumulator,
     average_folds,
     average_tta,
     mirror_combinations,
     predict_sliding_window,
 )
-from nnunet_triton.tiling import tile_slicers
+from nnunet_triton.numerics.tiling import tile_slicers
 
 try:
     from . import parity_support as ps

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from nnunet_triton import thread_budget as tb
+from nnunet_triton.builder.model_specs import BuildOptions, python_fold_spec
 from nnunet_triton.errors import ThreadBudgetError
-from nnunet_triton.model_specs import BuildOptions, python_fold_spec
+from nnunet_triton.server import thread_budget as tb
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,7 +122,7 @@ def test_a_fold_models_own_thread_parameter_wins_but_not_beyond_the_cpus() -> No
 def _repository(tmp_path: Path, folds: int, instances: int) -> Path:
     from test_model_specs import _config
 
-    from nnunet_triton.config_gen import write_config
+    from nnunet_triton.builder.config_gen import write_config
 
     for k in range(folds):
         write_config(python_fold_spec(_config(), k, BuildOptions(fold_instances=instances)),
@@ -145,7 +145,8 @@ def test_container_entry_point_execs_the_server_with_the_budget(tmp_path: Path) 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "NNUNET_TRITON_"))}
     env["PYTHONPATH"] = str(REPO_ROOT / "src")
     result = subprocess.run(
-        [sys.executable, "-m", "nnunet_triton.thread_budget", "exec", "--model-repository", str(repo), "--",
+        [sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec",
+         "--model-repository", str(repo), "--",
          sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, env=env)
     seen = json.loads(result.stdout)
     cpus = tb.available_cpus().cpus
@@ -157,7 +158,8 @@ def test_container_entry_point_execs_the_server_with_the_budget(tmp_path: Path) 
 def test_container_entry_point_refuses_a_bad_setting_before_starting_anything(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), tb.FOLD_THREADS_ENV: "lots"}
     result = subprocess.run(
-        [sys.executable, "-m", "nnunet_triton.thread_budget", "exec", "--model-repository", str(tmp_path),
+        [sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec",
+         "--model-repository", str(tmp_path),
          "--", "false"], capture_output=True, text=True, timeout=60, check=False, env=env)
     assert result.returncode == 2
     assert "NNUNET_TRITON_FOLD_THREADS must be a positive integer, got 'lots'" in result.stderr
@@ -166,8 +168,8 @@ def test_container_entry_point_refuses_a_bad_setting_before_starting_anything(tm
 def test_cpu_fold_models_hold_one_fold_slot_per_execution_and_gpu_ones_none(tmp_path: Path) -> None:
     from test_model_specs import _config
 
-    from nnunet_triton.config_gen import render_config
-    from nnunet_triton.model_specs import fold_spec
+    from nnunet_triton.builder.config_gen import render_config
+    from nnunet_triton.builder.model_specs import fold_spec
 
     cpu = render_config(python_fold_spec(_config(), 0, BuildOptions()))
     assert 'rate_limiter {\n    resources {\n      name: "nnunet_fold_slot"\n      count: 1' in cpu

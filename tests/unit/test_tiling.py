@@ -1,4 +1,4 @@
-"""nnunet_triton.tiling against nnU-Net 2.8.1 (steps, pad_nd_image, sliding-window slicers): exact."""
+"""numerics.tiling against nnU-Net 2.8.1 (steps, pad_nd_image, sliding-window slicers): exact."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from acvl_utils.cropping_and_padding.padding import pad_nd_image
 from nnunetv2.inference.sliding_window_prediction import compute_steps_for_sliding_window as nn_steps
 
-from nnunet_triton import tiling
-from nnunet_triton._xp import to_numpy
 from nnunet_triton.errors import InputValidationError
+from nnunet_triton.numerics import tiling
+from nnunet_triton.numerics._xp import to_numpy
 
 try:
     from . import parity_support as ps

@@ -7,9 +7,10 @@ import pytest
 import SimpleITK as sitk
 from test_model_specs import _config
 
-from nnunet_triton import imageio, io_names
-from nnunet_triton.client import _as_image
-from nnunet_triton.model_specs import BuildOptions, ensemble_repository_specs, repository_specs
+from nnunet_triton import io_names
+from nnunet_triton.builder.model_specs import BuildOptions, ensemble_repository_specs, repository_specs
+from nnunet_triton.client import imageio
+from nnunet_triton.client.client import _as_image
 
 
 def _by_name(specs):

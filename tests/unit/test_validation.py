@@ -1,18 +1,17 @@
-"""The voxel-limit and memory-budget checks of ``nnunet_triton.validation``."""
+"""The voxel-limit and memory-budget checks of ``nnunet_triton.numerics.limits``."""
 
 from __future__ import annotations
 
 import pytest
 
 from nnunet_triton.errors import InputValidationError
-from nnunet_triton.validation import (
+from nnunet_triton.numerics.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_VOXELS,
     check_request_memory,
     check_voxel_limit,
-    max_request_bytes_from_parameters,
-    max_voxels_from_parameters,
 )
+from nnunet_triton.parameters import PreprocessParameters
 
 
 def test_check_voxel_limit_returns_count_when_under_limit():
@@ -43,13 +42,13 @@ def test_check_voxel_limit_accepts_anything_when_limit_is_zero():
     ],
 )
 def test_max_voxels_from_parameters_reads_value_or_default(parameters, expected):
-    assert max_voxels_from_parameters(parameters) == expected
+    assert PreprocessParameters.from_parameters(parameters).max_voxels == expected
 
 
 @pytest.mark.parametrize("raw", ["-1", "1e6", "many"])
 def test_max_voxels_from_parameters_raises_naming_value_when_not_a_non_negative_int(raw):
     with pytest.raises(ValueError, match=rf"'max_voxels' must be an integer >= 0, got '{raw}'"):
-        max_voxels_from_parameters({"max_voxels": raw})
+        PreprocessParameters.from_parameters({"max_voxels": raw})
 
 
 def test_check_request_memory_returns_float32_logits_and_probabilities_bytes_when_within_budget():
@@ -82,9 +81,9 @@ def test_check_request_memory_accepts_anything_when_budget_is_zero():
     [({}, DEFAULT_MAX_REQUEST_BYTES), ({"max_request_bytes": "0"}, 0), ({"max_request_bytes": "4096"}, 4096)],
 )
 def test_max_request_bytes_from_parameters_reads_value_or_default(parameters, expected):
-    assert max_request_bytes_from_parameters(parameters) == expected
+    assert PreprocessParameters.from_parameters(parameters).max_request_bytes == expected
 
 
 def test_max_request_bytes_from_parameters_raises_naming_value_when_negative():
     with pytest.raises(ValueError, match=r"'max_request_bytes' must be an integer >= 0, got '-5'"):
-        max_request_bytes_from_parameters({"max_request_bytes": "-5"})
+        PreprocessParameters.from_parameters({"max_request_bytes": "-5"})

@@ -3,7 +3,7 @@
 ``predictor``: nnU-Net's own ``nnUNetPredictor.predict_single_npy_array`` on CPU (what a user would
 run without Triton): preprocessing, sliding window over the selected folds (one after another, as
 nnU-Net does), export resampling. ``floor``: the network-only floor, the fold TorchScript networks of
-the built repository (``fold_<k>/1/model.pt``, loaded through ``nnunet_triton.fold_runner`` like the
+the built repository (``fold_<k>/1/model.pt``, loaded through ``nnunet_triton.pipeline.fold_runner`` like the
 Python fold runner, one tile per forward) run on the same tiles as the endpoint, mirrored copies
 included; only the forwards are timed (preprocessing, tile extraction and flips are not).
 
@@ -38,13 +38,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from nnunet_triton import io_names
+from tools.perf.resources import ProcessTreeSampler, ResourceUsage
+from tools.perf.workloads import Case
 
-from nnunet_triton import io_names  # noqa: E402
-from tools.perf.resources import ProcessTreeSampler, ResourceUsage  # noqa: E402
-from tools.perf.workloads import Case  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["Job", "BaselineResult", "TilePlan", "tile_plan", "BaselineWorker", "main"]
 
@@ -121,9 +119,9 @@ class BaselineResult:
 
 def tile_plan(config: Any, case: Case, *, mirroring: bool, tile_step_size: float = 0.5) -> TilePlan:
     """Preprocess ``case`` like the endpoint and count its tiles and mirror variants."""
-    from nnunet_triton.preprocess import preprocess_case
-    from nnunet_triton.sliding_window import mirror_combinations
-    from nnunet_triton.tiling import pad_to_patch, tile_slicers
+    from nnunet_triton.numerics.preprocess import preprocess_case
+    from nnunet_triton.numerics.sliding_window import mirror_combinations
+    from nnunet_triton.numerics.tiling import pad_to_patch, tile_slicers
 
     data, _ = preprocess_case(case.image, case.spacing, config)
     padded, _ = pad_to_patch(data, config.patch_size)
@@ -144,7 +142,7 @@ class _Predictor:
         import torch
         from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
 
-        from nnunet_triton.plans import read_model_folder
+        from nnunet_triton.numerics.plans import read_model_folder
 
         self.config = read_model_folder(model_dir, folds=folds)
         self.predictor = nnUNetPredictor(
@@ -166,8 +164,8 @@ class _Floor:
 
     def __init__(self, repository: Path, folds: Sequence[int | str], tile_step_size: float, device: str
                  ) -> None:
-        from nnunet_triton.fold_runner import load_runner
-        from nnunet_triton.plans import InferenceConfig
+        from nnunet_triton.numerics.plans import InferenceConfig
+        from nnunet_triton.pipeline.fold_runner import load_runner
 
         # the Python runner writes inference_config.json next to model.pt; libtorch folds have none
         config_file = repository / io_names.PREPROCESS_MODEL / "1" / "inference_config.json"
@@ -182,8 +180,8 @@ class _Floor:
         import numpy as np
         import torch
 
-        from nnunet_triton.preprocess import preprocess_case
-        from nnunet_triton.tiling import pad_to_patch, tile_slicers
+        from nnunet_triton.numerics.preprocess import preprocess_case
+        from nnunet_triton.numerics.tiling import pad_to_patch, tile_slicers
 
         if case.name not in self._tiles:
             data, _ = preprocess_case(case.image, case.spacing, self.config)
@@ -204,7 +202,7 @@ class _Floor:
     def run(self, case: Case, folds: Sequence[int | str], mirroring: bool) -> float:
         import torch
 
-        from nnunet_triton.sliding_window import mirror_combinations
+        from nnunet_triton.numerics.sliding_window import mirror_combinations
 
         variants = [()] + (mirror_combinations(self.config.mirror_axes) if mirroring else [])
         total = 0.0

@@ -44,12 +44,12 @@ from typing import Any
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from nnunet_triton.client.client import NnunetClient
+from nnunet_triton.server import embedded as embedded_server
+from tools.perf.baselines import BaselineWorker, Job
+from tools.perf.workloads import ensure_realistic_model, fixture_case, fixture_model_dir, realistic_case
 
-from nnunet_triton import embedded_server  # noqa: E402
-from nnunet_triton.client import NnunetClient  # noqa: E402
-from tools.perf.baselines import BaselineWorker, Job  # noqa: E402
-from tools.perf.workloads import ensure_realistic_model, fixture_case, fixture_model_dir, realistic_case  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 WORK = REPO_ROOT / "build" / "perf" / "defaults"
 

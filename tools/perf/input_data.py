@@ -26,11 +26,9 @@ from typing import Any
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from nnunet_triton import io_names
 
-from nnunet_triton import io_names  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["ENCODINGS", "InputDataFile", "tensor_entry", "input_data_document", "write_input_data", "main"]
 

@@ -1,6 +1,6 @@
 """Build the one-model baseline repository: ``nnunet_monolith`` (``repository/monolith/model.py``).
 
-Its config is generated like every other one (``nnunet_triton.config_gen``), with the endpoint's
+Its config is generated like every other one (``nnunet_triton.builder.config_gen``), with the endpoint's
 tensors taken from ``model_specs.ensemble_spec`` so the two cannot drift apart. The results folder
 (plans, dataset.json, the deployed folds' checkpoints) is hard-linked (copied across file systems)
 into ``1/nnunet_model`` so the repository is self-contained.
@@ -19,12 +19,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from nnunet_triton.builder import (
+    config_gen,
+    model_specs,
+)
+from nnunet_triton.numerics.plans import CHECKPOINT_NAME, InferenceConfig, parse_fold, read_model_folder
+from nnunet_triton.parameters import FORCE_CPU_ONLY_INPUT_TENSORS, PARAM_TORCH_NUM_THREADS
 
-from nnunet_triton import config_gen, model_specs  # noqa: E402
-from nnunet_triton.plans import CHECKPOINT_NAME, InferenceConfig, parse_fold, read_model_folder  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["MONOLITH_MODEL", "ADAPTER", "monolith_spec", "build_monolith_repository", "main"]
 
@@ -52,7 +54,7 @@ def monolith_spec(config: InferenceConfig, *, instances: int = 1, torch_threads:
         inputs=endpoint.inputs,
         outputs=endpoint.outputs,
         instance_groups=(config_gen.InstanceGroup(count=instances, kind=kind),),
-        parameters={"FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "torch_num_threads": str(torch_threads)},
+        parameters={FORCE_CPU_ONLY_INPUT_TENSORS: "yes", PARAM_TORCH_NUM_THREADS: str(torch_threads)},
     )
 
 

@@ -20,19 +20,16 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from nnunet_triton.builder.model_specs import BuildOptions
+from tools.perf.monolith import build_monolith_repository
 
-from nnunet_triton.model_specs import BuildOptions  # noqa: E402
-from tools.perf.monolith import build_monolith_repository  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["REPOS_ROOT", "pipeline_repository", "monolith_repository", "light_export"]
 
@@ -70,8 +67,8 @@ def _cache_entry(checkpoint: Path, options: Any) -> Path:
 @contextlib.contextmanager
 def light_export() -> Iterator[None]:
     """Reload check once at batch sizes (2, 1); one export per distinct checkpoint, cached on disk."""
-    from network_models import export
-    from repository import build
+    from nnunet_triton.builder import repository as build
+    from nnunet_triton.builder import torchscript as export
 
     original_options, original_export = build._export_options, export.export_fold
 
@@ -108,7 +105,7 @@ def pipeline_repository(model_dir: Path, workload: str, *, variant: str = "defau
                         options: BuildOptions | None = None, folds: tuple[int, ...] | None = None,
                         light: bool = True) -> Path:
     """Build (or reuse) the ``nnunet`` pipeline repository for ``workload``/``variant``."""
-    from repository.build import build_repository
+    from nnunet_triton.builder.repository import build_repository
 
     out = REPOS_ROOT / workload / variant
     with light_export() if light else contextlib.nullcontext():

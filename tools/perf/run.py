@@ -19,7 +19,7 @@ per-sample forwards) of the pipeline on one scenario.
 Systems share the machine fairly: the endpoint and the monolith are served by ONE tritonserver and
 measured level by level in turn, and the baselines run in persistent worker processes between the
 server runs, so a change in background load hits all of them alike. The servers run with the
-launchers' own defaults (``embedded_server.start``: the thread budget of ``nnunet_triton.thread_budget``,
+launchers' own defaults (``embedded_server.start``: the thread budget of ``server.thread_budget``,
 which sets ``OMP_WAIT_POLICY=PASSIVE`` and the fold threads) and the baselines with nnU-Net's own
 defaults: nothing is added to the environment (``--omp-wait-policy inherit``, the default). Setting
 ``--omp-wait-policy PASSIVE|ACTIVE`` exports it to every process: a labelled tuning variant.
@@ -47,15 +47,13 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from nnunet_triton import io_names
+from nnunet_triton.builder.model_specs import BuildOptions
+from tools.perf import analyzer, baselines, repos, server_stats, workloads
+from tools.perf.monolith import MONOLITH_MODEL
+from tools.perf.resources import ProcessTreeSampler, ResourceUsage
 
-from nnunet_triton import io_names  # noqa: E402
-from nnunet_triton.model_specs import BuildOptions  # noqa: E402
-from tools.perf import analyzer, baselines, repos, server_stats, workloads  # noqa: E402
-from tools.perf.monolith import MONOLITH_MODEL  # noqa: E402
-from tools.perf.resources import ProcessTreeSampler, ResourceUsage  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["RequestConfig", "Load", "Scenario", "WorkloadPlan", "Measurement", "plans", "main"]
 
@@ -255,7 +253,7 @@ def _cases(workload: str, model_dir: Path, scenarios: Sequence[Scenario]) -> dic
 
 
 def _prepare(plan: WorkloadPlan, args: argparse.Namespace, raw_root: Path, work_root: Path) -> _Context:
-    from nnunet_triton.plans import read_model_folder
+    from nnunet_triton.numerics.plans import read_model_folder
     from tools.perf.input_data import write_input_data
 
     model_dir = _model_dir(plan.name, args)
@@ -289,7 +287,7 @@ def _includes(system: str) -> Any:
 @contextlib.contextmanager
 def _server(repositories: Sequence[Path], log_dir: Path, name: str) -> Iterator[Any]:
     """One tritonserver serving every repository (pipeline and monolith side by side)."""
-    from nnunet_triton import embedded_server
+    from nnunet_triton.server import embedded as embedded_server
 
     src = str(REPO_ROOT / "src")  # the stubs import nnunet_triton even without `pip install -e .`
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
@@ -330,7 +328,7 @@ def _scenarios_for(ctx: _Context, system: str) -> list[Scenario]:
 
 
 def _warm_up(ctx: _Context, handle: Any, model: str) -> None:
-    from nnunet_triton.client import NnunetClient
+    from nnunet_triton.client.client import NnunetClient
 
     case = ctx.cases[ctx.plan.scenarios[0].volume]
     with NnunetClient(handle.grpc_url, "grpc", timeout_s=3600.0, model_name=model) as client:
@@ -599,7 +597,7 @@ def _host_info() -> dict[str, Any]:
 
 
 def _workload_info(ctx: _Context) -> dict[str, Any]:
-    from nnunet_triton.plans import read_model_folder
+    from nnunet_triton.numerics.plans import read_model_folder
 
     config = read_model_folder(ctx.model_dir)
     plans = json.loads((ctx.model_dir / "plans.json").read_text())

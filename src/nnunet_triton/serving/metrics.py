@@ -44,12 +44,12 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nnunet_triton.plans import InferenceConfig
+from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.parameters import PipelineParameters
 from nnunet_triton.serving._pb import pb_utils
 from nnunet_triton.serving.tensors import model_parameters
 
 __all__ = [
-    "PARAM_METRICS",
     "MetricSpec",
     "REQUEST_SUCCESS",
     "REQUEST_FAILURE",
@@ -64,8 +64,6 @@ __all__ = [
 
 LOGGER = logging.getLogger(__name__)
 
-PARAM_METRICS = "metrics"
-_OFF_VALUES = frozenset({"false", "0", "off", "no"})
 _ERROR_CODES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED",
                 "ALREADY_EXISTS", "CANCELLED")
 _PRECREATED_FAILURE_CODES = ("INVALID_ARG", "INTERNAL")
@@ -180,7 +178,7 @@ class StepMetrics:
         counts = dict(counts or {})
         logger = _stub_logger()
         try:
-            if model_parameters(args).get(PARAM_METRICS, "true").strip().lower() in _OFF_VALUES:
+            if not PipelineParameters.from_parameters(model_parameters(args)).metrics:
                 return cls({}, {}, counts, logger)
             labels = metric_labels(args["model_name"], config)
             specs = (REQUEST_SUCCESS, REQUEST_FAILURE, COMPUTE_DURATION, COMPUTE_LATENCY, *counts.values())

@@ -23,7 +23,7 @@ from typing import Any
 
 from nnunet_triton import __version__, io_names
 from nnunet_triton.errors import InputValidationError
-from nnunet_triton.plans import parse_fold
+from nnunet_triton.numerics.plans import parse_fold
 from nnunet_triton.validate.compare import segmentation_labels
 from nnunet_triton.validate.references import IDENTITY_KEYS, RecordedReference, ReferenceWriter
 from nnunet_triton.validate.report import write_report
@@ -77,9 +77,9 @@ def _progress(jobs: list[Any]) -> Any:
 
 
 def validate(args: argparse.Namespace, url: str) -> int:
-    from nnunet_triton.cli import collect_jobs
-    from nnunet_triton.client import NnunetClient
-    from nnunet_triton.endpoint import describe_endpoint
+    from nnunet_triton.client.cli import collect_jobs
+    from nnunet_triton.client.client import NnunetClient
+    from nnunet_triton.client.endpoint import describe_endpoint
 
     if args.record is not None and args.model is None:
         raise InputValidationError("--record needs --model: a reference set is recorded from a validated "
@@ -99,7 +99,7 @@ def validate(args: argparse.Namespace, url: str) -> int:
         reference.check_compatible(identity, options.to_dict())
         kind = f"reference set {args.against} (recorded {reference.manifest.get('created')})"
     else:
-        from nnunet_triton.plans import read_model_folder
+        from nnunet_triton.numerics.plans import read_model_folder
 
         config = read_model_folder(args.model, folds=folds)
         if io_names.COMBINE_MODEL in description.composing_models or config.previous_stage is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nnunet_triton.imageio import atomic_output
+from nnunet_triton.client.imageio import atomic_output
 from nnunet_triton.validate.run import CaseResult, ValidationResult
 
 __all__ = ["write_report", "markdown", "html_page"]

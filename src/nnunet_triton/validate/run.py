@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nnunet_triton.cli import CASE_ERRORS
+from nnunet_triton.client.cli import CASE_ERRORS
 from nnunet_triton.errors import ClientError, InputValidationError
 from nnunet_triton.validate.compare import CaseComparison, compare_case
 

@@ -1,0 +1,499 @@
+"""Typed specs of every model in the built repository (rendered to config.pbtxt by ``config_gen``).
+
+One function per model; :func:`repository_specs` returns them all for an :class:`InferenceConfig`
+and :class:`BuildOptions`. Tensor and model names come from ``io_names`` only.
+
+Layout of a single-configuration repository (see ``repository/build.py``)::
+
+    nnunet (ensemble): IMAGE, SPACING -> preprocess_model -> orchestrator_model -> stitch_model
+                       -> SEGMENTATION, PROBABILITIES (only when the request parameter asks for it)
+    fold_<k>: INPUT__0 [N, C_in, *patch] -> OUTPUT__0 [N, K, *patch], dynamic batching; either the
+              ``pytorch_libtorch`` backend (target gpu) or the Python TorchScript runner (target cpu).
+
+An ensemble of configurations (``nnUNetv2_ensemble`` behind the same endpoint) prefixes every model of
+member ``i`` with ``member<i>_`` (its stitch model always returns PROBABILITIES) and ends in
+``combine_model``::
+
+    nnunet (ensemble): IMAGE, SPACING -> member<i>_preprocess_model -> member<i>_orchestrator_model
+                       -> member<i>_stitch_model -> PROBABILITIES_<i> (all members run concurrently)
+                       -> combine_model -> SEGMENTATION, PROBABILITIES
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from nnunet_triton import io_names
+from nnunet_triton.builder.config_gen import (
+    DynamicBatching,
+    EnsembleStep,
+    InstanceGroup,
+    ModelSpec,
+    ModelWarmup,
+    TensorSpec,
+    WarmupInput,
+)
+from nnunet_triton.client.endpoint import description_parameters
+from nnunet_triton.numerics.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_VOXELS
+from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.options import ProbabilitiesOutput
+from nnunet_triton.parameters import (
+    FoldRunnerParameters,
+    OrchestratorParameters,
+    PipelineParameters,
+    PreprocessParameters,
+    StitchParameters,
+)
+
+__all__ = [
+    "Target",
+    "FoldRunner",
+    "BuildOptions",
+    "N_IMAGE_SPATIAL_DIMS",
+    "segmentation_dtype",
+    "preprocess_spec",
+    "orchestrator_spec",
+    "stitch_spec",
+    "fold_spec",
+    "libtorch_fold_spec",
+    "python_fold_spec",
+    "ensemble_spec",
+    "typed_endpoint_specs",
+    "is_endpoint",
+    "repository_specs",
+    "member_specs",
+    "combine_spec",
+    "configuration_ensemble_spec",
+    "ensemble_repository_specs",
+    "prefixed_pipeline_specs",
+    "cascade_ensemble_spec",
+    "cascade_repository_specs",
+]
+
+# Images always have 3 spatial axes on the wire: nnU-Net's readers return (C, z, y, x) even for 2D
+# data (NaturalImage2DIO gives (C, 1, X, Y)); 2D configurations predict slice by slice.
+N_IMAGE_SPATIAL_DIMS = 3
+_VARIABLE = -1
+
+
+class Target(StrEnum):
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+class FoldRunner(StrEnum):
+    PYTHON = "python"  # torch.jit.load in a Python-backend stub (CPU-only CI, the embedded server)
+    LIBTORCH = "libtorch"  # Triton's pytorch_libtorch backend (NGC tritonserver container)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Deployment knobs that are not in the nnU-Net model.
+
+    Attributes:
+        target: ``cpu`` (Python models on KIND_CPU, inputs forced to host) or ``gpu``.
+        tile_batch_size: tiles per fold request from the orchestrator; also the fold models'
+            ``max_batch_size`` (the dynamic batcher never builds a larger batch).
+        fold_runner: defaults to ``python`` on cpu and ``libtorch`` on gpu.
+        fold_precision: ``fp32``, or ``fp16`` (autocast export, FP16 OUTPUT__0; gpu only).
+        fold_queue_delay_us: dynamic batcher ``max_queue_delay_microseconds`` of the fold models.
+        torch_threads: Python runner ``torch.set_num_threads``; 0 keeps torch's default (one thread per
+            core), which is right for a single fold instance on a dedicated machine and matches an
+            nnU-Net process on the same machine (oneDNN's rounding depends on the thread count).
+        per_sample_forward: Python runner: run every tile of a dynamic batch as its own batch-1
+            forward, as nnU-Net does, which is bit-identical to nnU-Net on CPU (oneDNN picks other
+            convolution kernels for other batch sizes, ~5e-6 apart); ``False`` runs each dynamic
+            batch as one forward. Default (None): True on target cpu, False on gpu.
+        max_inflight: orchestrator's in-flight BLS batches per instance (< python thread-pool-size 32).
+        max_voxels: preprocess_model's ``max_voxels`` parameter: the most voxels an IMAGE, and the
+            volume it resamples to, may have (``nnunet_triton.numerics.limits``); 0 = no limit.
+        max_request_bytes: preprocess_model's ``max_request_bytes`` parameter: the most bytes a request's
+            float32 logits or probabilities may take (``validation.check_request_memory``); 0 = none.
+        metrics: the Python pipeline models export the custom ``nnunet_*`` metrics (``serving.metrics``);
+            False writes their ``metrics`` parameter as "false".
+    """
+
+    target: Target = Target.CPU
+    tile_batch_size: int = 4
+    fold_runner: FoldRunner | None = None
+    fold_precision: str = "fp32"
+    fold_queue_delay_us: int = 2000
+    fold_instances: int = 1
+    torch_threads: int = 0
+    per_sample_forward: bool | None = None
+    preprocess_instances: int = 1
+    orchestrator_instances: int = 1
+    stitch_instances: int = 1
+    max_inflight: int = 4
+    max_voxels: int = DEFAULT_MAX_VOXELS
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    gpus: tuple[int, ...] = ()
+    metrics: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target", Target(self.target))
+        if self.fold_runner is not None:
+            object.__setattr__(self, "fold_runner", FoldRunner(self.fold_runner))
+        counts = {name: getattr(self, name) for name in (
+            "tile_batch_size", "fold_instances", "preprocess_instances", "orchestrator_instances",
+            "stitch_instances", "max_inflight")}
+        bad = {name: value for name, value in counts.items() if value < 1}
+        if bad:
+            raise ValueError(f"build options must be >= 1, got {bad}.")
+        if self.torch_threads < 0 or self.fold_queue_delay_us < 0:
+            raise ValueError(
+                f"torch_threads and fold_queue_delay_us must be >= 0, got "
+                f"{self.torch_threads} and {self.fold_queue_delay_us}."
+            )
+        for name in ("max_voxels", "max_request_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}.")
+        if self.per_sample_forward is None:
+            object.__setattr__(self, "per_sample_forward", self.target is Target.CPU)
+        if self.fold_precision not in ("fp32", "fp16"):
+            raise ValueError(f"fold_precision must be 'fp32' or 'fp16', got {self.fold_precision!r}.")
+        if self.fold_precision == "fp16" and self.target is not Target.GPU:
+            raise ValueError("fold_precision 'fp16' needs target 'gpu' (CUDA autocast export).")
+
+    @property
+    def runner(self) -> FoldRunner:
+        if self.fold_runner is not None:
+            return self.fold_runner
+        return FoldRunner.LIBTORCH if self.target is Target.GPU else FoldRunner.PYTHON
+
+    @property
+    def instance_kind(self) -> str:
+        return "KIND_GPU" if self.target is Target.GPU else "KIND_CPU"
+
+    @property
+    def force_cpu_inputs(self) -> bool:
+        """Python models get host copies of their inputs on cpu; on gpu tensors stay where they live."""
+        return self.target is not Target.GPU
+
+    @property
+    def pipeline_parameters(self) -> PipelineParameters:
+        return PipelineParameters(force_cpu_inputs=self.force_cpu_inputs, metrics=self.metrics)
+
+
+def segmentation_dtype(config: InferenceConfig) -> str:
+    """UINT8 label maps, UINT16 when a label exceeds 255 (nnU-Net writes the smallest fitting type)."""
+    return "UINT8" if config.labels.max_label <= 255 else "UINT16"
+
+
+def _spatial_dims() -> tuple[int, ...]:
+    return (_VARIABLE,) * N_IMAGE_SPATIAL_DIMS
+
+
+def _image_dims(channels: int) -> tuple[int, ...]:
+    return (channels, *([_VARIABLE] * N_IMAGE_SPATIAL_DIMS))
+
+
+def _python_spec(name: str, options: BuildOptions, count: int, *, inputs: tuple[TensorSpec, ...],
+                 outputs: tuple[TensorSpec, ...], parameters: PipelineParameters | None = None) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        backend="python",
+        max_batch_size=0,
+        inputs=inputs,
+        outputs=outputs,
+        instance_groups=(InstanceGroup(count=count, kind=options.instance_kind, gpus=options.gpus),),
+        parameters=(parameters or options.pipeline_parameters).to_config(),
+    )
+
+
+def preprocess_spec(config: InferenceConfig, options: BuildOptions) -> ModelSpec:
+    """``preprocess_model``: IMAGE, SPACING -> PREPROCESSED, CASE_PROPERTIES; ``max_voxels`` parameter.
+
+    A cascade stage also takes PREVIOUS_SEGMENTATION (the previous stage's SEGMENTATION) and its
+    PREPROCESSED carries the one-hot channels after the image channels (the network's input channels).
+    """
+    n_in = config.num_input_channels
+    previous = (TensorSpec(io_names.PREVIOUS_SEGMENTATION, segmentation_dtype(config), _spatial_dims()),) \
+        if config.previous_stage is not None else ()
+    return _python_spec(
+        io_names.PREPROCESS_MODEL, options, options.preprocess_instances,
+        inputs=(
+            *(TensorSpec(io_names.image_input(dtype), dtype, _image_dims(n_in), optional=True)
+              for dtype in io_names.IMAGE_DTYPES),  # exactly one per request (io_names.IMAGE_DTYPES)
+            TensorSpec(io_names.SPACING, "FP64", (N_IMAGE_SPATIAL_DIMS,)),
+            *previous,
+        ),
+        outputs=(
+            TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.network.num_input_channels)),
+            TensorSpec(io_names.CASE_PROPERTIES, "FP64", (_VARIABLE,)),
+        ),
+        parameters=PreprocessParameters(force_cpu_inputs=options.force_cpu_inputs, metrics=options.metrics,
+                                        max_voxels=options.max_voxels,
+                                        max_request_bytes=options.max_request_bytes),
+    )
+
+
+def orchestrator_spec(config: InferenceConfig, options: BuildOptions, *, prefix: str = "") -> ModelSpec:
+    """``orchestrator_model`` (BLS): PREPROCESSED -> fold-averaged LOGITS (FP16, nnU-Net's buffers);
+    it calls the fold models ``prefix + fold_<k>``."""
+    return _python_spec(
+        io_names.ORCHESTRATOR_MODEL, options, options.orchestrator_instances,
+        inputs=(TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.network.num_input_channels)),),
+        outputs=(TensorSpec(io_names.LOGITS, "FP16", _image_dims(config.labels.num_segmentation_heads)),),
+        parameters=OrchestratorParameters(
+            force_cpu_inputs=options.force_cpu_inputs, metrics=options.metrics,
+            fold_models=tuple(prefix + io_names.fold_model_name(f) for f in config.folds),
+            tile_batch_size=options.tile_batch_size, max_inflight=options.max_inflight),
+    )
+
+
+def stitch_spec(config: InferenceConfig, options: BuildOptions, *,
+                probabilities: ProbabilitiesOutput = ProbabilitiesOutput.REQUEST) -> ModelSpec:
+    """``stitch_model``: LOGITS, CASE_PROPERTIES -> SEGMENTATION (+ PROBABILITIES as ``probabilities``)."""
+    heads = config.labels.num_segmentation_heads
+    return _python_spec(
+        io_names.STITCH_MODEL, options, options.stitch_instances,
+        inputs=(
+            TensorSpec(io_names.LOGITS, "FP16", _image_dims(heads)),
+            TensorSpec(io_names.CASE_PROPERTIES, "FP64", (_VARIABLE,)),
+        ),
+        outputs=(
+            TensorSpec(io_names.SEGMENTATION, segmentation_dtype(config), _spatial_dims()),
+            TensorSpec(io_names.PROBABILITIES, "FP32", _image_dims(heads)),
+        ),
+        parameters=StitchParameters(force_cpu_inputs=options.force_cpu_inputs, metrics=options.metrics,
+                                    probabilities_output=probabilities),
+    )
+
+
+def _fold_io(config: InferenceConfig, options: BuildOptions) -> tuple[tuple[TensorSpec, ...], ...]:
+    out_dtype = "FP16" if options.fold_precision == "fp16" else "FP32"
+    n_in = config.network.num_input_channels  # image channels (+ one-hot previous stage in a cascade)
+    inputs = (TensorSpec(io_names.FOLD_INPUT, "FP32", (n_in, *config.patch_size)),)
+    outputs = (TensorSpec(io_names.FOLD_OUTPUT, out_dtype,
+                          (config.labels.num_segmentation_heads, *config.patch_size)),)
+    return inputs, outputs
+
+
+def libtorch_fold_spec(config: InferenceConfig, fold: int | str, options: BuildOptions) -> ModelSpec:
+    """``fold_<k>`` on Triton's ``pytorch_libtorch`` backend (triton.md section 3).
+
+    ``DISABLE_OPTIMIZED_EXECUTION`` keeps TorchScript's profiling executor from re-optimizing the
+    graph for every new batch size the dynamic batcher produces (server#3012); warm-up runs the
+    sizes the orchestrator sends (1 for a last partial batch, ``tile_batch_size`` otherwise) so the
+    model is READY only after CUDA/cuDNN initialization.
+    """
+    inputs, outputs = _fold_io(config, options)
+    sample = WarmupInput(dtype="FP32", dims=inputs[0].dims, source="zero")
+    warmup = tuple(
+        ModelWarmup(name=f"batch_{size}", batch_size=size, inputs={io_names.FOLD_INPUT: sample})
+        for size in sorted({1, options.tile_batch_size})
+    )
+    return ModelSpec(
+        name=io_names.fold_model_name(fold),
+        platform="pytorch_libtorch",
+        max_batch_size=options.tile_batch_size,
+        inputs=inputs,
+        outputs=outputs,
+        instance_groups=(InstanceGroup(count=options.fold_instances, kind=options.instance_kind,
+                                       gpus=options.gpus),),
+        dynamic_batching=DynamicBatching(max_queue_delay_us=options.fold_queue_delay_us),
+        parameters={"INFERENCE_MODE": "true", "DISABLE_OPTIMIZED_EXECUTION": "true"},
+        model_warmup=warmup,
+        default_model_filename="model.pt",
+    )
+
+
+def python_fold_spec(config: InferenceConfig, fold: int | str, options: BuildOptions) -> ModelSpec:
+    """``fold_<k>`` served by ``network_models/python_runner/model.py`` (same names and I/O as libtorch)."""
+    inputs, outputs = _fold_io(config, options)
+    return ModelSpec(
+        name=io_names.fold_model_name(fold),
+        backend="python",
+        max_batch_size=options.tile_batch_size,
+        inputs=inputs,
+        outputs=outputs,
+        instance_groups=(InstanceGroup(
+            count=options.fold_instances, kind=options.instance_kind, gpus=options.gpus,
+            # one of the thread budget's fold slots per execution (nnunet_triton.server.thread_budget)
+            rate_limiter_resources=((io_names.FOLD_SLOT_RESOURCE, 1),) if options.target is Target.CPU
+            else ()),),
+        dynamic_batching=DynamicBatching(max_queue_delay_us=options.fold_queue_delay_us),
+        parameters=FoldRunnerParameters(torch_num_threads=options.torch_threads,
+                                        per_sample_forward=bool(options.per_sample_forward),
+                                        force_cpu_inputs=options.force_cpu_inputs).to_config(),
+    )
+
+
+def fold_spec(config: InferenceConfig, fold: int | str, options: BuildOptions) -> ModelSpec:
+    """``fold_<k>`` for the runner ``options`` selects."""
+    if options.runner is FoldRunner.LIBTORCH:
+        return libtorch_fold_spec(config, fold, options)
+    return python_fold_spec(config, fold, options)
+
+
+def ensemble_spec(config: InferenceConfig) -> ModelSpec:
+    """``nnunet``: the one public endpoint (maps are ``{composing model tensor: ensemble tensor}``); its
+    config parameter ``nnunet_description`` publishes the model (``endpoint.description_parameters``:
+    dataset, plans, configuration, trainer, folds, labels, ...) for ``info``, the clients and ``validate``."""
+    n = io_names
+    same = lambda *names: {name: name for name in names}  # noqa: E731
+    return ModelSpec(
+        name=n.ENDPOINT_MODEL,
+        platform="ensemble",
+        max_batch_size=0,
+        parameters=description_parameters(config),
+        inputs=(
+            TensorSpec(n.IMAGE, "FP32", _image_dims(config.num_input_channels)),
+            TensorSpec(n.SPACING, "FP64", (N_IMAGE_SPATIAL_DIMS,)),
+        ),
+        outputs=(
+            TensorSpec(n.SEGMENTATION, segmentation_dtype(config), _spatial_dims()),
+            TensorSpec(n.PROBABILITIES, "FP32", _image_dims(config.labels.num_segmentation_heads)),
+        ),
+        ensemble_steps=(
+            EnsembleStep(n.PREPROCESS_MODEL, input_map=same(n.IMAGE, n.SPACING),
+                         output_map=same(n.PREPROCESSED, n.CASE_PROPERTIES)),
+            EnsembleStep(n.ORCHESTRATOR_MODEL, input_map=same(n.PREPROCESSED), output_map=same(n.LOGITS)),
+            EnsembleStep(n.STITCH_MODEL, input_map=same(n.LOGITS, n.CASE_PROPERTIES),
+                         output_map=same(n.SEGMENTATION, n.PROBABILITIES)),
+        ),
+    )
+
+
+def typed_endpoint_specs(endpoint: ModelSpec) -> tuple[ModelSpec, ...]:
+    """Copies of the FP32 endpoint ``endpoint`` for every other IMAGE dtype (``io_names.IMAGE_DTYPES``).
+
+    Same steps, outputs and parameters; IMAGE has the copy's dtype and is mapped onto the matching
+    optional input of every step that reads it (preprocess models of members and previous stages too).
+    """
+    n = io_names
+    copies = []
+    for dtype in (d for d in n.IMAGE_DTYPES if d != "FP32"):
+        inputs = tuple(replace(t, dtype=dtype) if t.name == n.IMAGE else t for t in endpoint.inputs)
+        steps = tuple(
+            replace(step, input_map={(n.image_input(dtype) if tensor == n.IMAGE and key == n.IMAGE else key):
+                                     tensor for key, tensor in step.input_map.items()})
+            for step in endpoint.ensemble_steps or ())
+        copies.append(replace(endpoint, name=n.typed_endpoint(dtype, endpoint.name), inputs=inputs,
+                              ensemble_steps=steps))
+    return tuple(copies)
+
+
+def is_endpoint(spec: ModelSpec) -> bool:
+    """An ensemble the clients call (``nnunet`` or one of its typed copies)."""
+    return spec.platform == "ensemble"
+
+
+def repository_specs(config: InferenceConfig, options: BuildOptions, *, folds_only: bool = False
+                     ) -> tuple[ModelSpec, ...]:
+    """Every model of the repository, fold models first, then the endpoints (``nnunet`` and its typed
+    copies); ``folds_only`` leaves out the pipeline."""
+    folds = tuple(fold_spec(config, fold, options) for fold in config.folds)
+    if folds_only:
+        return folds
+    endpoint = ensemble_spec(config)
+    return (*folds, preprocess_spec(config, options), orchestrator_spec(config, options),
+            stitch_spec(config, options), endpoint, *typed_endpoint_specs(endpoint))
+
+
+# --- ensembles of configurations ----------------------------------------------------------------------
+
+
+def member_specs(config: InferenceConfig, options: BuildOptions, index: int) -> tuple[ModelSpec, ...]:
+    """The models of ensemble member ``index``: the single-configuration models, names prefixed."""
+    return prefixed_pipeline_specs(config, options, io_names.member_prefix(index),
+                                   probabilities=ProbabilitiesOutput.ALWAYS)
+
+
+def prefixed_pipeline_specs(config: InferenceConfig, options: BuildOptions, prefix: str, *,
+                            probabilities: ProbabilitiesOutput) -> tuple[ModelSpec, ...]:
+    """Fold, preprocess, orchestrator and stitch models of one pipeline with ``prefix`` on every name."""
+    folds = tuple(replace(fold_spec(config, fold, options), name=prefix + io_names.fold_model_name(fold))
+                  for fold in config.folds)
+    return (
+        *folds,
+        replace(preprocess_spec(config, options), name=prefix + io_names.PREPROCESS_MODEL),
+        replace(orchestrator_spec(config, options, prefix=prefix),
+                name=prefix + io_names.ORCHESTRATOR_MODEL),
+        replace(stitch_spec(config, options, probabilities=probabilities),
+                name=prefix + io_names.STITCH_MODEL),
+    )
+
+
+def combine_spec(configs: Sequence[InferenceConfig], options: BuildOptions) -> ModelSpec:
+    """``combine_model``: PROBABILITIES_<i> of every member -> SEGMENTATION (+ averaged PROBABILITIES)."""
+    heads = configs[0].labels.num_segmentation_heads
+    return _python_spec(
+        io_names.COMBINE_MODEL, options, options.stitch_instances,
+        inputs=tuple(TensorSpec(io_names.member_probabilities(i), "FP32", _image_dims(heads))
+                     for i in range(len(configs))),
+        outputs=(
+            TensorSpec(io_names.SEGMENTATION, segmentation_dtype(configs[0]), _spatial_dims()),
+            TensorSpec(io_names.PROBABILITIES, "FP32", _image_dims(heads)),
+        ),
+    )
+
+
+def _prefixed_steps(prefix: str, stitch_outputs: dict[str, str]) -> list[EnsembleStep]:
+    """Steps of one prefixed pipeline: IMAGE, SPACING in, ``stitch_outputs`` out, tensors prefixed."""
+    n = io_names
+    return [
+        EnsembleStep(prefix + n.PREPROCESS_MODEL, input_map={n.IMAGE: n.IMAGE, n.SPACING: n.SPACING},
+                     output_map={n.PREPROCESSED: prefix + n.PREPROCESSED,
+                                 n.CASE_PROPERTIES: prefix + n.CASE_PROPERTIES}),
+        EnsembleStep(prefix + n.ORCHESTRATOR_MODEL, input_map={n.PREPROCESSED: prefix + n.PREPROCESSED},
+                     output_map={n.LOGITS: prefix + n.LOGITS}),
+        EnsembleStep(prefix + n.STITCH_MODEL,
+                     input_map={n.LOGITS: prefix + n.LOGITS, n.CASE_PROPERTIES: prefix + n.CASE_PROPERTIES},
+                     output_map=stitch_outputs),
+    ]
+
+
+def configuration_ensemble_spec(configs: Sequence[InferenceConfig]) -> ModelSpec:
+    """``nnunet`` over several member pipelines and ``combine_model`` (the same public I/O)."""
+    n = io_names
+    steps: list[EnsembleStep] = []
+    for index in range(len(configs)):
+        steps += _prefixed_steps(n.member_prefix(index), {n.PROBABILITIES: n.member_probabilities(index)})
+    inputs = {n.member_probabilities(i): n.member_probabilities(i) for i in range(len(configs))}
+    steps.append(EnsembleStep(n.COMBINE_MODEL, input_map=inputs,
+                              output_map={n.SEGMENTATION: n.SEGMENTATION, n.PROBABILITIES: n.PROBABILITIES}))
+    base = ensemble_spec(configs[0])
+    return replace(base, ensemble_steps=tuple(steps))
+
+
+def ensemble_repository_specs(configs: Sequence[InferenceConfig], options: BuildOptions
+                              ) -> tuple[ModelSpec, ...]:
+    """Every model of an ensemble-of-configurations repository, member by member, then combine and nnunet."""
+    members = tuple(spec for index, config in enumerate(configs)
+                    for spec in member_specs(config, options, index))
+    endpoint = configuration_ensemble_spec(configs)
+    return (*members, combine_spec(configs, options), endpoint, *typed_endpoint_specs(endpoint))
+
+
+# --- cascades -----------------------------------------------------------------------------------------
+
+
+def cascade_ensemble_spec(config: InferenceConfig) -> ModelSpec:
+    """``nnunet`` over a cascade: the previous stage's pipeline (models prefixed ``previous_stage_``) feeds
+    its SEGMENTATION to ``preprocess_model`` of the cascade stage as PREVIOUS_SEGMENTATION."""
+    n = io_names
+    p = n.PREVIOUS_STAGE_PREFIX
+    base = ensemble_spec(config)
+    steps = (
+        *_prefixed_steps(p, {n.SEGMENTATION: p + n.SEGMENTATION}),
+        EnsembleStep(n.PREPROCESS_MODEL,
+                     input_map={n.IMAGE: n.IMAGE, n.SPACING: n.SPACING,
+                                n.PREVIOUS_SEGMENTATION: p + n.SEGMENTATION},
+                     output_map={n.PREPROCESSED: n.PREPROCESSED, n.CASE_PROPERTIES: n.CASE_PROPERTIES}),
+        *(base.ensemble_steps or ())[1:],
+    )
+    return replace(base, ensemble_steps=steps)
+
+
+def cascade_repository_specs(previous: InferenceConfig, config: InferenceConfig, options: BuildOptions
+                             ) -> tuple[ModelSpec, ...]:
+    """The previous stage's models (prefixed), the cascade stage's models, and the cascade ``nnunet``."""
+    own = tuple(spec for spec in repository_specs(config, options) if not is_endpoint(spec))
+    endpoint = cascade_ensemble_spec(config)
+    return (*prefixed_pipeline_specs(previous, options, io_names.PREVIOUS_STAGE_PREFIX,
+                                     probabilities=ProbabilitiesOutput.NEVER),
+            *own, endpoint, *typed_endpoint_specs(endpoint))

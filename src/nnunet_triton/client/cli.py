@@ -1,0 +1,390 @@
+"""``nnunet-triton``: segment NIfTI/NRRD/MHA cases or DICOM series on a Triton ``nnunet`` endpoint.
+
+    nnunet-triton predict -i IN -o OUT [--url HOST:PORT] [--protocol http|grpc] [--disable-tta]
+        [--step-size 0.5] [-f 0 1] [--save-probabilities] [--continue-prediction]
+        [--output-format nifti|nrrd|mha|dicom-seg] [--concurrency N]
+    nnunet-triton info [--url HOST:PORT] [--protocol http|grpc] [--json]
+    nnunet-triton validate (--model RESULTS_FOLDER | --against REFERENCE_SET) -i IN [--record DIR]
+        [--min-dice 0.999 | --exact] [--probabilities] [--report DIR]   (see nnunet_triton.validate)
+
+IN is an image file (its ``_0001``.. channel siblings are found), a folder of cases in nnU-Net naming
+(``case_0000.nii.gz``, ``case_0001.nii.gz``), or a folder of DICOM files (one or many series, searched
+recursively; one case per SeriesInstanceUID). Flags mean what they mean for ``nnUNetv2_predict`` (the
+nnU-Net spellings ``--disable_tta``, ``-step_size``, ``--save_probabilities``, ``--continue_prediction`` work
+too). ``--concurrency N`` requests are in flight at once (default: the deployed orchestrator instances
++ 1): worker threads read and send cases while the main thread writes finished ones, so reading,
+sending and writing overlap with inference; the files are identical to a sequential run. Outputs are
+written atomically; a failed case is reported at the end and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nnunet_triton.client import imageio
+from nnunet_triton.client.dicom import volume as dicom
+from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError
+
+__all__ = ["main", "Job", "collect_jobs"]
+
+LOGGER = logging.getLogger("nnunet_triton.client.cli")
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
+OUTPUT_FORMATS = (*imageio.OUTPUT_ENDINGS, "dicom-seg")
+CASE_ERRORS = (NnunetTritonError, OSError, ValueError, RuntimeError)  # SimpleITK raises RuntimeError
+
+
+@dataclass(frozen=True)
+class Job:
+    """One case: ``load()`` returns the image and, for DICOM input, the source volume."""
+
+    name: str
+    load: Callable[[], tuple[imageio.ImageCase, dicom.DicomVolume | None]]
+    is_dicom: bool
+
+
+def _image_job(name: str, files: list[Path]) -> Job:
+    return Job(name, lambda: (imageio.read_images(files, native_dtype=True), None), is_dicom=False)
+
+
+def _dicom_job(series: dicom.SeriesFiles, options: dicom.DicomOptions) -> Job:
+    def load() -> tuple[imageio.ImageCase, dicom.DicomVolume]:
+        volume = dicom.read_series(series, options)
+        return volume.image_case(), volume
+
+    return Job(dicom.case_name(series), load, is_dicom=True)
+
+
+def collect_jobs(source: Path, options: dicom.DicomOptions = dicom.DEFAULT_OPTIONS) -> list[Job]:
+    """The cases of ``source`` (see the module docstring)."""
+    if source.is_file():
+        ending = imageio.file_ending(source)
+        if ending is None:
+            raise InputValidationError(
+                f"{source}: not a supported image ({imageio.SUPPORTED_ENDINGS}); for "
+                "DICOM pass the folder of the series."
+            )
+        case = imageio.case_of(source)
+        return [_image_job(case, imageio.find_cases(source.parent, ending, case=case)[case])]
+    if not source.is_dir():
+        raise InputValidationError(f"input {source} does not exist.")
+    cases = imageio.find_cases(source)
+    if cases:
+        return [_image_job(name, files) for name, files in cases.items()]
+    scan = dicom.scan_folder(source, options)
+    if not scan.series:
+        raise InputValidationError(
+            f"{source}: no images ({imageio.SUPPORTED_ENDINGS}) and no DICOM image series "
+            f"({len(scan.skipped)} other files)."
+        )
+    return [_dicom_job(series, options) for series in scan.series]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nnunet-triton", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    predict = sub.add_parser("predict", help="segment a file, a folder of cases or a DICOM folder")
+    predict.add_argument("-i", "--input", required=True, type=Path, help="file, case folder or DICOM folder")
+    predict.add_argument("-o", "--output", required=True, type=Path, help="output folder")
+    predict.add_argument("-f", "--folds", nargs="+", default=None, help="subset of the deployed folds")
+    predict.add_argument(
+        "--step-size",
+        "-step_size",
+        type=float,
+        default=0.5,
+        dest="step_size",
+        help="sliding-window step as a fraction of the patch (nnU-Net default 0.5)",
+    )
+    predict.add_argument(
+        "--disable-tta",
+        "--disable_tta",
+        action="store_true",
+        dest="disable_tta",
+        help="no test-time mirroring (faster, slightly less accurate)",
+    )
+    predict.add_argument(
+        "--disable-postprocessing",
+        action="store_true",
+        dest="disable_postprocessing",
+        help="skip the postprocessing deployed with the model (nnU-Net's postprocessing.pkl)",
+    )
+    predict.add_argument(
+        "--save-probabilities",
+        "--save_probabilities",
+        action="store_true",
+        dest="save_probabilities",
+        help="also write <case>.npz (key 'probabilities') + .pkl",
+    )
+    predict.add_argument(
+        "--continue-prediction",
+        "--continue_prediction",
+        action="store_true",
+        dest="continue_prediction",
+        help="skip cases whose outputs already exist",
+    )
+    predict.add_argument("--output-format", choices=OUTPUT_FORMATS, default="nifti")
+    predict.add_argument(
+        "--dataset-json",
+        type=Path,
+        default=None,
+        help="dataset.json naming the DICOM-SEG segments when the server does not publish labels",
+    )
+    predict.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE (with backoff)")
+    predict.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        default=None,
+        help="requests in flight (default: the deployed orchestrator instances + 1); outputs are identical "
+        "to a sequential run",
+    )
+    info = sub.add_parser("info", help="describe the deployed model")
+    info.add_argument("--json", action="store_true", help="print the description as JSON")
+    from nnunet_triton.validate.cli import add_parser as add_validate
+
+    for p in (predict, info, add_validate(sub)):
+        p.add_argument(
+            "--url",
+            default=os.environ.get("NNUNET_TRITON_URL"),
+            help="server host:port (default $NNUNET_TRITON_URL or 127.0.0.1:8000/8001)",
+        )
+        p.add_argument("--protocol", choices=("http", "grpc"), default="http")
+        p.add_argument("--timeout", type=float, default=600.0, help="seconds per inference call")
+        p.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def _url(args: argparse.Namespace) -> str:
+    return args.url or f"127.0.0.1:{DEFAULT_PORTS[args.protocol]}"
+
+
+def _outputs(out: Path, job: Job, args: argparse.Namespace) -> list[Path]:
+    ending = ".dcm" if args.output_format == "dicom-seg" else imageio.OUTPUT_ENDINGS[args.output_format]
+    paths = [out / f"{job.name}{ending}"]
+    if args.save_probabilities:
+        paths.append(out / f"{job.name}.npz")
+    return paths
+
+
+def _segment_labels(description: Any, args: argparse.Namespace) -> Any:
+    from nnunet_triton.client.dicom import seg as dicom_seg
+
+    if args.dataset_json is not None:
+        dataset = json.loads(args.dataset_json.read_text())
+        return dicom_seg.segment_labels(dataset["labels"], dataset.get("regions_class_order"))
+    return dicom_seg.segment_labels(description.labels, description.published.get("regions_class_order"))
+
+
+@dataclass(frozen=True)
+class _Inferred:
+    """A case read and segmented by a worker, waiting to be written by the main thread."""
+
+    job: Job
+    case: imageio.ImageCase | None = None
+    volume: dicom.DicomVolume | None = None
+    result: Any = None
+    error: BaseException | None = None
+    started: float = 0.0
+
+
+def _infer(job: Job, client: Any, description: Any, args: argparse.Namespace) -> _Inferred:
+    from nnunet_triton.client.endpoint import segment_with_retry
+
+    started = time.perf_counter()
+    case, volume = job.load()
+    if description.num_channels > 0 and case.data.shape[0] != description.num_channels:
+        raise InputValidationError(
+            f"case {job.name!r} has {case.data.shape[0]} channel(s), the model expects "
+            f"{description.num_channels}."
+        )
+    result = segment_with_retry(
+        client,
+        case.data,
+        case.spacing,
+        retries=args.retries,
+        mirroring=not args.disable_tta,
+        tile_step_size=args.step_size,
+        folds=args.folds,
+        probabilities=args.save_probabilities,
+        postprocessing=False if args.disable_postprocessing else None,
+    )
+    return _Inferred(job, case, volume, result, started=started)
+
+
+def _write(done: _Inferred, description: Any, args: argparse.Namespace) -> None:
+    job, case, result = done.job, done.case, done.result
+    target = _outputs(args.output, job, args)[0]
+    if args.save_probabilities:
+        imageio.write_probabilities(result.probabilities, args.output / job.name, case.properties())
+    if args.output_format == "dicom-seg":
+        from nnunet_triton.client.dicom.seg import write_dicom_seg
+
+        write_dicom_seg(result.segmentation, done.volume, _segment_labels(description, args), target)
+    else:
+        imageio.write_segmentation(result.segmentation, target, case.geometry)
+
+
+def _say(text: str, stream: Any = None) -> None:
+    """Terminal output of the CLI (results and the end report are its product, not log records)."""
+    (stream or sys.stderr).write(text + "\n")
+
+
+def default_concurrency(description: Any) -> int:
+    """Requests kept in flight: one per orchestrator instance (each holds one request) plus one being
+    read or written, so the server never waits for the client's disk."""
+    return max(1, description.orchestrator_instances) + 1
+
+
+def _worker(jobs: queue.Queue, done: queue.Queue, stop: threading.Event, client: Any,
+            description: Any, args: argparse.Namespace) -> None:
+    """Read and segment jobs until none is left; every outcome goes to ``done`` (the main thread writes)."""
+    with client:
+        while not stop.is_set():
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put(_infer(job, client, description, args))
+            except BaseException as exc:  # reported by the main thread; the other cases go on
+                done.put(_Inferred(job, error=exc))
+
+
+def _run_all(
+    todo: list[Job], make_client: Callable[[], Any], description: Any, args: argparse.Namespace
+) -> list[tuple[str, str]]:
+    """Run every job with ``args.concurrency`` requests in flight; a failing case is recorded and the
+    batch goes on. Workers (daemon threads, one client each) read and send; this thread writes every
+    output (atomically), so a signal here never leaves a partial file."""
+    from tqdm import tqdm
+
+    jobs: queue.Queue = queue.Queue()
+    for job in todo:
+        jobs.put(job)
+    workers = min(args.concurrency, len(todo))
+    done: queue.Queue = queue.Queue(maxsize=max(1, workers))  # bounds the results held in memory
+    stop = threading.Event()
+    # clients are made here, so a failure to make one is raised here, not lost in a thread
+    clients = [make_client() for _ in range(workers)]
+    threads = [threading.Thread(target=_worker, args=(jobs, done, stop, client, description, args),
+                                name=f"nnunet-triton-worker-{i}", daemon=True)
+               for i, client in enumerate(clients)]
+    for thread in threads:
+        thread.start()
+    failures: list[tuple[str, str]] = []
+    bar = tqdm(total=len(todo), unit="case", desc="nnunet-triton", file=sys.stderr, disable=len(todo) < 2)
+    try:
+        for _ in range(len(todo)):
+            item = done.get()
+            try:
+                if item.error is not None:
+                    raise item.error
+                _write(item, description, args)
+            except CASE_ERRORS as exc:
+                failures.append((item.job.name, str(exc)))
+                bar.write(f"{item.job.name}: FAILED ({type(exc).__name__}): {exc}", file=sys.stderr)
+            else:
+                elapsed = time.perf_counter() - item.started
+                bar.write(f"{item.job.name}: {elapsed:.1f} s (inference {item.result.elapsed_s:.1f} s)",
+                          file=sys.stderr)
+            bar.update()
+    finally:
+        stop.set()
+        bar.close()
+    return failures
+
+
+def predict(args: argparse.Namespace) -> int:
+    from nnunet_triton.client.client import NnunetClient
+    from nnunet_triton.client.endpoint import describe_endpoint
+
+    jobs = collect_jobs(args.input)
+    if args.output_format == "dicom-seg" and not all(j.is_dicom for j in jobs):
+        raise InputValidationError(
+            "--output-format dicom-seg needs DICOM input (it references the source series)."
+        )
+    args.output.mkdir(parents=True, exist_ok=True)
+    for stale in imageio.remove_stale_partials(args.output):
+        LOGGER.info("removed %s left by an interrupted run", stale.name)
+    finished = [
+        args.continue_prediction and all(p.is_file() for p in _outputs(args.output, j, args)) for j in jobs
+    ]
+    todo = [j for j, done in zip(jobs, finished, strict=True) if not done]
+    description = describe_endpoint(_url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
+    if args.concurrency is None:
+        args.concurrency = default_concurrency(description)
+    with NnunetClient(_url(args), protocol=args.protocol, timeout_s=args.timeout) as client:
+        client.check_ready()
+    def make_client() -> NnunetClient:
+        return NnunetClient(_url(args), protocol=args.protocol, timeout_s=args.timeout)
+
+    failures = _run_all(todo, make_client, description, args)
+    written, skipped, failed = len(todo) - len(failures), sum(finished), len(failures)
+    _say(f"{written} case(s) written to {args.output}, {skipped} skipped (done before), {failed} failed.")
+    for name, message in failures:
+        _say(f"  failed {name}: {message}")
+    return 1 if failures else 0
+
+
+def info(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from nnunet_triton.client.endpoint import describe_endpoint, format_description
+
+    description = describe_endpoint(_url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
+    _say(
+        json.dumps(asdict(description), indent=2) if args.json else format_description(description),
+        sys.stdout,
+    )
+    return 0
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through atomic_output, which removes its temporary file
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``nnunet-triton`` console script; returns the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        if args.command == "validate":
+            from nnunet_triton.validate.cli import validate
+
+            return validate(args, _url(args))
+        return predict(args) if args.command == "predict" else info(args)
+    except ClientError as exc:
+        _say(f"nnunet-triton: server error: {exc}")
+        return 2
+    except NnunetTritonError as exc:
+        _say(f"nnunet-triton: {exc}")
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""Minimal client for the ``nnunet`` endpoint: one call per case, binary tensors, typed errors.
+
+``tritonclient`` is imported lazily (in :class:`NnunetClient`'s constructor), so importing this module
+stays cheap. Per-request options travel as Triton request parameters, which the ``nnunet`` ensemble
+forwards to every composing model (see ``docs/architecture.md``).
+
+Example::
+
+    with NnunetClient("127.0.0.1:8000") as client:
+        result = client.segment(image, spacing, mirroring=False)
+        result.segmentation  # uint8/uint16 array shaped like image.shape[1:]
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from nnunet_triton import io_names
+from nnunet_triton.errors import ClientError, InputValidationError
+from nnunet_triton.options import (
+    OPTION_FOLDS,
+    OPTION_MIRRORING,
+    OPTION_POSTPROCESSING,
+    OPTION_PROBABILITIES,
+    OPTION_TILE_STEP_SIZE,
+)
+
+__all__ = ["SegmentationResult", "NnunetClient", "PROTOCOLS"]
+
+LOGGER = logging.getLogger(__name__)
+PROTOCOLS = ("http", "grpc")
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class SegmentationResult:
+    """What one ``segment`` call returns.
+
+    Attributes:
+        segmentation: label map ``(*spatial)`` (uint8, or uint16 for > 254 foreground labels), same axis
+            order and shape as the input image's spatial axes.
+        probabilities: float32 ``(K, *spatial)`` when requested, else None.
+        elapsed_s: wall time of the inference call (request sent to response decoded).
+    """
+
+    segmentation: np.ndarray
+    probabilities: np.ndarray | None
+    elapsed_s: float
+
+
+# numpy dtypes that travel as they are, each to its typed endpoint (io_names.IMAGE_DTYPES)
+WIRE_DTYPES = {np.dtype(numpy_name): wire for wire, numpy_name in io_names.IMAGE_DTYPES.items()}
+
+
+def _as_image(image: Any, n_spatial: int, *, native: bool = True) -> np.ndarray:
+    """C-contiguous ``(C, *spatial)``: in its own dtype when that is a wire dtype (``native``), else
+    float32 (what the FP32 endpoint takes; nnU-Net casts every image to float32 first)."""
+    array = np.asarray(image)
+    if array.dtype.kind not in "biuf":
+        raise InputValidationError(f"image must have a real numeric dtype, got {array.dtype}.")
+    if array.ndim == n_spatial:  # single-channel convenience: add the channel axis
+        array = array[None]
+    native_order = array.dtype.newbyteorder("=")
+    return np.ascontiguousarray(array, dtype=native_order if native and native_order in WIRE_DTYPES
+                                else np.float32)
+
+
+def _as_spacing(spacing: Sequence[float]) -> np.ndarray:
+    try:
+        return np.ascontiguousarray(np.asarray(spacing, dtype=np.float64).reshape(-1))
+    except (TypeError, ValueError):
+        raise InputValidationError(f"spacing must be a sequence of numbers, got {spacing!r}.") from None
+
+
+def _folds_parameter(folds: Sequence[int | str] | int | str) -> str:
+    if isinstance(folds, int | str):
+        return str(folds)
+    return ",".join(str(f) for f in folds)
+
+
+def request_parameters(
+    *,
+    mirroring: bool = True,
+    tile_step_size: float | None = None,
+    folds: Sequence[int | str] | int | str | None = None,
+    probabilities: bool = False,
+    postprocessing: bool | None = None,
+) -> dict[str, Any]:
+    """The request parameters for these options (the server validates them)."""
+    params: dict[str, Any] = {OPTION_MIRRORING: bool(mirroring), OPTION_PROBABILITIES: bool(probabilities)}
+    if postprocessing is not None:
+        params[OPTION_POSTPROCESSING] = bool(postprocessing)
+    if tile_step_size is not None:
+        params[OPTION_TILE_STEP_SIZE] = float(tile_step_size)
+    if folds is not None:
+        params[OPTION_FOLDS] = _folds_parameter(folds)
+    return params
+
+
+class NnunetClient:
+    """Talks to one Triton server serving the ``nnunet`` ensemble.
+
+    Args:
+        url: ``host:port`` of the HTTP (default 8000) or gRPC (default 8001) endpoint.
+        protocol: ``"http"`` or ``"grpc"``.
+        timeout_s: end-to-end limit of one inference (HTTP network timeout, gRPC client deadline).
+        model_name: the endpoint model (``nnunet``).
+        native_dtype: send FP16/INT16/UINT16/UINT8 images as they are, to the typed endpoint
+            (``nnunet_int16``, ...: half the bytes of float32 for a CT), when the server has it; False,
+            or a repository without typed endpoints, sends float32 to ``model_name``. Same answer.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        protocol: str = "http",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        model_name: str = io_names.ENDPOINT_MODEL,
+        native_dtype: bool = True,
+    ) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}.")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}.")
+        self.url = url
+        self.protocol = protocol
+        self.timeout_s = float(timeout_s)
+        self.model_name = model_name
+        self.native_dtype = native_dtype
+        self._typed_ready: dict[str, bool] = {}
+        if protocol == "http":
+            import tritonclient.http as module
+
+            self._client = module.InferenceServerClient(
+                url, connection_timeout=min(self.timeout_s, 60.0), network_timeout=self.timeout_s
+            )
+        else:
+            import tritonclient.grpc as module
+
+            self._client = module.InferenceServerClient(url)
+        self._module = module
+        self._ready = False
+
+    def __enter__(self) -> NnunetClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._client.close()
+
+    def check_ready(self) -> None:
+        """Raise :class:`ClientError` with a clear message unless the server and the endpoint are ready."""
+        where = f"{self.protocol}://{self.url}"
+        try:
+            live = self._client.is_server_live()
+        except Exception as exc:  # connection refused, DNS, timeouts: all mean "not reachable"
+            raise ClientError(
+                f"Triton server at {where} is not reachable ({type(exc).__name__}: {exc}); is it running "
+                "and is this the right host:port for the protocol?"
+            ) from None
+        if not live:
+            raise ClientError(f"Triton server at {where} is not live.")
+        try:
+            ready = self._client.is_model_ready(self.model_name)
+        except Exception as exc:
+            raise ClientError(
+                f"could not ask {where} whether model {self.model_name!r} is ready: {exc}"
+            ) from None
+        if not ready:
+            raise ClientError(
+                f"model {self.model_name!r} is not ready on {where} (not in the repository, still loading, "
+                "or failed to load: see the server log)."
+            )
+        self._ready = True
+
+    def segment(
+        self,
+        image: Any,
+        spacing: Sequence[float],
+        *,
+        mirroring: bool = True,
+        tile_step_size: float | None = None,
+        folds: Sequence[int | str] | int | str | None = None,
+        probabilities: bool = False,
+        postprocessing: bool | None = None,
+    ) -> SegmentationResult:
+        """Segment one case with a single endpoint call.
+
+        Args:
+            image: ``(C, *spatial)`` (or ``(*spatial)`` for one channel) in the reader's axis order
+                (SimpleITK: z, y, x); any real dtype: float32/float16/int16/uint16/uint8 travel as they
+                are (``native_dtype``), others as float32. The answer is the same either way.
+            spacing: voxel spacing per spatial axis in the same order.
+            mirroring: nnU-Net's test-time mirroring.
+            tile_step_size: sliding-window step in (0, 1]; None = the server default (0.5).
+            folds: subset of the deployed folds (e.g. ``[0, 1]``); None = all deployed folds.
+            probabilities: also return the float32 class probabilities.
+            postprocessing: False skips the deployed nnU-Net postprocessing; None = server default (on).
+
+        Raises:
+            InputValidationError: the image is not real-valued.
+            ClientError: the server is not reachable/ready, or it answered with an error (message and
+                ``status`` are the server's).
+        """
+        spacing_array = _as_spacing(spacing)
+        image_array = _as_image(image, spacing_array.size, native=self.native_dtype)
+        if not self._ready:
+            self.check_ready()
+        model, wire = self._endpoint_for(image_array.dtype)
+        if wire == "FP32" and image_array.dtype != np.float32:
+            image_array = image_array.astype(np.float32)
+        inputs = [
+            self._input(io_names.IMAGE, image_array, wire),
+            self._input(io_names.SPACING, spacing_array, "FP64"),
+        ]
+        names = [io_names.SEGMENTATION] + ([io_names.PROBABILITIES] if probabilities else [])
+        outputs = [self._output(name) for name in names]
+        params = request_parameters(
+            mirroring=mirroring, tile_step_size=tile_step_size, folds=folds, probabilities=probabilities,
+            postprocessing=postprocessing,
+        )
+        start = time.perf_counter()
+        response = self._infer(inputs, outputs, params, model)
+        segmentation = response.as_numpy(io_names.SEGMENTATION)
+        probs = response.as_numpy(io_names.PROBABILITIES) if probabilities else None
+        elapsed = time.perf_counter() - start
+        if segmentation is None or (probabilities and probs is None):
+            raise ClientError(f"model {self.model_name!r} answered without {names}.")
+        LOGGER.debug("segmented %s in %.3f s", image_array.shape, elapsed)
+        return SegmentationResult(segmentation=segmentation, probabilities=probs, elapsed_s=elapsed)
+
+    def _endpoint_for(self, dtype: np.dtype) -> tuple[str, str]:
+        """(model, wire dtype) for an image of ``dtype``: its typed endpoint when the server has it."""
+        wire = WIRE_DTYPES.get(np.dtype(dtype), "FP32")
+        if wire == "FP32":
+            return self.model_name, wire
+        model = io_names.typed_endpoint(wire, self.model_name)
+        if model not in self._typed_ready:
+            try:
+                self._typed_ready[model] = bool(self._client.is_model_ready(model))
+            except Exception:  # an older repository: the model is unknown
+                self._typed_ready[model] = False
+            if not self._typed_ready[model]:
+                LOGGER.info("%s is not served on %s; sending %s images as FP32", model, self.url, wire)
+        return (model, wire) if self._typed_ready[model] else (self.model_name, "FP32")
+
+    def _input(self, name: str, array: np.ndarray, dtype: str) -> Any:
+        tensor = self._module.InferInput(name, list(array.shape), dtype)
+        if self.protocol == "http":
+            tensor.set_data_from_numpy(array, binary_data=True)
+        else:
+            tensor.set_data_from_numpy(array)
+        return tensor
+
+    def _output(self, name: str) -> Any:
+        if self.protocol == "http":
+            return self._module.InferRequestedOutput(name, binary_data=True)
+        return self._module.InferRequestedOutput(name)
+
+    def _infer(self, inputs: list[Any], outputs: list[Any], params: dict[str, Any], model: str | None = None
+               ) -> Any:
+        from tritonclient.utils import InferenceServerException
+
+        model = model or self.model_name
+        kwargs: dict[str, Any] = {"outputs": outputs, "parameters": params}
+        if self.protocol == "grpc":
+            kwargs["client_timeout"] = self.timeout_s
+        try:
+            return self._client.infer(model, inputs, **kwargs)
+        except InferenceServerException as exc:
+            status = exc.status()
+            raise ClientError(
+                f"model {model!r} on {self.protocol}://{self.url} failed"
+                f"{f' ({status})' if status else ''}: {exc.message()}",
+                status=str(status) if status is not None else None,
+            ) from None
+        except Exception as exc:  # transport errors (connection reset, timeouts) of either client
+            raise ClientError(
+                f"model {model!r} on {self.protocol}://{self.url}: request failed "
+                f"({type(exc).__name__}: {exc})."
+            ) from None

@@ -1,0 +1,225 @@
+"""What the ``nnunet`` endpoint serves (read through Triton's model metadata/config API) and retried calls.
+
+The builder can publish the model's description as the ensemble config parameter ``nnunet_description``
+(JSON, :func:`description_parameters`); Triton serves config parameters of ensembles through
+``GET /v2/models/nnunet/config`` and gRPC ``ModelConfig`` (checked on the embedded 2.51 server). Without it,
+the description falls back to what the tensor shapes tell: channels (``IMAGE`` dims[0]) and segmentation heads
+(``PROBABILITIES`` dims[0]); label names are then generic.
+
+``tritonclient`` is imported inside the functions that talk to a server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nnunet_triton import __version__, io_names
+from nnunet_triton.errors import NOT_RUNNING_MESSAGES, ClientError
+from nnunet_triton.parameters import PARAM_FOLD_MODELS
+
+__all__ = [
+    "DESCRIPTION_PARAMETER",
+    "AXIS_ORDER",
+    "EndpointDescription",
+    "description_parameters",
+    "describe_endpoint",
+    "format_description",
+    "segment_with_retry",
+    "is_unavailable",
+]
+
+LOGGER = logging.getLogger(__name__)
+DESCRIPTION_PARAMETER = "nnunet_description"
+AXIS_ORDER = "zyx"  # IMAGE is (C, z, y, x) and SPACING (z, y, x): SimpleITK's array order, as nnU-Net reads
+UNAVAILABLE_STATUSES = frozenset({"StatusCode.UNAVAILABLE", "UNAVAILABLE", "503"})
+
+
+def description_parameters(config: Any) -> dict[str, str]:
+    """Config parameters for the ``nnunet`` ensemble that publish ``config`` (an ``InferenceConfig``)."""
+    labels = {name: list(v) if isinstance(v, tuple) else v for name, v in config.labels.label_names}
+    description = {
+        "dataset_name": config.dataset_name,
+        "plans_name": config.plans_name,
+        "configuration": config.configuration,
+        "trainer_name": config.network.trainer_name,
+        "folds": list(config.folds),
+        "labels": labels,
+        "regions_class_order": list(config.labels.regions_class_order or []) or None,
+        "channel_names": {str(k): name for k, name in enumerate(config.channel_names)},
+        "file_ending": config.file_ending,
+        "image_reader_writer": config.image_reader_writer,
+        "patch_size": list(config.patch_size),
+        "spacing": list(config.spacing),
+        "mirror_axes": list(config.mirror_axes) if config.mirror_axes is not None else None,
+        "axis_order": AXIS_ORDER,
+        "nnunet_triton_version": __version__,
+    }
+    return {DESCRIPTION_PARAMETER: json.dumps(description, sort_keys=True)}
+
+
+@dataclass(frozen=True)
+class EndpointDescription:
+    """The deployed model as the server describes it; ``published`` is the builder's JSON ({} if absent)."""
+
+    url: str
+    model_name: str
+    server_version: str
+    num_channels: int
+    num_heads: int
+    segmentation_dtype: str
+    composing_models: tuple[str, ...]
+    fold_models: tuple[str, ...]
+    published: Mapping[str, Any] = field(default_factory=dict)
+    orchestrator_instances: int = 1  # requests the server computes at once (each instance holds one)
+
+    @property
+    def labels(self) -> dict[str, Any]:
+        """dataset.json ``labels``; generic ``label_<k>`` names when the server does not publish them."""
+        if self.published.get("labels"):
+            return dict(self.published["labels"])
+        return {"background": 0, **{f"label_{k}": k for k in range(1, self.num_heads)}}
+
+    @property
+    def file_ending(self) -> str:
+        return str(self.published.get("file_ending") or ".nii.gz")
+
+
+def _client(url: str, protocol: str, timeout_s: float) -> Any:
+    if protocol == "http":
+        import tritonclient.http as module
+
+        return module.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
+    if protocol == "grpc":
+        import tritonclient.grpc as module
+
+        return module.InferenceServerClient(url)
+    raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}.")
+
+
+def _model_config(client: Any, name: str, protocol: str) -> dict[str, Any]:
+    if protocol == "grpc":
+        return client.get_model_config(name, as_json=True).get("config", {})
+    return client.get_model_config(name)
+
+
+def _metadata(client: Any, name: str, protocol: str) -> dict[str, Any]:
+    return (
+        client.get_model_metadata(name, as_json=True)
+        if protocol == "grpc"
+        else client.get_model_metadata(name)
+    )
+
+
+def _first_dim(metadata: Mapping[str, Any], key: str, tensor: str) -> int:
+    for item in metadata.get(key, []):
+        if item["name"] == tensor:
+            return int(item["shape"][0])
+    return -1
+
+
+def describe_endpoint(
+    url: str, protocol: str = "http", *, model_name: str = io_names.ENDPOINT_MODEL, timeout_s: float = 30.0
+) -> EndpointDescription:
+    """Ask the server for the endpoint's metadata and config (and the orchestrator's fold models)."""
+    client = _client(url, protocol, timeout_s)
+    where = f"{protocol}://{url}"
+    try:
+        server = (
+            client.get_server_metadata(as_json=True) if protocol == "grpc" else client.get_server_metadata()
+        )
+        metadata = _metadata(client, model_name, protocol)
+        config = _model_config(client, model_name, protocol)
+    except Exception as exc:
+        message = exc.message() if hasattr(exc, "message") else f"{type(exc).__name__}: {exc}"
+        raise ClientError(f"cannot describe model {model_name!r} on {where}: {message}") from None
+    steps = tuple(s["model_name"] for s in config.get("ensemble_scheduling", {}).get("step", []))
+    fold_models: tuple[str, ...] = ()
+    orchestrators = 1
+    if io_names.ORCHESTRATOR_MODEL in steps:
+        try:
+            orchestrator = _model_config(client, io_names.ORCHESTRATOR_MODEL, protocol)
+            orchestrators = sum(int(g.get("count", 1)) for g in orchestrator.get("instance_group", [])) or 1
+            params = orchestrator.get("parameters", {})
+            fold_models = tuple(
+                filter(None, params.get(PARAM_FOLD_MODELS, {}).get("string_value", "").split(","))
+            )
+        except Exception:  # an older repository or a locked-down config API: folds stay unknown
+            LOGGER.debug("no orchestrator config on %s", where)
+    raw = config.get("parameters", {}).get(DESCRIPTION_PARAMETER, {}).get("string_value")
+    published = json.loads(raw) if raw else {}
+    seg_dtype = next(
+        (o["datatype"] for o in metadata.get("outputs", []) if o["name"] == io_names.SEGMENTATION), ""
+    )
+    client.close()
+    return EndpointDescription(
+        url=where,
+        model_name=model_name,
+        server_version=str(server.get("version", "")),
+        num_channels=_first_dim(metadata, "inputs", io_names.IMAGE),
+        num_heads=_first_dim(metadata, "outputs", io_names.PROBABILITIES),
+        segmentation_dtype=seg_dtype,
+        composing_models=steps,
+        fold_models=fold_models,
+        published=published,
+        orchestrator_instances=orchestrators,
+    )
+
+
+def format_description(d: EndpointDescription) -> str:
+    """Human-readable lines for ``nnunet-triton info``."""
+    lines = [
+        f"endpoint        {d.model_name} on {d.url} (Triton {d.server_version})",
+        f"pipeline        {' -> '.join(d.composing_models) or '(not an ensemble)'}",
+        f"fold models     {', '.join(d.fold_models) or '(unknown)'}",
+        f"orchestrators   {d.orchestrator_instances} instance(s) (requests computed at once)",
+        f"input IMAGE     FP32 [C={d.num_channels}, z, y, x] (FP16/INT16/UINT16/UINT8: "
+        f"{d.model_name}_<dtype>) + SPACING FP64 [3] (z, y, x: SimpleITK order)",
+        f"output          SEGMENTATION {d.segmentation_dtype} [z, y, x], "
+        f"PROBABILITIES FP32 [K={d.num_heads}, z, y, x]",
+        f"labels          {json.dumps(d.labels)}" + ("" if d.published.get("labels") else " (generic)"),
+    ]
+    for key in sorted(set(d.published) - {"labels"}):
+        lines.append(f"{key:<15} {json.dumps(d.published[key])}")
+    if not d.published:
+        lines.append(
+            f"(the repository does not publish '{DESCRIPTION_PARAMETER}': dataset, labels and "
+            "channel names are unknown)"
+        )
+    return "\n".join(lines)
+
+
+def is_unavailable(exc: ClientError) -> bool:
+    """True for the server's UNAVAILABLE answers (overloaded, model reloading, out of memory) and for
+    Triton's own errors about a composing model that is not running (a dead or reloading preprocess or
+    stitch model reaches the client from the ensemble scheduler as INTERNAL: ``NOT_RUNNING_MESSAGES``),
+    which the server's watchdog repairs within seconds."""
+    return exc.status in UNAVAILABLE_STATUSES or any(text in str(exc) for text in NOT_RUNNING_MESSAGES)
+
+
+def segment_with_retry(
+    client: Any,
+    image: Any,
+    spacing: Any,
+    *,
+    retries: int = 3,
+    backoff_s: float = 2.0,
+    sleep: Callable[[float], None] = time.sleep,
+    **options: Any,
+) -> Any:
+    """``client.segment`` retried up to ``retries`` times with exponential backoff on UNAVAILABLE only."""
+    attempt = 0
+    while True:
+        try:
+            return client.segment(image, spacing, **options)
+        except ClientError as exc:
+            if attempt >= retries or not is_unavailable(exc):
+                raise
+            delay = backoff_s * 2**attempt
+            attempt += 1
+            LOGGER.warning("server UNAVAILABLE (%s); retry %d/%d in %.1f s", exc, attempt, retries, delay)
+            sleep(delay)

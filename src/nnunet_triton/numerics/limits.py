@@ -1,0 +1,96 @@
+"""Size limits for requests: a voxel cap on the input and the resampled volume, and a memory budget.
+
+nnU-Net has no such limit (``nnUNetPredictor`` processes whatever it is given until memory runs out).
+A server does need one: a single oversized volume, or a small volume with a large (coarse) spacing
+that resamples to a huge grid (``compute_new_shape`` scales each axis by ``spacing / target_spacing``),
+would otherwise exhaust host memory, ``/dev/shm`` (Python-backend tensors) or GPU memory and take every
+other request down with it. The checks are pure functions on shapes so they run before any copy.
+
+Where they are called (see ``docs/reliability.md``):
+
+* ``preprocess_model/model.py``: ``check_voxel_limit("IMAGE", image.shape, limit)`` right after the
+  IMAGE input is read; ``preprocess_case(..., max_voxels=limit)`` checks
+  ``("resampled image", (C, *new_shape))`` on the shape it is about to resample to (after cropping,
+  before normalization and resampling).
+* the limit comes from the model config parameter ``max_voxels`` (``parameters.PreprocessParameters``),
+  which ``repository/build.py --max-voxels`` writes (``BuildOptions.max_voxels``, default
+  :data:`DEFAULT_MAX_VOXELS`); ``0`` disables the check.
+* the memory budget: the same place checks :func:`check_request_memory`, the float32 logits (K x the
+  resampled shape: stitch_model converts the fp16 logits to float32 to resample them) and the float32
+  probabilities in the original geometry (K x the image's shape: resampled logits, softmax, the
+  PROBABILITIES output) against the model parameter ``max_request_bytes``
+  (``repository/build.py --max-request-bytes``, default :data:`DEFAULT_MAX_REQUEST_BYTES`; 0 = none).
+  A model with many labels reaches it long before the voxel cap (117 labels x 512 x 512 x 600 voxels
+  is 73 GB of probabilities).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from nnunet_triton.errors import InputValidationError
+
+__all__ = [
+    "DEFAULT_MAX_VOXELS",
+    "MAX_VOXELS_PARAMETER",
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "MAX_REQUEST_BYTES_PARAMETER",
+    "check_voxel_limit",
+    "check_request_memory",
+]
+
+# 2**28 = 512 x 512 x 1024 voxels (a long CT at full in-plane resolution), 1 GiB per float32 copy. By the
+# formulas of deploy/sizing.py one such request (1 channel, 2 classes, 5 folds) needs ~12 GiB of working
+# memory (preprocess 2 x IMAGE + 2 x PREPROCESSED, orchestrator 6 x fp16 LOGITS, stitch 2 x LOGITS + 2 x
+# fp32 probabilities) plus ~4 GiB of Python-backend shm: it fits a 32 GiB host. 2**30 would need 4x that;
+# raise it (or 0 = no limit) on bigger machines.
+DEFAULT_MAX_VOXELS = 2**28
+MAX_VOXELS_PARAMETER = "max_voxels"
+# 8 GiB per float32 array: at the default voxel cap (2^28) that allows 8 classes; the working memory of
+# one such request is ~3x the largest array (docs/reliability.md "Memory limits").
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**30
+MAX_REQUEST_BYTES_PARAMETER = "max_request_bytes"
+_FLOAT32_BYTES = 4
+
+
+def check_voxel_limit(name: str, shape: Sequence[int], max_voxels: int) -> int:
+    """Return the number of elements of ``shape``; raise when it exceeds ``max_voxels`` (0 = no limit).
+
+    Raises:
+        InputValidationError: (INVALID_ARG) naming ``name``, the shape, its voxel count and the limit.
+    """
+    count = math.prod(int(s) for s in shape)
+    if max_voxels > 0 and count > max_voxels:
+        raise InputValidationError(
+            f"{name} has {count} voxels (shape {tuple(int(s) for s in shape)}), more than the server's "
+            f"limit of {max_voxels} voxels (model parameter {MAX_VOXELS_PARAMETER!r})."
+        )
+    return count
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def check_request_memory(num_heads: int, preprocessed_shape: Sequence[int], original_shape: Sequence[int],
+                         max_bytes: int) -> tuple[int, int]:
+    """Return the bytes of the request's float32 logits (``num_heads`` x ``preprocessed_shape``) and
+    probabilities (``num_heads`` x ``original_shape``); raise when either exceeds ``max_bytes`` (0 = no
+    budget). Pure arithmetic on shapes: call it before allocating.
+
+    Raises:
+        InputValidationError: (INVALID_ARG) naming both sizes, their shapes and the budget.
+    """
+    pre = tuple(int(s) for s in preprocessed_shape)
+    orig = tuple(int(s) for s in original_shape)
+    logits = num_heads * math.prod(pre) * _FLOAT32_BYTES
+    probabilities = num_heads * math.prod(orig) * _FLOAT32_BYTES
+    if max_bytes > 0 and max(logits, probabilities) > max_bytes:
+        raise InputValidationError(
+            f"request needs {_size(logits)} for its logits ({num_heads} x {pre} float32, preprocessed "
+            f"geometry) and {_size(probabilities)} for its probabilities ({num_heads} x {orig} float32, "
+            f"original geometry), more than the server's budget of {_size(max_bytes)} ({max_bytes} bytes) "
+            f"per array (model parameter {MAX_REQUEST_BYTES_PARAMETER!r})."
+        )
+    return logits, probabilities

@@ -1,0 +1,352 @@
+"""Sliding-window prediction with nnU-Net's exact dtype semantics (NumPy or CuPy).
+
+Ports from ``nnunetv2/inference/predict_from_raw_data.py`` (class ``nnUNetPredictor``, v2.8.1):
+
+- ``_internal_maybe_mirror_and_predict``: identity pass, then one pass per non-empty subset of the
+  mirror axes in ``itertools.combinations`` order, summed in that order and divided by the count;
+- ``_internal_predict_sliding_window_return_logits``: ``pred *= gaussian``,
+  ``predicted_logits[sl] += pred`` and ``n_predictions[sl] += gaussian`` into float16 buffers in
+  tile order, then ``predicted_logits /= n_predictions`` in float16 and a check for ``inf``;
+- ``predict_sliding_window_return_logits``: pad to the patch, tile, crop the padding away;
+- ``predict_logits_from_preprocessed_data``: fold results summed in float16 in fold order, ``/= n``.
+
+The loop is split the way MONAI's ``inferers/splitter.py`` + ``merger.py`` split it: a
+:class:`TileSplitter` pads the volume, lays out nnU-Net's tiles and cuts (tile, mirror variant) items
+into network batches; a :class:`TileMerger` un-flips each returned batch, averages a tile's variants
+once they are all back and accumulates tiles in tile order (:class:`LogitAccumulator`). The synchronous
+:func:`predict_sliding_window` here and the orchestrator's asynchronous
+``pipeline.orchestration.predict_fold_async`` (several batches in flight) are both this pair.
+
+Dtype rule (what torch does for ``a op= b`` on CPU and CUDA): the operation is computed in
+``promote(a.dtype, b.dtype, float32)`` and the result is rounded to ``a.dtype``. So float32 network
+output times the float16 Gaussian stays float32, and adding it to the float16 buffer is a float32
+add rounded to float16 (a double rounding that differs from a correctly rounded fp16 sum). With
+float16 network output (CUDA autocast) the same rule gives nnU-Net's fp16 TTA mean and products.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from nnunet_triton.errors import InputValidationError, NumericalError
+from nnunet_triton.numerics._xp import get_array_module
+from nnunet_triton.numerics.gaussian import compute_gaussian
+from nnunet_triton.numerics.tiling import pad_to_patch, tile_slicers
+
+__all__ = [
+    "mirror_combinations",
+    "average_tta",
+    "average_folds",
+    "LogitAccumulator",
+    "TileItem",
+    "plan_tile_batches",
+    "extract_batch",
+    "TileSplitter",
+    "TileMerger",
+    "predict_sliding_window",
+]
+
+PredictBatch = Callable[[Any], Any]
+
+
+def _torch_op(a: Any, b: Any, op: Callable[[Any, Any], Any], xp: ModuleType) -> Any:
+    """``a op b`` computed in ``promote(a, b, float32)`` and rounded to ``a.dtype`` (torch's ``a op= b``)."""
+    b_dtype = b.dtype if hasattr(b, "dtype") else xp.float32
+    compute = xp.promote_types(xp.promote_types(a.dtype, b_dtype), xp.float32)
+    b_c = b.astype(compute, copy=False) if hasattr(b, "astype") else compute.type(b)
+    return op(a.astype(compute, copy=False), b_c).astype(a.dtype, copy=False)
+
+
+def mirror_combinations(mirror_axes: Sequence[int] | None) -> list[tuple[int, ...]]:
+    """Non-empty subsets of ``mirror_axes`` (spatial axes, 0-based) in nnU-Net's TTA order.
+
+    3D ``(0, 1, 2)`` gives ``(0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2)``; ``None`` gives ``[]``.
+    """
+    if mirror_axes is None:
+        return []
+    axes = tuple(int(a) for a in mirror_axes)
+    if any(a < 0 for a in axes):
+        raise InputValidationError(f"mirror_axes must be non-negative spatial axes, got {axes}.")
+    return [c for i in range(len(axes)) for c in itertools.combinations(axes, i + 1)]
+
+
+def average_tta(predictions: Sequence[Any]) -> Any:
+    """Mean of the un-flipped TTA outputs, summed in list order like ``_internal_maybe_mirror_and_predict``.
+
+    ``predictions[0]`` is the identity pass. The sum and the division by ``len(predictions)`` keep
+    the first prediction's dtype (float32 on CPU, float16 under CUDA autocast).
+    """
+    if not predictions:
+        raise InputValidationError("average_tta needs at least one prediction, got none.")
+    xp = get_array_module(*predictions)
+    result = predictions[0]
+    for p in predictions[1:]:
+        if p.shape != result.shape:
+            raise InputValidationError(
+                f"TTA predictions must share one shape, got {result.shape} and {p.shape}."
+            )
+        result = _torch_op(result, p, operator.add, xp)
+    if len(predictions) > 1:
+        result = _torch_op(result, len(predictions), operator.truediv, xp)
+    return result
+
+
+def average_folds(fold_logits: Sequence[Any]) -> Any:
+    """Mean of per-fold float16 logits: ``+=`` in fold order, then ``/= n`` (float16, as nnU-Net on CPU)."""
+    if not fold_logits:
+        raise InputValidationError("average_folds needs at least one fold's logits, got none.")
+    xp = get_array_module(*fold_logits)
+    for k, f in enumerate(fold_logits):
+        if f.dtype != xp.float16 or f.shape != fold_logits[0].shape:
+            raise InputValidationError(
+                f"fold logits must all be float16 with shape {tuple(fold_logits[0].shape)}; fold index {k} "
+                f"has {f.dtype} {tuple(f.shape)}."
+            )
+    result = fold_logits[0].copy()
+    for f in fold_logits[1:]:
+        result = _torch_op(result, f, operator.add, xp)
+    if len(fold_logits) > 1:
+        result = _torch_op(result, len(fold_logits), operator.truediv, xp)
+    return result
+
+
+class LogitAccumulator:
+    """nnU-Net's float16 ``predicted_logits`` / ``n_predictions`` buffers for one fold.
+
+    Call :meth:`add` once per tile in tile order, then :meth:`finalize` once. ``gaussian`` is an
+    optional precomputed :func:`~nnunet_triton.numerics.gaussian.compute_gaussian` map (float16, patch shape)
+    to share across folds and cases; ``use_gaussian=False`` weights every tile by 1 (nnU-Net's option).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        padded_spatial_shape: Sequence[int],
+        patch_size: Sequence[int],
+        *,
+        use_gaussian: bool = True,
+        xp: ModuleType = np,
+        gaussian: Any | None = None,
+    ) -> None:
+        self._xp = xp
+        self._patch = tuple(int(p) for p in patch_size)
+        shape = tuple(int(s) for s in padded_spatial_shape)
+        self._logits = xp.zeros((int(num_heads), *shape), dtype=xp.float16)
+        self._weights = xp.zeros(shape, dtype=xp.float16)
+        if use_gaussian and gaussian is None:
+            gaussian = compute_gaussian(self._patch, xp=xp)
+        if gaussian is not None and (tuple(gaussian.shape) != self._patch or gaussian.dtype != xp.float16):
+            raise InputValidationError(
+                f"gaussian must be float16 with shape patch_size {self._patch}, "
+                f"got {gaussian.dtype} {tuple(gaussian.shape)}."
+            )
+        self._gaussian = gaussian if use_gaussian else None
+        self._finalized = False
+        self.num_tiles = 0
+
+    def add(self, tile_logits: Any, slicer: Sequence[Any]) -> None:
+        """Weight one tile's (TTA-averaged) logits ``(K, *patch)`` and add them at spatial ``slicer``."""
+        if self._finalized:
+            raise RuntimeError("LogitAccumulator.add called after finalize.")
+        expected = (self._logits.shape[0], *self._patch)
+        if tuple(tile_logits.shape) != expected:
+            raise InputValidationError(
+                f"tile logits must have shape {expected}, got {tuple(tile_logits.shape)}."
+            )
+        xp = self._xp
+        index = (slice(None), *slicer)
+        region = self._logits[index]
+        if tuple(region.shape) != expected:
+            raise InputValidationError(
+                f"slicer {tuple(slicer)} selects {tuple(region.shape)}, expected {expected}."
+            )
+        pred = tile_logits
+        with np.errstate(over="ignore"):  # fp16 overflow gives inf, reported by finalize (as nnU-Net)
+            if self._gaussian is not None:
+                pred = _torch_op(pred, self._gaussian, operator.mul, xp)
+            self._logits[index] = _torch_op(region, pred, operator.add, xp)
+        weight = self._gaussian if self._gaussian is not None else 1
+        self._weights[tuple(slicer)] = _torch_op(self._weights[tuple(slicer)], weight, operator.add, xp)
+        self.num_tiles += 1
+
+    def finalize(self, unpad_slicer: Sequence[slice] | None = None) -> Any:
+        """Divide by the summed weights in float16, check for ``inf``, crop to ``unpad_slicer``."""
+        if self._finalized:
+            raise RuntimeError("LogitAccumulator.finalize called twice.")
+        self._finalized = True
+        xp = self._xp
+        logits, weights = self._logits, self._weights
+        self._logits = self._weights = None
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for k in range(logits.shape[0]):  # per head: keeps the float32 temporaries small
+                logits[k] = _torch_op(logits[k], weights, operator.truediv, xp)
+        if bool(xp.isinf(logits).any()):
+            raise NumericalError(
+                "Encountered inf in the stitched float16 logits (nnU-Net aborts here too); the network "
+                "output times the Gaussian overflowed float16."
+            )
+        if unpad_slicer is not None:
+            logits = logits[(slice(None), *unpad_slicer)]
+        return xp.ascontiguousarray(logits)
+
+
+@dataclass(frozen=True)
+class TileItem:
+    """One network input: tile ``tile`` (index in nnU-Net's tile order) under mirror variant ``variant``
+    (0 = identity, ``i`` = ``mirror_combinations(...)[i - 1]``)."""
+
+    tile: int
+    variant: int
+
+
+def plan_tile_batches(n_tiles: int, n_variants: int, batch_size: int) -> list[tuple[TileItem, ...]]:
+    """Cut all (tile, variant) items, tile-major, into consecutive batches of at most ``batch_size``.
+
+    Tile-major order keeps a tile's variants together, so a tile is complete (and can be accumulated)
+    as soon as the batch holding its last variant returns. The last batch may be smaller.
+    """
+    for name, value in (("n_tiles", n_tiles), ("n_variants", n_variants), ("batch_size", batch_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}.")
+    items = [TileItem(t, v) for t in range(n_tiles) for v in range(n_variants)]
+    return [tuple(items[i : i + batch_size]) for i in range(0, len(items), batch_size)]
+
+
+def _flip_axes(combo: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(a + 1 for a in combo)  # spatial axis -> axis of a (C, *P) tile
+
+
+def _flip(array: Any, combo: tuple[int, ...], xp: ModuleType) -> Any:
+    return xp.flip(array, _flip_axes(combo)) if combo else array
+
+
+def extract_batch(
+    padded: Any, slicers: Sequence[tuple[Any, ...]], variants: Sequence[tuple[int, ...]],
+    batch: Sequence[TileItem],
+) -> Any:
+    """Stack the network inputs of ``batch``: tile ``padded[:, *slicer]`` flipped by its variant.
+
+    ``variants[0]`` must be ``()`` (identity). Returns a C-contiguous float32 array ``(N, C, *P)``.
+    """
+    xp = get_array_module(padded)
+    tiles = [_flip(padded[(slice(None), *slicers[item.tile])], variants[item.variant], xp) for item in batch]
+    return xp.ascontiguousarray(xp.stack(tiles).astype(xp.float32, copy=False))
+
+
+class TileSplitter:
+    """The input side of one fold's sliding window: padding, nnU-Net's tiles, the mirror variants.
+
+    Args:
+        data: preprocessed case ``(C, *spatial)`` float32 (NumPy or CuPy).
+        patch_size: the configuration's patch size ``P``.
+        mirror_axes: allowed mirroring axes (spatial, 0-based); ``None``/empty for no TTA.
+        tile_step_size: step as a fraction of ``P``.
+
+    Raises:
+        InputValidationError: ``data`` is not ``(C, *spatial)`` for ``P``, or a mirror axis is out of range.
+    """
+
+    def __init__(self, data: Any, patch_size: Sequence[int], *, mirror_axes: Sequence[int] | None,
+                 tile_step_size: float) -> None:
+        patch = tuple(int(p) for p in patch_size)
+        if data.ndim not in (len(patch) + 1, len(patch) + 2):
+            raise InputValidationError(
+                f"data shape {tuple(data.shape)} must be (C, *spatial) with {len(patch)} or {len(patch) + 1} "
+                f"spatial axes for patch_size {patch}."
+            )
+        combos = mirror_combinations(tuple(mirror_axes)) if mirror_axes else []
+        if combos and max(max(c) for c in combos) >= len(patch):
+            raise InputValidationError(
+                f"mirror_axes {tuple(mirror_axes or ())} out of range for a {len(patch)}D patch."
+            )
+        self.xp = get_array_module(data)
+        self.patch_size = patch
+        self.padded, self.unpad = pad_to_patch(data, patch)
+        self.slicers = tile_slicers(self.padded.shape[1:], patch, tile_step_size)
+        self.variants: list[tuple[int, ...]] = [(), *combos]
+
+    def batches(self, batch_size: int) -> list[tuple[TileItem, ...]]:
+        """Every (tile, variant) item, tile-major, in batches of at most ``batch_size``."""
+        return plan_tile_batches(len(self.slicers), len(self.variants), batch_size)
+
+    def extract(self, batch: Sequence[TileItem]) -> Any:
+        """The network input ``(N, C, *P)`` float32 of ``batch``."""
+        return extract_batch(self.padded, self.slicers, self.variants, batch)
+
+
+class TileMerger:
+    """The output side: un-flip, average a tile's variants (TTA), accumulate tiles in tile order.
+
+    Batches must be added in the order :meth:`TileSplitter.batches` gave them (tiles then complete in
+    tile order, which nnU-Net's fp16 sums depend on). ``gaussian`` is an optional precomputed
+    :func:`~nnunet_triton.numerics.gaussian.compute_gaussian` map to share across folds and cases.
+    """
+
+    def __init__(self, splitter: TileSplitter, num_heads: int, *, use_gaussian: bool = True,
+                 gaussian: Any | None = None) -> None:
+        self._splitter = splitter
+        self.num_heads = int(num_heads)
+        self._accumulator = LogitAccumulator(num_heads, splitter.padded.shape[1:], splitter.patch_size,
+                                             use_gaussian=use_gaussian, xp=splitter.xp, gaussian=gaussian)
+        self._pending: dict[int, list[Any]] = {}
+
+    def expected_shape(self, batch: Sequence[TileItem]) -> tuple[int, ...]:
+        """The shape the network must return for ``batch``: ``(N, K, *P)``."""
+        return (len(batch), self.num_heads, *self._splitter.patch_size)
+
+    def add(self, batch: Sequence[TileItem], output: Any) -> None:
+        """Take the network output ``(N, K, *P)`` of ``batch``.
+
+        Raises:
+            InputValidationError: ``output`` does not have :meth:`expected_shape`.
+        """
+        if tuple(output.shape) != self.expected_shape(batch):
+            raise InputValidationError(
+                f"predict_batch returned shape {tuple(output.shape)}, expected {self.expected_shape(batch)}."
+            )
+        splitter = self._splitter
+        for item, prediction in zip(batch, output, strict=True):
+            variants = self._pending.setdefault(item.tile, [])
+            variants.append(_flip(prediction, splitter.variants[item.variant], splitter.xp))
+            if len(variants) == len(splitter.variants):
+                self._accumulator.add(average_tta(self._pending.pop(item.tile)), splitter.slicers[item.tile])
+
+    def finalize(self) -> Any:
+        """float16 logits ``(K, *spatial)`` of the unpadded volume (see :meth:`LogitAccumulator.finalize`)."""
+        if self._pending:
+            raise RuntimeError(f"TileMerger.finalize with tiles {sorted(self._pending)} still incomplete.")
+        return self._accumulator.finalize(self._splitter.unpad)
+
+
+def predict_sliding_window(
+    data: Any,
+    predict_batch: PredictBatch,
+    *,
+    patch_size: Sequence[int],
+    num_heads: int,
+    mirror_axes: Sequence[int] | None,
+    tile_step_size: float = 0.5,
+    batch_size: int = 1,
+    use_gaussian: bool = True,
+) -> Any:
+    """One fold's sliding-window logits, float16 ``(K, *data.shape[1:])`` (nnU-Net's per-fold loop).
+
+    ``data`` is the preprocessed float32 volume ``(C, *spatial)``; ``predict_batch(x)`` maps
+    ``(N, C, *patch)`` to ``(N, K, *patch)``. Tiles and their mirrored copies are sent in order,
+    ``batch_size`` inputs per call (nnU-Net uses 1); batching does not change the arithmetic
+    as long as ``predict_batch`` treats each sample independently.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InputValidationError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    splitter = TileSplitter(data, patch_size, mirror_axes=mirror_axes, tile_step_size=tile_step_size)
+    merger = TileMerger(splitter, num_heads, use_gaussian=use_gaussian)
+    for batch in splitter.batches(batch_size):
+        merger.add(batch, predict_batch(splitter.extract(batch)))
+    return merger.finalize()

@@ -1,0 +1,157 @@
+"""What the BLS orchestrator does per request, without Triton: the per-fold loop and the fold average.
+
+The orchestrator ``model.py`` only moves tensors; this module holds the logic so it can be tested on
+plain arrays with a fake network:
+
+- :func:`predict_fold_async` runs nnU-Net's sliding window for one fold (``numerics.sliding_window``'s
+  ``TileSplitter`` + ``TileMerger``)
+  (``nnUNetPredictor.predict_sliding_window_return_logits`` and ``_internal_maybe_mirror_and_predict``,
+  nnunetv2/inference/predict_from_raw_data.py) with an injected ``infer_batch`` coroutine, several
+  batches in flight, and Gaussian accumulation in nnU-Net's tile order (fp16 sums are order-dependent).
+- :func:`predict_folds_async` runs all folds concurrently and averages their logits in fold order
+  (``predict_logits_from_preprocessed_data``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from nnunet_triton.errors import SubmodelError
+from nnunet_triton.numerics.sliding_window import TileItem, TileMerger, TileSplitter, average_folds
+
+__all__ = [
+    "predict_fold_async",
+    "predict_folds_async",
+    "gather_or_cancel",
+]
+
+LOGGER = logging.getLogger(__name__)
+
+InferBatch = Callable[[Any], Awaitable[Any]]
+
+
+def _check_output(output: Any, expected: tuple[int, ...]) -> None:
+    if tuple(output.shape) != expected:  # the fold model's fault, not the request's
+        raise SubmodelError(
+            f"fold model returned shape {tuple(output.shape)} for a batch of {expected[0]} tiles, "
+            f"expected {expected} (num_heads, *patch_size)."
+        )
+
+
+async def predict_fold_async(
+    data: Any,
+    infer_batch: InferBatch,
+    *,
+    patch_size: Sequence[int],
+    num_heads: int,
+    mirror_axes: Sequence[int] | None,
+    tile_step_size: float = 0.5,
+    batch_size: int = 1,
+    max_inflight: int = 1,
+    use_gaussian: bool = True,
+    gaussian: Any | None = None,
+) -> Any:
+    """Sliding-window logits of one fold, like ``predict_sliding_window_return_logits`` (CPU path).
+
+    Args:
+        data: preprocessed case ``(C, *spatial)`` float32 (NumPy or CuPy).
+        infer_batch: ``await infer_batch(x)`` with ``x`` ``(N, C, *P)`` float32 returns ``(N, K, *P)``
+            (the fold network; a BLS call in the orchestrator).
+        patch_size: the configuration's patch size ``P``.
+        num_heads: ``K``, the number of network outputs.
+        mirror_axes: allowed mirroring axes, ``None``/empty for no TTA.
+        tile_step_size: step as a fraction of ``P``.
+        batch_size: network inputs per ``infer_batch`` call; mirrored copies are extra batch items.
+        max_inflight: ``infer_batch`` calls awaited at once. Results are consumed in order, so memory
+            is bounded by ``max_inflight`` batches.
+        use_gaussian: Gaussian importance weighting (nnU-Net's default and only CLI choice).
+        gaussian: precomputed ``compute_gaussian(patch_size, xp=xp)`` to reuse across calls.
+
+    Returns:
+        float16 logits ``(K, *spatial)``, bit-identical to nnU-Net's for the same network outputs.
+    """
+    if max_inflight < 1:
+        raise ValueError(f"max_inflight must be >= 1, got {max_inflight}.")
+    splitter = TileSplitter(data, patch_size, mirror_axes=mirror_axes, tile_step_size=tile_step_size)
+    merger = TileMerger(splitter, num_heads, use_gaussian=use_gaussian, gaussian=gaussian)
+    batches = splitter.batches(batch_size)
+
+    def launch(batch: tuple[TileItem, ...]) -> asyncio.Task[Any]:
+        return asyncio.ensure_future(infer_batch(splitter.extract(batch)))
+
+    window: deque[tuple[tuple[TileItem, ...], asyncio.Task[Any]]] = deque()
+    remaining = iter(batches)
+    try:
+        for batch in remaining:
+            window.append((batch, launch(batch)))
+            if len(window) >= max_inflight:
+                break
+        while window:
+            batch, task = window.popleft()
+            output = await task
+            _check_output(output, merger.expected_shape(batch))
+            merger.add(batch, output)  # in batch order: tiles complete in tile order
+            following = next(remaining, None)
+            if following is not None:
+                window.append((following, launch(following)))
+    finally:
+        for _, task in window:
+            task.cancel()
+    return merger.finalize()
+
+
+async def gather_or_cancel(*awaitables: Awaitable[Any]) -> list[Any]:
+    """Like ``asyncio.gather`` but on the first failure cancel the others before re-raising it."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _bounded(infer: InferBatch, semaphore: asyncio.Semaphore) -> InferBatch:
+    async def call(x: Any) -> Any:
+        async with semaphore:
+            return await infer(x)
+
+    return call
+
+
+async def predict_folds_async(
+    data: Any,
+    fold_infer: Sequence[InferBatch],
+    *,
+    max_inflight: int = 1,
+    **fold_kwargs: Any,
+) -> Any:
+    """Run :func:`predict_fold_async` for every fold concurrently, then average in the given fold order.
+
+    Args:
+        data: preprocessed case ``(C, *spatial)`` float32.
+        fold_infer: one ``infer_batch`` per fold, in averaging order.
+        max_inflight: ``infer_batch`` calls running at once over ALL folds (one shared semaphore; also
+            each fold's read-ahead window).
+        **fold_kwargs: the other keyword arguments of :func:`predict_fold_async`.
+
+    Returns:
+        float16 ``(K, *spatial)``: ``average_folds`` of the per-fold logits (fp16 sum, then / n).
+    """
+    if not fold_infer:
+        raise ValueError("fold_infer must hold at least one fold.")
+    if max_inflight < 1:
+        raise ValueError(f"max_inflight must be >= 1, got {max_inflight}.")
+    semaphore = asyncio.Semaphore(max_inflight)
+    logits = await gather_or_cancel(
+        *(
+            predict_fold_async(data, _bounded(infer, semaphore), max_inflight=max_inflight, **fold_kwargs)
+            for infer in fold_infer
+        )
+    )
+    return average_folds(logits)

@@ -1,0 +1,55 @@
+"""Deployment of a built model repository: embedded server, NGC container, Kubernetes.
+
+Pure functions of typed frozen specs; nothing here needs Docker or a cluster.
+
+* :mod:`.repository_info` -- :class:`RepositoryInfo` (from ``repository_metadata.json`` or planned from a
+  model folder) and the TorchScript/libtorch compatibility check.
+* :mod:`.sizing` -- ``/dev/shm``, CUDA and pinned pool and host memory per volume size.
+* :mod:`.docker` -- tritonserver flags, Dockerfile build args, ``docker build``/``docker run`` lines.
+* :mod:`.k8s` -- Deployment, Service, HPA, ServiceMonitor (a kustomize base) as dicts and YAML.
+
+``tools/deploy.py`` is the command line (``make deploy`` / ``make undeploy``); docs/deploy.md the guide.
+"""
+
+from __future__ import annotations
+
+from nnunet_triton.server.deploy.docker import (
+    DeploySpec,
+    check_image_compatible,
+    docker_build_command,
+    docker_run_command,
+    dockerfile_build_args,
+    server_command,
+    tritonserver_args,
+)
+from nnunet_triton.server.deploy.k8s import K8sSpec, ModelSource, manifest_files, manifests
+from nnunet_triton.server.deploy.repository_info import (
+    ModelGeometry,
+    RepositoryInfo,
+    TritonRelease,
+    check_torch_compatible,
+    triton_release,
+)
+from nnunet_triton.server.deploy.sizing import MemoryPlan, VolumeSpec, plan_memory
+
+__all__ = [
+    "DeploySpec",
+    "K8sSpec",
+    "MemoryPlan",
+    "ModelGeometry",
+    "ModelSource",
+    "RepositoryInfo",
+    "TritonRelease",
+    "VolumeSpec",
+    "check_image_compatible",
+    "check_torch_compatible",
+    "docker_build_command",
+    "docker_run_command",
+    "dockerfile_build_args",
+    "manifest_files",
+    "manifests",
+    "plan_memory",
+    "triton_release",
+    "server_command",
+    "tritonserver_args",
+]

@@ -1,0 +1,283 @@
+"""Render the tritonserver flags and the exact ``docker build`` / ``docker run`` command lines.
+
+Everything here is a pure function of a frozen :class:`DeploySpec`; nothing needs or calls Docker.
+Command lines are argv tuples (``shlex.join`` prints them; ``subprocess.run`` runs them unchanged).
+
+Server flags (triton.md 1.8, 3.6): ``--model-control-mode=explicit`` with one ``--load-model`` per model
+of the repository (an ensemble loads its steps, but the orchestrator's BLS callees ``fold_<k>`` are
+invisible to the repository manager and would never load), ``--cuda-memory-pool-byte-size`` per GPU and
+``--pinned-memory-pool-byte-size`` from :func:`~nnunet_triton.server.deploy.sizing.plan_memory`, the Python
+backend's shm sizes, and ``--exit-timeout-secs`` so a stop drains in-flight requests.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nnunet_triton import __version__
+from nnunet_triton.errors import DeployError
+from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible, triton_release
+from nnunet_triton.server.deploy.sizing import MemoryPlan
+
+__all__ = [
+    "CONTAINER_PORTS",
+    "CONTAINER_REPOSITORY",
+    "DEFAULT_TRITON_RELEASE",
+    "DEFAULT_RUNNER_TORCH",
+    "DeploySpec",
+    "tritonserver_args",
+    "server_command",
+    "health_command",
+    "health_probe",
+    "dockerfile_build_args",
+    "docker_build_command",
+    "docker_run_command",
+    "docker_stop_commands",
+    "builder_args",
+    "export_container_command",
+    "shell_line",
+    "endpoint_usage",
+    "check_image_compatible",
+]
+
+DEFAULT_TRITON_RELEASE = "24.10"  # Triton 2.51.0, the release of the embedded (PyTriton 0.7.0) server
+DEFAULT_RUNNER_TORCH = "2.5.1"  # pip torch installed into the image only for the Python fold runner
+CONTAINER_REPOSITORY = "/models"
+CONTAINER_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+EXPORT_IMAGE = "python:3.11-slim"
+EXPORT_TORCH = "2.5.1"  # pip release of the torch 2.5 that Triton 24.10's libtorch is built from
+EXPORT_TORCHVISION = "0.20.1"  # the torchvision released with torch 2.5.1 (nnU-Net's trainer lookup needs it)
+STUB_TIMEOUT_S = 120  # stub start handshake; stubs importing cupy/torch on a busy host need > 30 s
+
+
+@dataclass(frozen=True)
+class DeploySpec:
+    """One containerized deployment of a repository.
+
+    Attributes:
+        repository: host path of the built repository (bind-mounted read-only at ``/models``).
+        gpus: host GPU ids given to the container; empty = CPU-only host (no ``--gpus``).
+        http_port, grpc_port, metrics_port: host ports published for the container's 8000/8001/8002.
+        image_torch_version: libtorch (or pip torch) major.minor override for releases not in
+            ``TRITON_RELEASES``.
+        startup_timeout_s: model loading + warm-up allowance (docker health start period, k8s startup probe).
+    """
+
+    info: RepositoryInfo
+    plan: MemoryPlan
+    repository: str
+    triton_release: str = DEFAULT_TRITON_RELEASE
+    image_name: str = "nnunet-triton"
+    container_name: str = "nnunet-triton"
+    gpus: tuple[int, ...] = (0,)
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    runner_torch_version: str = DEFAULT_RUNNER_TORCH
+    image_torch_version: str | None = None
+    exit_timeout_s: int = 30
+    startup_timeout_s: int = 900
+
+    def __post_init__(self) -> None:
+        if self.info.target == "gpu" and not self.gpus:
+            raise DeployError(
+                "the repository was built for target 'gpu' (KIND_GPU models, libtorch on CUDA) but no GPU "
+                "was given; pass --gpus or build with --target cpu."
+            )
+        names = ("http_port", "grpc_port", "metrics_port", "exit_timeout_s", "startup_timeout_s")
+        bad = {name: getattr(self, name) for name in names if getattr(self, name) < 1}
+        if bad:
+            raise ValueError(f"deploy ports and timeouts must be >= 1, got {bad}.")
+
+    @property
+    def install_torch(self) -> bool:
+        """The Python fold runner imports torch; the libtorch runner does not need it in Python."""
+        return self.info.fold_runner == "python"
+
+    @property
+    def image_tag(self) -> str:
+        suffix = f"-torch{self.runner_torch_version}" if self.install_torch else ""
+        return f"{self.image_name}:{__version__}-triton{self.triton_release}{suffix}"
+
+    @property
+    def base_image(self) -> str:
+        return f"nvcr.io/nvidia/tritonserver:{self.triton_release}-py3"
+
+
+def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit_timeout_s: int = 30,
+                      repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
+    """``tritonserver`` argv (container side: fixed ports 8000/8001/8002, repository at ``/models``)."""
+    pools: list[str] = []
+    if plan.cuda_pool_bytes and gpus:
+        pools += [f"--cuda-memory-pool-byte-size={gpu}:{plan.cuda_pool_bytes}" for gpu in range(gpus)]
+    if plan.pinned_pool_bytes:
+        pools.append(f"--pinned-memory-pool-byte-size={plan.pinned_pool_bytes}")
+    return (
+        "tritonserver",
+        f"--model-repository={repository}",
+        "--model-control-mode=explicit",
+        *(f"--load-model={name}" for name in info.models),
+        "--strict-readiness=true",
+        f"--http-port={CONTAINER_PORTS['http']}",
+        f"--grpc-port={CONTAINER_PORTS['grpc']}",
+        f"--metrics-port={CONTAINER_PORTS['metrics']}",
+        "--allow-metrics=true",
+        f"--allow-gpu-metrics={'true' if gpus else 'false'}",
+        *pools,
+        f"--backend-config=python,shm-default-byte-size={plan.shm_default_bytes}",
+        f"--backend-config=python,shm-growth-byte-size={plan.shm_growth_bytes}",
+        f"--backend-config=python,stub-timeout-seconds={STUB_TIMEOUT_S}",
+        f"--exit-timeout-secs={exit_timeout_s}",
+        "--disable-auto-complete-config",
+    )
+
+
+def server_command(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit_timeout_s: int = 30,
+                   repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
+    """The container's command: ``tritonserver_args`` started through the thread budget.
+
+    ``nnunet_triton.server.thread_budget exec`` reads the container's CPUs (affinity and cgroup quota, so
+    ``docker run --cpus`` and a pod's ``limits.cpu`` count) and the repository's fold instances, sets
+    ``OMP_WAIT_POLICY=PASSIVE`` and the fold threads, forks the watchdog (``nnunet_triton.server.watchdog``:
+    it reloads a model whose process died) and execs tritonserver (same pid, same signals).
+    """
+    return ("python3", "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
+            "--model-repository", repository, "--",
+            *tritonserver_args(info, plan, gpus=gpus, exit_timeout_s=exit_timeout_s, repository=repository))
+
+
+def health_probe(port: int = CONTAINER_PORTS["http"],
+                 repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
+    """The honest health check inside the container (``nnunet_triton.server.health``): exit 0 only when the
+    server is ready and every model is ready with all its Python-backend processes alive."""
+    return ("python3", "-m", "nnunet_triton.server.health", "--url", f"127.0.0.1:{port}",
+            "--model-repository", repository)
+
+
+def health_command(port: int = CONTAINER_PORTS["http"]) -> str:
+    """``health_probe`` as one shell command line (``docker run --health-cmd``)."""
+    return " ".join(health_probe(port))
+
+
+def check_image_compatible(spec: DeploySpec) -> None:
+    """Refuse TorchScript files exported by a torch newer than the one that loads them in the image."""
+    if spec.install_torch:
+        runtime, what = spec.runner_torch_version, f"the Python fold runner's pip torch in {spec.image_tag}"
+    else:
+        release = triton_release(spec.triton_release, spec.image_torch_version)
+        runtime, what = release.libtorch, f"libtorch of {spec.base_image}"
+    check_torch_compatible(spec.info, runtime, what)
+
+
+def dockerfile_build_args(spec: DeploySpec) -> dict[str, str]:
+    """``--build-arg`` values for deploy/Dockerfile (each one is declared there with an ``ARG``)."""
+    return {
+        "TRITON_RELEASE": spec.triton_release,
+        "INSTALL_TORCH": "1" if spec.install_torch else "0",
+        "TORCH_VERSION": spec.runner_torch_version,
+    }
+
+
+def docker_build_command(spec: DeploySpec, *, dockerfile: str = "deploy/Dockerfile",
+                         context: str = ".") -> tuple[str, ...]:
+    """``docker build`` of the serving image (context = repository root: pyproject.toml + src/)."""
+    build_args = [part for key, value in dockerfile_build_args(spec).items()
+                  for part in ("--build-arg", f"{key}={value}")]
+    return ("docker", "build", "--file", dockerfile, *build_args, "--tag", spec.image_tag, context)
+
+
+def _gpus_flag(gpus: tuple[int, ...]) -> tuple[str, ...]:
+    if not gpus:
+        return ()
+    devices = ",".join(str(g) for g in gpus)
+    # docker parses --gpus as CSV: several devices need the inner quotes
+    return ("--gpus", f"device={devices}" if len(gpus) == 1 else f'"device={devices}"')
+
+
+def docker_run_command(spec: DeploySpec) -> tuple[str, ...]:
+    """``docker run`` of the server; raises DeployError for TorchScript the image cannot load."""
+    check_image_compatible(spec)
+    ports = {"http": spec.http_port, "grpc": spec.grpc_port, "metrics": spec.metrics_port}
+    publish = [part for name, host_port in ports.items()
+               for part in ("--publish", f"{host_port}:{CONTAINER_PORTS[name]}")]
+    return (
+        "docker", "run", "--detach", "--name", spec.container_name, "--restart", "unless-stopped",
+        *_gpus_flag(spec.gpus),
+        f"--shm-size={spec.plan.shm_mib}m",
+        "--ulimit", "memlock=-1", "--ulimit", "stack=67108864",
+        *publish,
+        "--volume", f"{spec.repository}:{CONTAINER_REPOSITORY}:ro",
+        "--health-cmd", health_command(),
+        "--health-interval", "30s", "--health-timeout", "10s", "--health-retries", "3",
+        "--health-start-period", f"{spec.startup_timeout_s}s",
+        "--stop-timeout", str(spec.exit_timeout_s + 10),
+        spec.image_tag,
+        *server_command(spec.info, spec.plan, gpus=len(spec.gpus), exit_timeout_s=spec.exit_timeout_s),
+    )
+
+
+def docker_stop_commands(container_name: str = "nnunet-triton", exit_timeout_s: int = 30
+                         ) -> tuple[tuple[str, ...], ...]:
+    """Stop (SIGTERM; tritonserver drains for ``exit_timeout_s``) and then remove the container."""
+    return (("docker", "stop", "--time", str(exit_timeout_s + 10), container_name),
+            ("docker", "rm", container_name))
+
+
+def builder_args(options: Any, *, folds: tuple[int | str, ...] | None = None,
+                 configuration: str | None = None) -> tuple[str, ...]:
+    """``repository/build.py`` flags that rebuild ``options`` (a BuildOptions) on the GPU export host."""
+    fold_args = ("--folds", *map(str, folds)) if folds else ()
+    config_args = ("--configuration", configuration) if configuration else ()
+    return ("--target", str(options.target), "--precision", options.fold_precision,
+            "--export-device", "cuda", "--tile-batch-size", str(options.tile_batch_size),
+            "--fold-instances", str(options.fold_instances),
+            "--orchestrator-instances", str(options.orchestrator_instances),
+            "--max-inflight", str(options.max_inflight), *fold_args, *config_args)
+
+
+def export_container_command(*, source_root: str, model_dir: str, out_dir: str, builder_args: tuple[str, ...],
+                             gpu: int | None, uid: int, gid: int, torch_version: str = EXPORT_TORCH,
+                             torchvision_version: str = EXPORT_TORCHVISION) -> tuple[str, ...]:
+    """``docker run`` that builds the repository with a torch matching the image's libtorch.
+
+    Runs ``deploy/export_in_container.sh`` in ``python:3.11-slim`` (our code needs Python 3.11; NGC's
+    pytorch:24.10 image has 3.10): pip torch ``torch_version`` (2.5.1 = libtorch 2.5 of Triton 24.10),
+    then ``python -m repository.build --model /model --out /out/<name> <builder_args>``; the result is
+    handed to ``uid:gid``. The fp16 export traces under CUDA autocast, hence ``--gpus``.
+    """
+    out = Path(out_dir)
+    gpus = ("--gpus", f"device={gpu}") if gpu is not None else ()
+    return (
+        "docker", "run", "--rm", *gpus,
+        "--volume", f"{source_root}:/src:ro",
+        "--volume", f"{model_dir}:/model:ro",
+        "--volume", f"{out.parent}:/out",
+        "--env", f"REPOSITORY_OUT=/out/{out.name}",
+        "--env", f"HOST_UID={uid}", "--env", f"HOST_GID={gid}",
+        "--env", f"TORCH_VERSION={torch_version}", "--env", f"TORCHVISION_VERSION={torchvision_version}",
+        EXPORT_IMAGE, "bash", "/src/deploy/export_in_container.sh", "--model", "/model", *builder_args,
+    )
+
+
+def endpoint_usage(http: str, grpc: str, metrics: str, *, undeploy: str, images: str = "<images>") -> str:
+    """What ``make deploy`` prints once the server is up: endpoints, example calls, how to stop it."""
+    return f"""
+endpoint model 'nnunet' (IMAGE fp32 [C, z, y, x] + SPACING fp64 [3] -> SEGMENTATION)
+  HTTP     http://{http}   (ready: http://{http}/v2/health/ready)
+  gRPC     {grpc}
+  metrics  http://{metrics}/metrics
+call it:
+  nnunet-triton predict -i {images} -o build/predictions --url {http}   (or python -m nnunet_triton)
+  python -c "from nnunet_triton.client.client import NnunetClient; import numpy as np; \\
+image = np.zeros((1, 32, 64, 64), np.float32); \\
+print(NnunetClient('{http}').segment(image, (1.0, 1.0, 1.0)).segmentation.shape)"
+stop it:
+  {undeploy}"""
+
+
+def shell_line(argv: tuple[str, ...]) -> str:
+    """The argv as one copy-pasteable shell line."""
+    return shlex.join(argv)

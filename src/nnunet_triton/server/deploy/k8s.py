@@ -1,0 +1,257 @@
+"""Kubernetes manifests (a kustomize base) for one Triton per GPU behind a Service, scaled on queue time.
+
+Follows the pattern of Triton's ``deploy/k8s-onprem`` chart: a long startup probe on ``/v2/health/ready``
+(the model is READY only after warm-up), an HPA on a custom per-pod metric served by prometheus-adapter
+from Triton's queue-time counters. Differences: liveness and readiness are exec probes of
+``nnunet_triton.server.health`` (Triton's endpoints stay 200 while a model's process is dead; the watchdog in
+the container reloads it, and liveness restarts the container only when that failed for a minute); the
+metric is the queue time of ``orchestrator_model`` only (the stage that holds a whole request), the
+model repository comes from an init container image or a PVC, and ``/dev/shm`` is a memory-backed
+emptyDir sized by :func:`~nnunet_triton.server.deploy.sizing.plan_memory` (Python-backend shm regions).
+Manifests are plain dicts; :func:`manifest_files` renders them to YAML (PyYAML imported lazily).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from nnunet_triton.server.deploy.docker import (
+    CONTAINER_PORTS,
+    CONTAINER_REPOSITORY,
+    health_probe,
+    server_command,
+)
+from nnunet_triton.server.deploy.repository_info import RepositoryInfo
+from nnunet_triton.server.deploy.sizing import MemoryPlan
+
+__all__ = [
+    "QUEUE_METRIC",
+    "ModelSource",
+    "K8sSpec",
+    "deployment",
+    "service",
+    "autoscaler",
+    "service_monitor",
+    "manifests",
+    "adapter_rules",
+    "manifest_files",
+]
+
+QUEUE_METRIC = "nnunet_orchestrator_queue_us"
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_PROBE_PERIOD_S = 10
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where pods get the model repository: ``image`` (init container copies its ``/models``) or ``pvc``."""
+
+    kind: str
+    ref: str  # image reference, or PersistentVolumeClaim name
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("image", "pvc") or not self.ref:
+            raise ValueError(
+                f"model source must be ('image'|'pvc', non-empty ref), got {self.kind!r}, {self.ref!r}."
+            )
+
+
+@dataclass(frozen=True)
+class K8sSpec:
+    """One Deployment (one GPU per pod), its Service, HPA and optional ServiceMonitor.
+
+    Attributes:
+        image: the serving image (deploy/Dockerfile) in a registry the cluster can pull from.
+        queue_target_us: HPA target of the orchestrator's average queue time per request; a few
+            seconds for 3D volumes (k8s-onprem's 50 us fits millisecond image classifiers).
+    """
+
+    info: RepositoryInfo
+    plan: MemoryPlan
+    image: str
+    model_source: ModelSource
+    name: str = "nnunet-triton"
+    namespace: str | None = None
+    min_replicas: int = 1
+    max_replicas: int = 4
+    queue_target_us: int = 2_000_000
+    cpu: str = "4"
+    service_type: str = "ClusterIP"
+    service_monitor: bool = False
+    startup_timeout_s: int = 900
+    exit_timeout_s: int = 30
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name) or len(self.name) > 63:
+            raise ValueError(f"name must be a DNS-1123 label (a-z, 0-9, '-', <= 63), got {self.name!r}.")
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"need 1 <= min_replicas <= max_replicas, got {self.min_replicas}, {self.max_replicas}."
+            )
+        if self.service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
+            raise ValueError(
+                f"service_type must be ClusterIP, NodePort or LoadBalancer, got {self.service_type!r}."
+            )
+
+
+def _metadata(spec: K8sSpec, name: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name or spec.name, "labels": _labels(spec)}
+    if spec.namespace:
+        meta["namespace"] = spec.namespace
+    return meta
+
+
+def _selector(spec: K8sSpec) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "nnunet-triton", "app.kubernetes.io/instance": spec.name}
+
+
+def _labels(spec: K8sSpec) -> dict[str, str]:
+    return {**_selector(spec), "app.kubernetes.io/component": "inference-server"}
+
+
+def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s,
+            "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def _health_probe(period_s: int, failures: int) -> dict[str, Any]:
+    # nnunet_triton.server.health: Triton's ready endpoints stay 200 while a model's process is dead
+    return {"exec": {"command": list(health_probe())}, "periodSeconds": period_s,
+            "timeoutSeconds": 10, "failureThreshold": failures}
+
+
+def _server_container(spec: K8sSpec) -> dict[str, Any]:
+    memory = f"{spec.plan.host_memory_mib}Mi"
+    return {
+        "name": "tritonserver",
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        # through the thread budget, which reads limits.cpu from the pod's cgroup quota
+        "args": list(server_command(spec.info, spec.plan, gpus=1, exit_timeout_s=spec.exit_timeout_s)),
+        "ports": [{"name": name, "containerPort": port, "protocol": "TCP"}
+                  for name, port in CONTAINER_PORTS.items()],
+        "resources": {"requests": {"cpu": spec.cpu, "memory": memory, "nvidia.com/gpu": 1},
+                      "limits": {"cpu": spec.cpu, "memory": memory, "nvidia.com/gpu": 1}},
+        "volumeMounts": [{"name": "model-repository", "mountPath": CONTAINER_REPOSITORY, "readOnly": True},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
+        "startupProbe": _probe("/v2/health/ready", _PROBE_PERIOD_S,
+                               math.ceil(spec.startup_timeout_s / _PROBE_PERIOD_S)),
+        # the watchdog reloads a dead model in seconds; only when it could not for a minute does the
+        # kubelet restart the container. Readiness drops the pod from the Service within 10 s.
+        "livenessProbe": _health_probe(_PROBE_PERIOD_S, 6),
+        "readinessProbe": _health_probe(5, 2),
+        # let the Service drop this pod before tritonserver starts draining (rolling updates)
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+    }
+
+
+def _volumes(spec: K8sSpec) -> list[dict[str, Any]]:
+    shm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{spec.plan.shm_mib}Mi"}}
+    if spec.model_source.kind == "pvc":
+        repo = {"name": "model-repository",
+                "persistentVolumeClaim": {"claimName": spec.model_source.ref, "readOnly": True}}
+    else:
+        repo = {"name": "model-repository", "emptyDir": {}}
+    return [shm, repo]
+
+
+def deployment(spec: K8sSpec) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "terminationGracePeriodSeconds": spec.exit_timeout_s + 15,
+        "containers": [_server_container(spec)],
+        "volumes": _volumes(spec),
+    }
+    if spec.model_source.kind == "image":
+        pod["initContainers"] = [{
+            "name": "model-repository",
+            "image": spec.model_source.ref,
+            "imagePullPolicy": "IfNotPresent",
+            "command": ["sh", "-c", f"cp -R {CONTAINER_REPOSITORY}/. /repository/"],
+            "volumeMounts": [{"name": "model-repository", "mountPath": "/repository"}],
+        }]
+    # a new build changes the hash, which rolls the pods even when image and PVC path stay the same
+    annotations = {"nnunet-triton/input-hash": spec.info.input_hash or "not-built-yet"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(spec),
+        "spec": {
+            "replicas": spec.min_replicas,
+            "selector": {"matchLabels": _selector(spec)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": _labels(spec), "annotations": annotations}, "spec": pod},
+        },
+    }
+
+
+def service(spec: K8sSpec) -> dict[str, Any]:
+    ports = [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+             for name, port in CONTAINER_PORTS.items()]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(spec),
+            "spec": {"type": spec.service_type, "selector": _selector(spec), "ports": ports}}
+
+
+def autoscaler(spec: K8sSpec) -> dict[str, Any]:
+    metric = {"type": "Pods", "pods": {"metric": {"name": QUEUE_METRIC},
+                                       "target": {"type": "AverageValue",
+                                                  "averageValue": str(spec.queue_target_us)}}}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(spec),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": spec.name},
+            "minReplicas": spec.min_replicas,
+            "maxReplicas": spec.max_replicas,
+            "metrics": [metric],
+            # new pods need minutes (image pull, model load, warm-up): scale up fast, down slowly
+            "behavior": {"scaleUp": {"stabilizationWindowSeconds": 60},
+                         "scaleDown": {"stabilizationWindowSeconds": 600}},
+        },
+    }
+
+
+def service_monitor(spec: K8sSpec) -> dict[str, Any]:
+    """prometheus-operator ServiceMonitor (a CRD: monitoring.coreos.com/v1) scraping the metrics port."""
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": _metadata(spec),
+            "spec": {"selector": {"matchLabels": _selector(spec)},
+                     "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}]}}
+
+
+def manifests(spec: K8sSpec) -> dict[str, dict[str, Any]]:
+    """``{file name: manifest}`` in apply order."""
+    files = {"deployment.yaml": deployment(spec), "service.yaml": service(spec), "hpa.yaml": autoscaler(spec)}
+    if spec.service_monitor:
+        files["servicemonitor.yaml"] = service_monitor(spec)
+    return files
+
+
+def adapter_rules(spec: K8sSpec) -> dict[str, Any]:
+    """prometheus-adapter Helm values: per-pod average queue time (us) of orchestrator_model over 1 min."""
+    model = 'model="orchestrator_model"'
+    query = (f"avg(delta(nv_inference_queue_duration_us{{<<.LabelMatchers>>,{model}}}[1m])"
+             f"/(1+delta(nv_inference_request_success{{<<.LabelMatchers>>,{model}}}[1m]))) by (<<.GroupBy>>)")
+    return {"rules": {"custom": [{
+        "seriesQuery": f'nv_inference_queue_duration_us{{{model},namespace!="",pod!=""}}',
+        "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+        "name": {"matches": "nv_inference_queue_duration_us", "as": QUEUE_METRIC},
+        "metricsQuery": query,
+    }]}}
+
+
+def manifest_files(spec: K8sSpec) -> dict[str, str]:
+    """YAML text per file: the manifests, a kustomization.yaml listing them, the adapter values."""
+    import yaml
+
+    def dump(data: dict[str, Any]) -> str:
+        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
+
+    files = {name: dump(manifest) for name, manifest in manifests(spec).items()}
+    kustomization: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                                     "resources": list(files)}
+    files["kustomization.yaml"] = dump(kustomization)
+    files["prometheus-adapter-values.yaml"] = dump(adapter_rules(spec))
+    return files

@@ -1,0 +1,338 @@
+"""Self-healing: a watchdog next to tritonserver reloads every model whose process died.
+
+Triton 2.51 never restarts a dead Python-backend stub (see ``health``): the model fails every request
+until someone reloads it. The watchdog does that, through Triton's own model-control API, which is why
+every launcher starts the server with ``--model-control-mode=explicit``:
+
+* every ``interval_s`` (1 s) it runs ``health.check_health``; a model that Triton reports ready but
+  with a missing stub is **unloaded and loaded again** (``POST /v2/repository/models/<m>/unload`` then
+  ``/load``: a plain ``load`` of a loaded, unchanged model is a no-op in 2.51). Ensembles using the model
+  turn UNAVAILABLE for that moment and READY again with it;
+* a reload that fails is retried with exponential backoff (1 s doubling to 30 s) until it succeeds;
+* every recovery is appended to ``events_file`` (JSON lines: model, dead instances, seconds taken).
+
+A model somebody unloaded on purpose has no stubs *and* is not ready: the watchdog leaves it alone.
+It exits when the server process is gone (``make stop`` stops it first). When the server died on its
+own (``kill -9``, the OOM killer) nothing restarts it here; the watchdog then ends the orphaned stubs
+(some linger for minutes) and removes the ``/dev/shm`` regions they leave behind (Triton removes them
+only on a clean exit), and logs what happened. In a container, tritonserver is PID 1: its death ends the
+container and the restart policy (``docker run --restart``, the kubelet) starts a new one.
+
+The model-repository API is restricted to requests carrying the header ``CONTROL_HEADER`` with a
+token only the launcher and the watchdog know (``restricted_api_args``): explicit model control does
+not let every client that can reach the port unload models.
+
+Launchers: ``embedded_server.start`` runs ``python -m nnunet_triton.server.watchdog`` as a sibling process;
+containers run ``python3 -m nnunet_triton.server.thread_budget exec --watchdog ... -- tritonserver ...``,
+which forks the watchdog and then execs tritonserver (``fork_for_exec``). Only the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from nnunet_triton.server.health import (
+    ModelHealth,
+    StubProcess,
+    check_health,
+    pid_alive,
+    remove_shm_regions,
+    repository_models,
+    stub_processes,
+    unmapped_shm_regions,
+)
+
+__all__ = [
+    "CONTROL_HEADER",
+    "TOKEN_ENV",
+    "Recovery",
+    "Watchdog",
+    "new_token",
+    "restricted_api_args",
+    "fork_for_exec",
+    "main",
+]
+
+LOGGER = logging.getLogger("nnunet_triton.server.watchdog")
+CONTROL_HEADER = "x-nnunet-triton-control"
+TOKEN_ENV = "NNUNET_TRITON_CONTROL_TOKEN"
+DEFAULT_INTERVAL_S = 1.0
+WATCHING = "watching"  # first word of the log line written after the first check
+MAX_BACKOFF_S = 30.0
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def restricted_api_args(token: str) -> list[str]:
+    """tritonserver flags that allow the model-repository API (index, load, unload) only with the token."""
+    return [f"--http-restricted-api=model-repository:{CONTROL_HEADER}={token}",
+            f"--grpc-restricted-protocol=model-repository:{CONTROL_HEADER}={token}"]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One reload of one model."""
+
+    model: str
+    dead: tuple[str, ...]  # instance names whose process had died
+    detected_at: float  # time.time()
+    seconds: float  # detection to ready again (or to the failure)
+    ok: bool
+    attempt: int = 1
+    error: str | None = None
+
+
+def _is_stub(stub: StubProcess) -> bool:
+    """``stub``'s pid still runs that stub (not a reused pid)."""
+    try:
+        argv = Path(f"/proc/{stub.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return pid_alive(stub.pid) and len(argv) > 2 and argv[2].decode(errors="replace") == stub.shm_region
+
+
+@dataclass
+class _Pending:
+    """A model being recovered: when to try next, which try, what had died."""
+
+    retry_at: float  # time.monotonic()
+    attempt: int
+    dead: tuple[str, ...]  # instance names
+    regions: tuple[str, ...]  # their shm regions
+    detected_at: float  # time.time()
+
+
+class Watchdog:
+    """Watch one tritonserver (``server_pid``, HTTP ``url``) and reload its models whose process died."""
+
+    def __init__(self, url: str, server_pid: int, models: Sequence[str], token: str, *,
+                 events_file: str | Path | None = None, interval_s: float = DEFAULT_INTERVAL_S,
+                 load_timeout_s: float = 900.0, shm: str | Path = "/dev/shm") -> None:
+        self.url = url
+        self.server_pid = server_pid
+        self.models = list(models)
+        self.token = token
+        self.events_file = Path(events_file) if events_file else None
+        self.interval_s = interval_s
+        self.load_timeout_s = load_timeout_s
+        self.shm = Path(shm)
+        self._configs: dict[str, dict[str, Any]] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._stop = False
+        self._stubs: dict[tuple[str, str], StubProcess] = {}  # (model, instance) -> stub, last scan with any
+        self._needed: dict[str, int] = {}  # model -> live stubs it needs, once seen ready and complete
+
+    def stop(self, *_: object) -> None:
+        self._stop = True
+
+    def run(self) -> int:
+        """Loop until the server process is gone or ``stop`` is called; 0 always."""
+        announced = False
+        while not self._stop and pid_alive(self.server_pid):
+            self.tick()
+            if not announced:  # after the first check: the launcher waits for this line
+                LOGGER.info("%s tritonserver pid %d at %s (%d models, %d processes, every %.1f s)", WATCHING,
+                            self.server_pid, self.url, len(self.models), len(self._stubs), self.interval_s)
+                announced = True
+            time.sleep(self.interval_s)
+        if self._stop:
+            LOGGER.info("watchdog stops (asked to)")
+            return 0
+        LOGGER.error("tritonserver pid %d died without being stopped; nothing restarts it here (start it "
+                     "again: `make serve` / `make deploy`)", self.server_pid)
+        self.clean_up_after_server()
+        return 0
+
+    def clean_up_after_server(self, grace_s: float = 5.0) -> list[str]:
+        """After the server died: end its orphaned stubs (they serve nothing; some linger for minutes) once
+        ``grace_s`` has passed, then remove their shm regions. Returns the regions removed."""
+        stubs = list(self._stubs.values())
+        deadline = time.monotonic() + grace_s
+        while any(_is_stub(s) for s in stubs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        lingering = [s for s in stubs if _is_stub(s)]
+        for stub in lingering:
+            os.kill(stub.pid, signal.SIGKILL)
+        deadline = time.monotonic() + grace_s
+        while any(pid_alive(s.pid) for s in stubs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        removed = remove_shm_regions((s.shm_region for s in stubs), self.shm)
+        LOGGER.warning("%d orphaned stub process(es) of %d ended with SIGKILL; removed %d shared-memory "
+                       "region(s) from %s", len(lingering), len(stubs), len(removed), self.shm)
+        return removed
+
+    def tick(self) -> list[Recovery]:
+        """One check; reload what is broken or still pending. Returns the recoveries attempted.
+
+        Cheap when nothing is wrong: one ``/proc`` scan; Triton is asked (``check_health``) only about
+        models with fewer live stubs than their config needs, or not seen ready yet."""
+        previous = self._stubs
+        stubs = stub_processes(self.server_pid)
+        if stubs:
+            self._stubs = {(s.model, s.instance): s for s in stubs}
+        alive = Counter(s.model for s in stubs)
+        suspects = [m for m in self.models if m not in self._needed or alive[m] < self._needed[m]]
+        if suspects:
+            report = check_health(self.url, suspects, server_pid=self.server_pid, config_cache=self._configs,
+                                  stubs=stubs)
+            if not report.server_live:  # not "ready": strict readiness is false while a reload is pending
+                return []
+            for model in report.models:
+                if model.ok:
+                    self._needed[model.name] = len(model.expected)  # 0: not a Python-backend model
+                if model.broken and model.name not in self._pending:
+                    self._start_recovery(model, previous)
+        now = time.monotonic()
+        return [self._recover(name, pending) for name, pending in list(self._pending.items())
+                if now >= pending.retry_at]
+
+    def _start_recovery(self, model: ModelHealth, previous: dict[tuple[str, str], StubProcess]) -> None:
+        dead = tuple(sorted(set(model.expected) - set(model.alive)))
+        regions = tuple(previous[(model.name, i)].shm_region for i in dead if (model.name, i) in previous)
+        LOGGER.warning("%s; reloading it", model.problem())
+        self._pending[model.name] = _Pending(0.0, 1, dead, regions, time.time())
+
+    def _recover(self, model: str, pending: _Pending) -> Recovery:
+        try:
+            self._control(model, "unload")
+            self._wait_not_ready(model)
+            self._control(model, "load")
+            error = None
+        except (OSError, RuntimeError, urllib.error.URLError) as exc:
+            error = str(exc)
+        recovery = Recovery(model=model, dead=pending.dead, detected_at=pending.detected_at,
+                            seconds=round(time.time() - pending.detected_at, 3), ok=error is None,
+                            attempt=pending.attempt, error=error)
+        if recovery.ok:
+            del self._pending[model]
+            LOGGER.warning("model %r reloaded: ready again %.1f s after the dead process was found",
+                           model, recovery.seconds)
+            self._release_regions(model, pending.regions)
+        else:
+            delay = min(MAX_BACKOFF_S, 2.0 ** (pending.attempt - 1))
+            pending.retry_at, pending.attempt = time.monotonic() + delay, pending.attempt + 1
+            LOGGER.error("reloading model %r failed (attempt %d): %s; next try in %.0f s", model,
+                         recovery.attempt, error, delay)
+        self._record(recovery)
+        return recovery
+
+    def _release_regions(self, model: str, regions: Sequence[str]) -> None:
+        """Triton 2.51 frees a dead stub's shm region when the old instance goes, but mostly keeps the
+        instance (and the region) for good once requests failed on it, even past a clean server exit.
+        After the reload the region serves nobody: unlink its name, so nothing outlives the server (the
+        pages stay mapped in tritonserver until it exits; Triton's own later unlink is a no-op)."""
+        kept = remove_shm_regions(regions, self.shm)
+        if kept:
+            LOGGER.warning("removed the shm region(s) %s of model %r's dead process (their memory is "
+                           "released when tritonserver exits)", kept, model)
+
+    def _control(self, model: str, action: str) -> None:
+        url = f"http://{self.url}/v2/repository/models/{urllib.parse.quote(model)}/{action}"
+        headers = {CONTROL_HEADER: self.token, "Content-Type": "application/json"}
+        request = urllib.request.Request(url, data=b"{}", method="POST", headers=headers)
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(request, timeout=self.load_timeout_s) as response:
+                response.read()
+        except urllib.error.HTTPError as exc:
+            body = exc.read().decode(errors="replace")
+            raise RuntimeError(f"{action} of model {model!r} answered {exc.code}: {body}") from None
+
+    def _wait_not_ready(self, model: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        url = f"http://{self.url}/v2/models/{urllib.parse.quote(model)}/ready"
+        while time.monotonic() < deadline:
+            try:
+                with opener.open(url, timeout=2.0):
+                    pass
+            except urllib.error.HTTPError:
+                return  # 400: not ready (unloading or gone)
+            time.sleep(0.05)
+        raise RuntimeError(f"model {model!r} still ready {timeout_s:.0f} s after its unload")
+
+    def _record(self, recovery: Recovery) -> None:
+        if self.events_file is None:
+            return
+        self.events_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.events_file, "a") as events:
+            events.write(json.dumps(asdict(recovery)) + "\n")
+
+
+def _http_port(server_args: Sequence[str]) -> int:
+    port = 8000
+    for arg in server_args:
+        if arg.startswith("--http-port="):
+            port = int(arg.split("=", 1)[1])
+    return port
+
+
+def fork_for_exec(server_args: list[str], model_repository: str | Path, *,
+                  events_file: str | Path | None = None) -> list[str]:
+    """For a container entry point that is about to ``exec`` tritonserver: fork the watchdog (it will
+    watch its parent, which becomes tritonserver) and return ``server_args`` plus the restricted-API
+    flags with a fresh token."""
+    token = os.environ.get(TOKEN_ENV) or new_token()
+    # a container's /dev/shm (a pod's emptyDir) outlives a crashed server: nothing of ours runs yet here
+    stale = remove_shm_regions(unmapped_shm_regions())
+    if stale:
+        LOGGER.warning("removed %d shm region(s) a previous server left in /dev/shm", len(stale))
+    models = repository_models(model_repository)
+    url = f"127.0.0.1:{_http_port(server_args)}"
+    parent = os.getpid()
+    if os.fork() == 0:  # the child never returns into the caller
+        code = 1
+        try:
+            logging.basicConfig(level=logging.INFO, format="watchdog %(levelname)s %(message)s")
+            watchdog = Watchdog(url, parent, models, token, events_file=events_file)
+            signal.signal(signal.SIGTERM, watchdog.stop)
+            code = watchdog.run()
+        finally:
+            os._exit(code)
+    return [*server_args, *restricted_api_args(token)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nnunet_triton.server.watchdog",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="host:port of the server's HTTP endpoint")
+    parser.add_argument("--server-pid", required=True, type=int)
+    parser.add_argument("--model-repository", required=True, type=Path)
+    parser.add_argument("--events-file", type=Path, default=None, help="append one JSON line per recovery")
+    parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="seconds between checks")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m nnunet_triton.server.watchdog``; the token comes from ``$NNUNET_TRITON_CONTROL_TOKEN``."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s watchdog %(levelname)s %(message)s")
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        LOGGER.error("%s is not set: the watchdog cannot use the model-control API", TOKEN_ENV)
+        return 2
+    watchdog = Watchdog(args.url, args.server_pid, repository_models(args.model_repository), token,
+                        events_file=args.events_file, interval_s=args.interval)
+    signal.signal(signal.SIGTERM, watchdog.stop)
+    return watchdog.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
