@@ -14,7 +14,7 @@ Config parameter ``max_request_bytes`` (0 = none): the request's float32 logits 
 not exceed it (``validation.check_request_memory``), checked at the same point.
 
 In a cascade stage (``previous_stage`` in the configuration) the previous stage's SEGMENTATION arrives as
-PREVIOUS_SEGMENTATION and :func:`nnunet_triton.numerics.cascade.preprocess_cascade_case` appends its one-hot
+PREVIOUS_SEGMENTATION and :func:`nnunet_triton.numerics.preprocess.preprocess_case` appends its one-hot
 encoding (nnU-Net's data iterators) to the preprocessed image.
 
 I/O (``max_batch_size: 0``):
@@ -33,7 +33,6 @@ from pathlib import Path
 
 from nnunet_triton import io_names, serving
 from nnunet_triton.errors import NnunetTritonError
-from nnunet_triton.numerics.cascade import preprocess_cascade_case
 from nnunet_triton.numerics.limits import check_voxel_limit
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.preprocess import preprocess_case
@@ -67,13 +66,12 @@ class TritonPythonModel:
             image = serving.image_array(request)  # IMAGE or IMAGE_<dtype>; preprocess_case casts to float32
             check_voxel_limit(io_names.IMAGE, image.shape, self._limits["max_voxels"])
             spacing = serving.input_array(request, io_names.SPACING)
+            # a cascade stage: the previous stage's segmentation becomes one-hot input channels
+            previous = serving.input_array(request, io_names.PREVIOUS_SEGMENTATION) \
+                if self._config.previous_stage is not None else None
             with record.timed():
-                if self._config.previous_stage is None:
-                    data, props = preprocess_case(image, spacing, self._config, **self._limits)
-                else:  # cascade stage: the previous stage's segmentation becomes one-hot input channels
-                    previous = serving.input_array(request, io_names.PREVIOUS_SEGMENTATION)
-                    data, props = preprocess_cascade_case(image, spacing, previous, self._config,
-                                                          **self._limits)
+                data, props = preprocess_case(image, spacing, self._config, previous_segmentation=previous,
+                                              **self._limits)
             return serving.ok_response(
                 {io_names.PREPROCESSED: data, io_names.CASE_PROPERTIES: props.to_array()}
             )

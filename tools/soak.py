@@ -111,19 +111,10 @@ def _first_case(model_dir: Path) -> tuple[np.ndarray, tuple[float, ...]]:
 def _nnunet_segmentation(model_dir: Path, image: np.ndarray, spacing: Sequence[float]) -> np.ndarray:
     """nnU-Net's answer (no mirroring, step 0.5, all folds, CPU): the reference for valid requests."""
     import torch
-    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
 
-    predictor = nnUNetPredictor(
-        tile_step_size=0.5,
-        use_gaussian=True,
-        use_mirroring=False,
-        perform_everything_on_device=False,
-        device=torch.device("cpu"),
-        verbose=False,
-        verbose_preprocessing=False,
-        allow_tqdm=False,
-    )
-    predictor.initialize_from_trained_model_folder(str(model_dir), use_folds=None)
+    from nnunet_triton.validate.oracle import nnunet_predictor
+
+    predictor = nnunet_predictor(model_dir, mirroring=False)
     with torch.no_grad():
         return np.asarray(predictor.predict_single_npy_array(image, {"spacing": list(spacing)}))
 

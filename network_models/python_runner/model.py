@@ -22,11 +22,10 @@ import json
 from pathlib import Path
 
 from nnunet_triton import io_names, serving
+from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.parameters import FoldRunnerParameters
 from nnunet_triton.pipeline.fold_runner import load_runner
-
-_TORCH_DTYPES = {"TYPE_FP32": "float32", "TYPE_FP16": "float16"}
 
 
 class TritonPythonModel:
@@ -50,7 +49,7 @@ class TritonPythonModel:
                 num_threads=params.torch_num_threads,
                 sample_shape=[int(d) for d in input_config["dims"]],
                 max_forward_batch=1 if params.per_sample_forward else 0,
-                output_dtype=_TORCH_DTYPES[output_config["data_type"]],
+                output_dtype=numpy_dtype(output_config["data_type"]).name,
             )
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None

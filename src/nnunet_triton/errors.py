@@ -14,7 +14,6 @@ __all__ = [
     "ConfigParameterError",
     "InputValidationError",
     "SubmodelError",
-    "ResourceExhaustedError",
     "ExportError",
     "ThreadBudgetError",
     "ServerError",
@@ -73,12 +72,6 @@ class SubmodelError(NnunetTritonError):
         super().__init__(message)
         if triton_code is not None:
             self.triton_code = triton_code
-
-
-class ResourceExhaustedError(NnunetTritonError):
-    """A request needs more memory or capacity than the deployment allows."""
-
-    triton_code = "UNAVAILABLE"
 
 
 class ExportError(NnunetTritonError):

@@ -17,8 +17,7 @@ PROBABILITIES = "PROBABILITIES"  # [K, *spatial] float32, only when requested
 # each dtype has its own endpoint over the same composing models: ``nnunet`` takes FP32, ``nnunet_int16``
 # INT16 and so on; each maps IMAGE onto preprocess_model's optional input of that dtype (IMAGE for FP32,
 # IMAGE_<DTYPE> otherwise), which converts it to float32 as nnU-Net's preprocessing does.
-IMAGE_DTYPES = {"FP32": "float32", "FP16": "float16", "INT16": "int16", "UINT16": "uint16",
-                "UINT8": "uint8"}  # Triton dtype -> numpy dtype name; the one table of wire dtypes
+IMAGE_DTYPES = ("FP32", "FP16", "INT16", "UINT16", "UINT8")  # wire dtypes (numpy's: nnunet_triton.dtypes)
 
 
 def image_input(dtype: str) -> str:
@@ -51,7 +50,7 @@ def fold_model_name(fold: int | str) -> str:
 
 # preprocess -> orchestrator / stitch
 PREPROCESSED = "PREPROCESSED"  # [C_in, *resampled spatial] float32, transposed axis order
-CASE_PROPERTIES = "CASE_PROPERTIES"  # int64 vector, CaseProperties.as_array()
+CASE_PROPERTIES = "CASE_PROPERTIES"  # float64 vector, CaseProperties.to_array() / from_array()
 
 # orchestrator -> stitch
 LOGITS = "LOGITS"  # [K, *resampled spatial] float16, fold-averaged

@@ -7,14 +7,19 @@ strings; :func:`nnunet_triton.options.parse_bool` / :func:`~nnunet_triton.option
 reading of booleans and integers. A malformed value raises :class:`ConfigParameterError` naming the
 parameter, the rule and the value.
 
-Imports ``errors``, ``options`` and ``numerics.limits`` (for the limits' defaults) only.
+Imports ``errors``, ``options`` and ``numerics.limits`` (for the limits' defaults) only. The ``nnunet``
+endpoint's description (:func:`description_parameters`) is written here too and read by
+``client.endpoint``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from nnunet_triton import __version__
 from nnunet_triton.errors import ConfigParameterError
 from nnunet_triton.numerics.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -23,6 +28,9 @@ from nnunet_triton.numerics.limits import (
     MAX_VOXELS_PARAMETER,
 )
 from nnunet_triton.options import ProbabilitiesOutput, parse_bool, parse_int
+
+if TYPE_CHECKING:
+    from nnunet_triton.numerics.plans import InferenceConfig
 
 __all__ = [
     "FORCE_CPU_ONLY_INPUT_TENSORS",
@@ -34,6 +42,9 @@ __all__ = [
     "OrchestratorParameters",
     "StitchParameters",
     "FoldRunnerParameters",
+    "DESCRIPTION_PARAMETER",
+    "AXIS_ORDER",
+    "description_parameters",
 ]
 
 FORCE_CPU_ONLY_INPUT_TENSORS = "FORCE_CPU_ONLY_INPUT_TENSORS"  # Triton's own (python_backend), "yes"/"no"
@@ -45,6 +56,9 @@ PARAM_PROBABILITIES_OUTPUT = "probabilities_output"
 PARAM_TORCH_NUM_THREADS = "torch_num_threads"
 PARAM_PER_SAMPLE_FORWARD = "per_sample_forward"
 PARAM_MODEL_FILENAME = "model_filename"
+# the ``nnunet`` endpoint (an ensemble) publishes its model as JSON for ``info``, the clients and ``validate``
+DESCRIPTION_PARAMETER = "nnunet_description"
+AXIS_ORDER = "zyx"  # IMAGE is (C, z, y, x) and SPACING (z, y, x): SimpleITK's array order, as nnU-Net reads
 
 
 def _bool(params: Mapping[str, str], name: str, default: bool) -> bool:
@@ -193,3 +207,26 @@ class FoldRunnerParameters:
                    per_sample_forward=_bool(params, PARAM_PER_SAMPLE_FORWARD, False),
                    model_filename=params.get(PARAM_MODEL_FILENAME, "").strip() or "model.pt",
                    force_cpu_inputs=_force_cpu(params))
+
+
+def description_parameters(config: InferenceConfig) -> dict[str, str]:
+    """Config parameters for the ``nnunet`` ensemble that publish ``config`` (an ``InferenceConfig``)."""
+    labels = {name: list(v) if isinstance(v, tuple) else v for name, v in config.labels.label_names}
+    description = {
+        "dataset_name": config.dataset_name,
+        "plans_name": config.plans_name,
+        "configuration": config.configuration,
+        "trainer_name": config.network.trainer_name,
+        "folds": list(config.folds),
+        "labels": labels,
+        "regions_class_order": list(config.labels.regions_class_order or []) or None,
+        "channel_names": {str(k): name for k, name in enumerate(config.channel_names)},
+        "file_ending": config.file_ending,
+        "image_reader_writer": config.image_reader_writer,
+        "patch_size": list(config.patch_size),
+        "spacing": list(config.spacing),
+        "mirror_axes": list(config.mirror_axes) if config.mirror_axes is not None else None,
+        "axis_order": AXIS_ORDER,
+        "nnunet_triton_version": __version__,
+    }
+    return {DESCRIPTION_PARAMETER: json.dumps(description, sort_keys=True)}

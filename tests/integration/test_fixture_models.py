@@ -22,6 +22,7 @@ from nnunetv2.preprocessing.preprocessors.default_preprocessor import DefaultPre
 from nnunetv2.preprocessing.resampling.default_resampling import determine_do_sep_z_and_axis
 from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
 
+from nnunet_triton.validate.oracle import nnunet_predictor
 from tests.fixture_paths import SYNTH_ANISO, SYNTH_CT, FixtureModel
 
 CONFIGURATION = "3d_tiny"
@@ -89,20 +90,9 @@ def _one_torch_thread() -> Iterator[None]:
 
 @functools.cache
 def _predictor(key: str) -> nnUNetPredictor:
-    predictor = nnUNetPredictor(
-        tile_step_size=0.5,
-        use_gaussian=True,
-        # Mirror TTA would cost 8 forward passes per tile on 2 shared CPU cores; the README lists Dice with
-        # and without it (both far above the threshold). The checkpoint's axes are still asserted below.
-        use_mirroring=False,
-        perform_everything_on_device=False,
-        device=torch.device("cpu"),
-        verbose=False,
-        verbose_preprocessing=False,
-        allow_tqdm=False,
-    )
-    predictor.initialize_from_trained_model_folder(str(EXPECTED[key].model.model_dir), use_folds=None)
-    return predictor
+    # Mirror TTA would cost 8 forward passes per tile on 2 shared CPU cores; the README lists Dice with
+    # and without it (both far above the threshold). The checkpoint's axes are still asserted below.
+    return nnunet_predictor(EXPECTED[key].model.model_dir, mirroring=False)
 
 
 def _preprocess(key: str, case_id: str):

@@ -16,6 +16,7 @@ import torch
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.errors import ExportError, UnsupportedModelError
 from nnunet_triton.pipeline.fold_runner import load_runner
+from nnunet_triton.validate.oracle import nnunet_predictor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get(
@@ -30,11 +31,7 @@ pytestmark = pytest.mark.skipif(
 
 def _nnunet_network(fold: int) -> torch.nn.Module:
     """The network exactly as nnUNetPredictor builds and loads it."""
-    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
-
-    predictor = nnUNetPredictor(device=torch.device("cpu"), allow_tqdm=False)
-    predictor.initialize_from_trained_model_folder(str(MODEL_DIR), use_folds=(fold,))
-    return predictor.network.eval()
+    return nnunet_predictor(MODEL_DIR, folds=(fold,)).network.eval()
 
 
 def _inputs(batch_size: int, sample_shape: tuple[int, ...], seed: int = 7) -> torch.Tensor:

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from nnunet_triton.validate.oracle import nnunet_predictor
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
@@ -142,16 +144,8 @@ def shared_server(dataset: str, triton_server: Callable[..., Any], request: pyte
 def predictor(dataset: str, folds: tuple[int | str, ...] | None = None, mirroring: bool = True,
               tile_step_size: float = 0.5) -> Any:
     """``nnUNetPredictor`` on CPU (``perform_everything_on_device=False``) for the fixture model."""
-    import torch
-    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
-
-    p = nnUNetPredictor(
-        tile_step_size=tile_step_size, use_gaussian=True, use_mirroring=mirroring,
-        perform_everything_on_device=False, device=torch.device("cpu"), verbose=False,
-        verbose_preprocessing=False, allow_tqdm=False,
-    )
-    p.initialize_from_trained_model_folder(str(model_dir(dataset)), use_folds=folds)
-    return p
+    return nnunet_predictor(model_dir(dataset), folds=folds, mirroring=mirroring,
+                            tile_step_size=tile_step_size)
 
 
 @dataclass(frozen=True)

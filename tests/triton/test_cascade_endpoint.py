@@ -19,6 +19,7 @@ from recovery_support import Load, assert_recovers_under_load
 
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import PlansError
+from nnunet_triton.validate.oracle import nnunet_predictor
 
 DATASET = "Dataset904_SynthCascade"
 LOWRES = f"{DATASET}/nnUNetTrainer__nnUNetPlans__3d_lowres_tiny"
@@ -42,14 +43,7 @@ def cascade_server(triton_server):
 
 @cache
 def _predictor(folder: str, mirroring: bool):
-    import torch
-    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
-
-    p = nnUNetPredictor(tile_step_size=0.5, use_gaussian=True, use_mirroring=mirroring,
-                        perform_everything_on_device=False, device=torch.device("cpu"), verbose=False,
-                        verbose_preprocessing=False, allow_tqdm=False)
-    p.initialize_from_trained_model_folder(str(FIXTURES / folder), use_folds=FOLDS)
-    return p
+    return nnunet_predictor(FIXTURES / folder, folds=FOLDS, mirroring=mirroring)
 
 
 def _nnunet_cascade(image: np.ndarray, spacing, mirroring: bool) -> tuple[np.ndarray, np.ndarray]:

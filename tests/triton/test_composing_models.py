@@ -57,7 +57,7 @@ def client(server):
 def _infer(client, model: str, inputs: dict[str, np.ndarray], outputs: list[str], parameters=None):
     import tritonclient.http as http
 
-    from nnunet_triton.builder.config_gen import triton_dtype
+    from nnunet_triton.dtypes import triton_dtype
 
     tensors = []
     for name, array in inputs.items():

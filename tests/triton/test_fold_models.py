@@ -20,6 +20,7 @@ from tritonclient.utils import InferenceServerException
 from nnunet_triton import io_names
 from nnunet_triton.builder import repository as build
 from nnunet_triton.builder.model_specs import BuildOptions
+from nnunet_triton.validate.oracle import nnunet_predictor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get(
@@ -64,14 +65,7 @@ def client(server):
 
 
 def _networks() -> dict[int, torch.nn.Module]:
-    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
-
-    networks = {}
-    for fold in FOLDS:
-        predictor = nnUNetPredictor(device=torch.device("cpu"), allow_tqdm=False)
-        predictor.initialize_from_trained_model_folder(str(MODEL_DIR), use_folds=(fold,))
-        networks[fold] = predictor.network.eval()
-    return networks
+    return {fold: nnunet_predictor(MODEL_DIR, folds=(fold,)).network.eval() for fold in FOLDS}
 
 
 @pytest.fixture(scope="module")

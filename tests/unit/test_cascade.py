@@ -25,15 +25,12 @@ from nnunetv2.utilities.label_handling.label_handling import determine_num_input
 from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
 from test_preprocess import _image, make_configuration, make_dataset, make_plans
 
-try:
-    from . import parity_support as ps
-except ImportError:
-    import parity_support as ps
-
 from nnunet_triton.errors import InputValidationError, UnsupportedModelError
 from nnunet_triton.numerics._xp import to_numpy
-from nnunet_triton.numerics.cascade import convert_labelmap_to_one_hot, preprocess_cascade_case
+from nnunet_triton.numerics.cascade import convert_labelmap_to_one_hot
 from nnunet_triton.numerics.plans import InferenceConfig, load_inference_config, read_model_folder
+from nnunet_triton.numerics.preprocess import preprocess_case
+from nnunet_triton.validate.oracle import nnunet_predictor
 
 CUPY_ATOL = 1e-5  # image channels on CuPy: as tests/unit/test_preprocess.py (float32 reduction order)
 # One-hot channels on CuPy: resize_segmentation breaks exact ties of interpolated indicators; CuPy's zoom
@@ -44,10 +41,6 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "Dataset904_SynthCa
 LOWRES_DIR = FIXTURE / "nnUNetTrainer__nnUNetPlans__3d_lowres_tiny"
 CASCADE_DIR = FIXTURE / "nnUNetTrainer__nnUNetPlans__3d_cascade_tiny"
 
-
-@pytest.fixture(params=["numpy", "cupy"])
-def xp(request):
-    return ps.xp_from_param(request.param)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,31 +153,32 @@ def _config(plans, dataset, name="3d_cascade") -> InferenceConfig:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_preprocess_cascade_case_equals_nnunet_data_iterator_when_case_varies(case, xp, record_property):
+def test_cascade_input_equals_nnunet_data_iterator_when_case_varies(case, xp, record_property):
     image, seg, plans, dataset = _build(CASES[case])
     spacing = CASES[case]["spacing"]
     ref, ref_props = _nnunet_cascade_input(image, seg, spacing, plans, dataset, "3d_cascade")
     config = _config(plans, dataset)
-    ours, props = preprocess_cascade_case(xp.asarray(image), spacing, xp.asarray(seg), config)
+    ours, props = preprocess_case(xp.asarray(image), spacing, config, previous_segmentation=xp.asarray(seg))
     _assert_matches(ours, props, ref, ref_props, image.shape[0], xp, record_property)
     assert ref.shape[0] == image.shape[0] + 2
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.int64, np.float32, np.float64])
-def test_preprocess_cascade_case_gives_the_same_input_when_segmentation_dtype_or_leading_axis_varies(dtype):
+def test_cascade_input_gives_the_same_input_when_segmentation_dtype_or_leading_axis_varies(dtype):
     image, seg, plans, dataset = _build(CASES["crop_margins_zscore_mask"])
     spacing = CASES["crop_margins_zscore_mask"]["spacing"]
     ref, _ = _nnunet_cascade_input(image, seg, spacing, plans, dataset, "3d_cascade")
     config = _config(plans, dataset)
     for given in (seg.astype(dtype), seg.astype(dtype)[None]):
-        ours, _ = preprocess_cascade_case(image, spacing, given, config)
+        ours, _ = preprocess_case(image, spacing, config, previous_segmentation=given)
         assert np.array_equal(ours, ref)
 
 
-def test_preprocess_cascade_case_does_not_modify_its_inputs_when_called():
+def test_cascade_input_does_not_modify_its_inputs_when_called():
     image, seg, plans, dataset = _build(CASES["crop_margins_zscore_mask"])
     image_before, seg_before = image.copy(), seg.copy()
-    preprocess_cascade_case(image, CASES["crop_margins_zscore_mask"]["spacing"], seg, _config(plans, dataset))
+    preprocess_case(image, CASES["crop_margins_zscore_mask"]["spacing"], _config(plans, dataset),
+                    previous_segmentation=seg)
     assert np.array_equal(image, image_before) and np.array_equal(seg, seg_before)
 
 
@@ -208,18 +202,20 @@ def test_convert_labelmap_to_one_hot_equals_nnunet_when_map_has_minus_one_and_ba
     ],
     ids=["wrong_shape", "two_channels", "unknown_label", "fractional", "negative", "complex"],
 )
-def test_preprocess_cascade_case_raises_input_validation_error_when_segmentation_breaks_a_rule(
+def test_cascade_input_raises_input_validation_error_when_segmentation_breaks_a_rule(
     segmentation, message
 ):
     image, _, plans, dataset = _build(CASES["isotropic_resampling"])
     with pytest.raises(InputValidationError, match=message):
-        preprocess_cascade_case(image, (1.0, 1.0, 1.0), segmentation, _config(plans, dataset))
+        preprocess_case(image, (1.0, 1.0, 1.0), _config(plans, dataset),
+                        previous_segmentation=segmentation)
 
 
-def test_preprocess_cascade_case_raises_unsupported_when_configuration_is_not_a_cascade_stage():
+def test_cascade_input_raises_unsupported_when_configuration_is_not_a_cascade_stage():
     image, seg, plans, dataset = _build(CASES["isotropic_resampling"])
     with pytest.raises(UnsupportedModelError, match="no previous_stage"):
-        preprocess_cascade_case(image, (1.0, 1.0, 1.0), seg, _config(plans, dataset, "3d_fullres"))
+        preprocess_case(image, (1.0, 1.0, 1.0), _config(plans, dataset, "3d_fullres"),
+                        previous_segmentation=seg)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,7 +295,7 @@ def test_read_model_folder_loads_fixture_cascade_stage_when_cascade_is_allowed()
 
 @needs_fixture
 @pytest.mark.parametrize("case", _held_out() if FIXTURE.is_dir() else [])
-def test_preprocess_cascade_case_equals_nnunet_when_using_fixture_low_res_predictions(
+def test_cascade_input_equals_nnunet_when_using_fixture_low_res_predictions(
     case, xp, record_property
 ):
     image, props, previous = _read(case)
@@ -308,8 +304,8 @@ def test_preprocess_cascade_case_equals_nnunet_when_using_fixture_low_res_predic
     spacing = props["spacing"]
     ref, ref_props = _nnunet_cascade_input(image, previous, spacing, plans, dataset, "3d_cascade_tiny")
     config = read_model_folder(CASCADE_DIR, folds=("all",), allow_cascade=True)
-    ours, ours_props = preprocess_cascade_case(xp.asarray(image), props["spacing"], xp.asarray(previous[0]),
-                                               config)
+    ours, ours_props = preprocess_case(xp.asarray(image), props["spacing"], config,
+                                       previous_segmentation=xp.asarray(previous[0]))
     _assert_matches(ours, ours_props, ref, ref_props, 1, xp, record_property)
 
 
@@ -328,14 +324,7 @@ def test_preprocess_case_equals_nnunet_when_using_fixture_low_res_stage(case, xp
 
 
 def _predictor(model_dir: Path):
-    import torch
-    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
-
-    predictor = nnUNetPredictor(tile_step_size=0.5, use_gaussian=True, use_mirroring=False,
-                                perform_everything_on_device=False, device=torch.device("cpu"), verbose=False,
-                                verbose_preprocessing=False, allow_tqdm=False)
-    predictor.initialize_from_trained_model_folder(str(model_dir), use_folds=("all",))
-    return predictor
+    return nnunet_predictor(model_dir, folds=("all",), mirroring=False)
 
 
 @needs_fixture
@@ -357,7 +346,8 @@ def test_cascade_with_library_preprocessing_equals_nnunet_predictor_when_using_f
             previous = lowres.predict_single_npy_array(image, dict(props), None, None, False)
             expected = cascade.predict_single_npy_array(image, dict(props), previous[None].astype(np.float32),
                                                         None, False)
-            data, case_props = preprocess_cascade_case(image, props["spacing"], previous, config)
+            data, case_props = preprocess_case(image, props["spacing"], config,
+                                               previous_segmentation=previous)
             logits = cascade.predict_logits_from_preprocessed_data(torch.from_numpy(data)).cpu()
             ours = convert_predicted_logits_to_segmentation_with_correct_shape(
                 logits, cascade.plans_manager, cascade.configuration_manager, cascade.label_manager,

@@ -22,9 +22,9 @@ from nnunet_triton.builder.config_gen import (
     model_config_dict,
     model_config_proto,
     render_config,
-    triton_dtype,
     write_config,
 )
+from nnunet_triton.dtypes import triton_dtype
 
 ASSETS = Path(__file__).parent / "assets"
 

@@ -11,22 +11,6 @@ from nnunet_triton.numerics import cropping
 from nnunet_triton.numerics._xp import to_numpy
 
 
-def _cupy_or_skip():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no CUDA device")
-        cupy.zeros(1).sum().item()
-    except Exception as exc:  # noqa: BLE001 - any CUDA failure means: no usable GPU
-        pytest.skip(f"cupy is installed but no usable GPU: {exc!r}")
-    return cupy
-
-
-@pytest.fixture(params=["numpy", "cupy"])
-def xp(request):
-    return np if request.param == "numpy" else _cupy_or_skip()
-
-
 def _hollow_box_case() -> np.ndarray:
     """Two channels, zero margins, a closed shell (hole to fill) in channel 0 and a blob in channel 1."""
     data = np.zeros((2, 12, 14, 16), dtype=np.float32)

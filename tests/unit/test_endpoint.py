@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from nnunet_triton import parameters
 from nnunet_triton.client import cli, endpoint
 from nnunet_triton.client.endpoint import EndpointDescription
 from nnunet_triton.errors import ClientError, InputValidationError
@@ -87,7 +88,7 @@ def test_segment_with_retry_raises_when_retries_are_exhausted():
 def test_description_parameters_publish_dataset_labels_channels_and_axis_order(regions):
     dataset = parity_support.make_dataset_json(regions=regions)
     config = parity_support.inference_config(parity_support.make_plans(), dataset, "3d_fullres", folds=(0, 1))
-    published = json.loads(endpoint.description_parameters(config)[endpoint.DESCRIPTION_PARAMETER])
+    published = json.loads(parameters.description_parameters(config)[parameters.DESCRIPTION_PARAMETER])
 
     assert published["labels"] == dataset["labels"]
     assert published["regions_class_order"] == dataset.get("regions_class_order")

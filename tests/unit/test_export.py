@@ -36,10 +36,6 @@ PROB_ATOL = 1e-6  # float32 ulp-level differences of exp (see module docstring)
 CUPY_SEG_MISMATCH = 1e-3  # CuPy resampling is 1 fp16 ulp off in places (see test_resampling.py)
 
 
-@pytest.fixture(params=["numpy", "cupy"])
-def xp(request):
-    return ps.xp_from_param(request.param)
-
 
 @dataclass(frozen=True)
 class Case:

@@ -11,11 +11,6 @@ from nnunetv2.inference.sliding_window_prediction import compute_gaussian as nn_
 from nnunet_triton.errors import InputValidationError
 from nnunet_triton.numerics.gaussian import compute_gaussian
 
-try:
-    from . import parity_support as ps
-except ImportError:
-    import parity_support as ps
-
 # (64, 160, 96) etc.: sizes where a direct float64 -> float16 cast would differ from torch's cast.
 PATCHES = [
     (128, 128, 128),
@@ -29,10 +24,6 @@ PATCHES = [
     (3,),
 ]
 
-
-@pytest.fixture(params=["numpy", "cupy"])
-def xp(request):
-    return ps.xp_from_param(request.param)
 
 
 def _nnunet(patch):

@@ -50,20 +50,6 @@ MR = {
 }
 
 
-def _cupy_or_skip():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no CUDA device")
-        cupy.zeros(1).sum().item()
-    except Exception as exc:  # noqa: BLE001 - any CUDA failure means: no usable GPU
-        pytest.skip(f"cupy is installed but no usable GPU: {exc!r}")
-    return cupy
-
-
-@pytest.fixture(params=["numpy", "cupy"])
-def xp(request):
-    return np if request.param == "numpy" else _cupy_or_skip()
 
 
 def make_configuration(spacing, patch_size, schemes, use_mask) -> dict[str, Any]:

@@ -22,20 +22,6 @@ from nnunet_triton.numerics.plans import ResamplingSettings
 CUPY_RTOL = {np.float32: 1e-6, np.float16: 1e-3, np.float64: 1e-12}
 
 
-def _cupy_or_skip():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no CUDA device")
-        cupy.zeros(1).sum().item()
-    except Exception as exc:  # noqa: BLE001 - any CUDA failure means: no usable GPU
-        pytest.skip(f"cupy is installed but no usable GPU: {exc!r}")
-    return cupy
-
-
-@pytest.fixture(params=["numpy", "cupy"])
-def xp(request):
-    return np if request.param == "numpy" else _cupy_or_skip()
 
 
 def _assert_same(ours, ref, xp, record_property=None, *, exact_on_cupy=False):

@@ -103,7 +103,8 @@ def pb(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     [
         (errors.InputValidationError("bad shape"), FakeError.INVALID_ARG, "bad shape"),
         (errors.UnsupportedModelError("cascade"), FakeError.UNSUPPORTED, "cascade"),
-        (errors.ResourceExhaustedError("too big"), FakeError.UNAVAILABLE, "too big"),
+        (errors.ServerError("not ready"), FakeError.UNAVAILABLE, "not ready"),
+        (errors.SubmodelError("gone", triton_code="UNAVAILABLE"), FakeError.UNAVAILABLE, "gone"),
         (errors.SubmodelError("fold_0 failed"), FakeError.INTERNAL, "fold_0 failed"),
         (KeyError("x"), FakeError.INTERNAL, "KeyError: 'x'"),
     ],

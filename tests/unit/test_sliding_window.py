@@ -24,6 +24,7 @@ from nnunet_triton.numerics.sliding_window import (
     predict_sliding_window,
 )
 from nnunet_triton.numerics.tiling import tile_slicers
+from nnunet_triton.validate.oracle import nnunet_predictor
 
 try:
     from . import parity_support as ps
@@ -32,10 +33,6 @@ except ImportError:
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
-
-@pytest.fixture(params=["numpy", "cupy"])
-def xp(request):
-    return ps.xp_from_param(request.param)
 
 
 # ---------------------------------------------------------------- small pieces vs torch arithmetic
@@ -381,16 +378,7 @@ def _fixture_model_dirs() -> list[Path]:
 @pytest.mark.skipif(not _fixture_model_dirs(), reason="no fixture model folders under tests/fixtures yet")
 @pytest.mark.parametrize("model_dir", _fixture_model_dirs(), ids=lambda p: p.name)
 def test_predict_sliding_window_equals_nnunet_when_fixture_model(model_dir):
-    predictor = ps.nnUNetPredictor(
-        tile_step_size=0.5,
-        use_gaussian=True,
-        use_mirroring=True,
-        perform_everything_on_device=False,
-        device=torch.device("cpu"),
-        verbose=False,
-        allow_tqdm=False,
-    )
-    predictor.initialize_from_trained_model_folder(str(model_dir), None)
+    predictor = nnunet_predictor(model_dir)
     patch = tuple(predictor.configuration_manager.patch_size)
     n_in = len(predictor.dataset_json["channel_names"])
     spatial = tuple(p + 3 for p in patch) if len(patch) == 3 else (2, *(p + 3 for p in patch))

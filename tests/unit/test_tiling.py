@@ -18,10 +18,6 @@ except ImportError:
     import parity_support as ps
 
 
-@pytest.fixture(params=["numpy", "cupy"])
-def xp(request):
-    return ps.xp_from_param(request.param)
-
 
 @pytest.mark.parametrize(
     "image, tile, expected",

@@ -139,18 +139,12 @@ class _Predictor:
 
     def __init__(self, model_dir: Path, folds: Sequence[int | str], tile_step_size: float, device: str
                  ) -> None:
-        import torch
-        from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
-
         from nnunet_triton.numerics.plans import read_model_folder
+        from nnunet_triton.validate.oracle import nnunet_predictor
 
         self.config = read_model_folder(model_dir, folds=folds)
-        self.predictor = nnUNetPredictor(
-            tile_step_size=tile_step_size, use_gaussian=True, use_mirroring=True,
-            perform_everything_on_device=device.startswith("cuda"), device=torch.device(device),
-            verbose=False, verbose_preprocessing=False, allow_tqdm=False,
-        )
-        self.predictor.initialize_from_trained_model_folder(str(model_dir), use_folds=tuple(folds))
+        self.predictor = nnunet_predictor(model_dir, folds=folds, tile_step_size=tile_step_size,
+                                          device=device)
         self.weights = dict(zip(folds, self.predictor.list_of_parameters, strict=True))
 
     def run(self, case: Case, folds: Sequence[int | str], mirroring: bool) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton import io_names
+from nnunet_triton.dtypes import numpy_dtype
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +61,7 @@ def tensor_entry(array: np.ndarray, encoding: str) -> dict[str, Any]:
     return {"content": content, "shape": [int(d) for d in array.shape]}
 
 
-_WIRE = {wire: np.dtype(name) for wire, name in io_names.IMAGE_DTYPES.items()}
+_WIRE = {wire: numpy_dtype(wire) for wire in io_names.IMAGE_DTYPES}
 
 
 def input_data_document(image: np.ndarray, spacing: np.ndarray, *, encoding: str = "b64",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from nnunet_triton.dtypes import triton_dtype
 
 __all__ = [
     "TensorSpec",
@@ -25,7 +25,6 @@ __all__ = [
     "WarmupInput",
     "ModelWarmup",
     "ModelSpec",
-    "triton_dtype",
     "model_config_dict",
     "model_config_proto",
     "render_config",
@@ -34,40 +33,8 @@ __all__ = [
 
 LOGGER = logging.getLogger(__name__)
 
-_TRITON_DTYPES = frozenset(
-    {"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
-    | {"FP16", "FP32", "FP64", "BF16", "STRING"}
-)
-_NUMPY_KIND_TO_PREFIX = {"b": "BOOL", "u": "UINT", "i": "INT", "f": "FP"}
 _INSTANCE_KINDS = frozenset({"KIND_AUTO", "KIND_GPU", "KIND_CPU", "KIND_MODEL"})
 _WARMUP_SOURCES = frozenset({"zero", "random"})
-
-
-def triton_dtype(dtype: object) -> str:
-    """Return the ``TYPE_*`` name for a Triton name (``"FP32"``, ``"TYPE_FP32"``, ``"BYTES"``) or numpy dtype.
-
-    Raises:
-        ValueError: if ``dtype`` names no Triton data type.
-    """
-    if isinstance(dtype, str):
-        name = dtype.upper().removeprefix("TYPE_")
-        name = "STRING" if name == "BYTES" else name
-        if name in _TRITON_DTYPES:
-            return f"TYPE_{name}"
-        raise ValueError(f"dtype must be one of {sorted(_TRITON_DTYPES)} (or BYTES / TYPE_*), got {dtype!r}.")
-    try:
-        np_dtype = np.dtype(dtype)  # type: ignore[call-overload]
-    except TypeError as exc:
-        raise ValueError(f"dtype must be a Triton type name or a numpy dtype, got {dtype!r}.") from exc
-    if np_dtype.kind in ("O", "S"):
-        return "TYPE_STRING"
-    if np_dtype.kind == "b":
-        return "TYPE_BOOL"
-    prefix = _NUMPY_KIND_TO_PREFIX.get(np_dtype.kind)
-    name = f"{prefix}{np_dtype.itemsize * 8}" if prefix else ""
-    if name not in _TRITON_DTYPES:
-        raise ValueError(f"numpy dtype {np_dtype} has no Triton equivalent.")
-    return f"TYPE_{name}"
 
 
 def _check_dims(owner: str, dims: tuple[int, ...], *, allow_empty: bool = False) -> None:

@@ -35,7 +35,8 @@ from nnunet_triton.builder.config_gen import (
     TensorSpec,
     WarmupInput,
 )
-from nnunet_triton.client.endpoint import description_parameters
+from nnunet_triton.dtypes import wire_dtype
+from nnunet_triton.numerics import prediction_export
 from nnunet_triton.numerics.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_VOXELS
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.options import ProbabilitiesOutput
@@ -45,6 +46,7 @@ from nnunet_triton.parameters import (
     PipelineParameters,
     PreprocessParameters,
     StitchParameters,
+    description_parameters,
 )
 
 __all__ = [
@@ -178,8 +180,9 @@ class BuildOptions:
 
 
 def segmentation_dtype(config: InferenceConfig) -> str:
-    """UINT8 label maps, UINT16 when a label exceeds 255 (nnU-Net writes the smallest fitting type)."""
-    return "UINT8" if config.labels.max_label <= 255 else "UINT16"
+    """The SEGMENTATION wire dtype: nnU-Net's rule (``prediction_export.segmentation_dtype``: UINT8 for
+    fewer than 255 foreground labels, else UINT16)."""
+    return wire_dtype(prediction_export.segmentation_dtype(config.labels))
 
 
 def _spatial_dims() -> tuple[int, ...]:
@@ -331,7 +334,7 @@ def fold_spec(config: InferenceConfig, fold: int | str, options: BuildOptions) -
 
 def ensemble_spec(config: InferenceConfig) -> ModelSpec:
     """``nnunet``: the one public endpoint (maps are ``{composing model tensor: ensemble tensor}``); its
-    config parameter ``nnunet_description`` publishes the model (``endpoint.description_parameters``:
+    config parameter ``nnunet_description`` publishes the model (``parameters.description_parameters``:
     dataset, plans, configuration, trainer, folds, labels, ...) for ``info``, the clients and ``validate``."""
     n = io_names
     same = lambda *names: {name: name for name in names}  # noqa: E731

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton import io_names
+from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import ClientError, InputValidationError
 from nnunet_triton.options import (
     OPTION_FOLDS,
@@ -56,7 +57,7 @@ class SegmentationResult:
 
 
 # numpy dtypes that travel as they are, each to its typed endpoint (io_names.IMAGE_DTYPES)
-WIRE_DTYPES = {np.dtype(numpy_name): wire for wire, numpy_name in io_names.IMAGE_DTYPES.items()}
+WIRE_DTYPES = {numpy_dtype(wire): wire for wire in io_names.IMAGE_DTYPES}
 
 
 def _as_image(image: Any, n_spatial: int, *, native: bool = True) -> np.ndarray:

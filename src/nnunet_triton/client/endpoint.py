@@ -1,7 +1,8 @@
 """What the ``nnunet`` endpoint serves (read through Triton's model metadata/config API) and retried calls.
 
 The builder can publish the model's description as the ensemble config parameter ``nnunet_description``
-(JSON, :func:`description_parameters`); Triton serves config parameters of ensembles through
+(JSON, :func:`nnunet_triton.parameters.description_parameters`); Triton serves config parameters of
+ensembles through
 ``GET /v2/models/nnunet/config`` and gRPC ``ModelConfig`` (checked on the embedded 2.51 server). Without it,
 the description falls back to what the tensor shapes tell: channels (``IMAGE`` dims[0]) and segmentation heads
 (``PROBABILITIES`` dims[0]); label names are then generic.
@@ -18,15 +19,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nnunet_triton import __version__, io_names
+from nnunet_triton import io_names
 from nnunet_triton.errors import NOT_RUNNING_MESSAGES, ClientError
-from nnunet_triton.parameters import PARAM_FOLD_MODELS
+from nnunet_triton.parameters import DESCRIPTION_PARAMETER, PARAM_FOLD_MODELS
 
 __all__ = [
-    "DESCRIPTION_PARAMETER",
-    "AXIS_ORDER",
     "EndpointDescription",
-    "description_parameters",
     "describe_endpoint",
     "format_description",
     "segment_with_retry",
@@ -34,32 +32,7 @@ __all__ = [
 ]
 
 LOGGER = logging.getLogger(__name__)
-DESCRIPTION_PARAMETER = "nnunet_description"
-AXIS_ORDER = "zyx"  # IMAGE is (C, z, y, x) and SPACING (z, y, x): SimpleITK's array order, as nnU-Net reads
 UNAVAILABLE_STATUSES = frozenset({"StatusCode.UNAVAILABLE", "UNAVAILABLE", "503"})
-
-
-def description_parameters(config: Any) -> dict[str, str]:
-    """Config parameters for the ``nnunet`` ensemble that publish ``config`` (an ``InferenceConfig``)."""
-    labels = {name: list(v) if isinstance(v, tuple) else v for name, v in config.labels.label_names}
-    description = {
-        "dataset_name": config.dataset_name,
-        "plans_name": config.plans_name,
-        "configuration": config.configuration,
-        "trainer_name": config.network.trainer_name,
-        "folds": list(config.folds),
-        "labels": labels,
-        "regions_class_order": list(config.labels.regions_class_order or []) or None,
-        "channel_names": {str(k): name for k, name in enumerate(config.channel_names)},
-        "file_ending": config.file_ending,
-        "image_reader_writer": config.image_reader_writer,
-        "patch_size": list(config.patch_size),
-        "spacing": list(config.spacing),
-        "mirror_axes": list(config.mirror_axes) if config.mirror_axes is not None else None,
-        "axis_order": AXIS_ORDER,
-        "nnunet_triton_version": __version__,
-    }
-    return {DESCRIPTION_PARAMETER: json.dumps(description, sort_keys=True)}
 
 
 @dataclass(frozen=True)

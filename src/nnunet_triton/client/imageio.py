@@ -28,6 +28,7 @@ import numpy as np
 import SimpleITK as sitk
 
 from nnunet_triton import io_names
+from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import InputValidationError
 
 __all__ = [
@@ -159,7 +160,7 @@ def _read_one(path: Path) -> tuple[np.ndarray, ImageGeometry, list[float]]:
     raise InputValidationError(f"{path}: expected a 2D, 3D or 4D image, got {array.ndim} dimensions.")
 
 
-_NATIVE_DTYPES = tuple(np.dtype(name) for name in io_names.IMAGE_DTYPES.values())
+_NATIVE_DTYPES = tuple(numpy_dtype(name) for name in io_names.IMAGE_DTYPES)
 
 
 def read_images(files: Sequence[str | Path], *, native_dtype: bool = False) -> ImageCase:

@@ -1,4 +1,5 @@
-"""Input of an nnU-Net cascade stage: the image plus the previous stage's segmentation, on NumPy or CuPy.
+"""The previous stage's segmentation in a cascade stage's input (NumPy or CuPy); used by
+:func:`nnunet_triton.numerics.preprocess.preprocess_case` when it is given ``previous_segmentation``.
 
 nnU-Net's cascade (``3d_lowres`` -> ``3d_cascade_fullres``) feeds the second network the preprocessed
 image stacked with a one-hot encoding of the first stage's segmentation. At inference
@@ -25,28 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from nnunet_triton.errors import InputValidationError, UnsupportedModelError
+from nnunet_triton.errors import InputValidationError
 from nnunet_triton.numerics._xp import get_array_module, to_numpy
-from nnunet_triton.numerics.cropping import BBox, bbox_to_slices, crop_to_nonzero
-from nnunet_triton.numerics.limits import check_request_memory, check_voxel_limit
-from nnunet_triton.numerics.normalization import normalize
-from nnunet_triton.numerics.plans import InferenceConfig
-from nnunet_triton.numerics.preprocess import (
-    CaseProperties,
-    _check_finite,
-    resampled_geometry,
-    transpose_case,
-    validate_image,
-    validate_spacing,
-)
-from nnunet_triton.numerics.resampling import resample_with_settings
+from nnunet_triton.numerics.cropping import BBox, bbox_to_slices
 
 __all__ = [
     "NONZERO_LABEL",
     "validate_previous_segmentation",
     "crop_previous_segmentation",
     "convert_labelmap_to_one_hot",
-    "preprocess_cascade_case",
 ]
 
 NONZERO_LABEL = -1  # crop_to_nonzero's ``nonzero_label``: background outside the nonzero mask
@@ -108,61 +96,3 @@ def convert_labelmap_to_one_hot(segmentation: Any, labels: Sequence[int], dtype:
     for i, label in enumerate(labels):
         result[i] = segmentation == label
     return result
-
-
-def preprocess_cascade_case(
-    image: Any,
-    spacing: Sequence[float],
-    previous_segmentation: Any,
-    config: InferenceConfig,
-    *,
-    max_voxels: int = 0,
-    max_request_bytes: int = 0,
-) -> tuple[Any, CaseProperties]:
-    """``run_case_npy(image, previous_seg, ...)`` + the one-hot stack: the cascade network's whole input.
-
-    ``image`` is (C, Z, Y, X) and ``previous_segmentation`` (Z, Y, X) or (1, Z, Y, X), both in the reader's
-    axis order (SimpleITK) and the original geometry (what the previous stage's export wrote); ``spacing``
-    is in the same order. Returns C-contiguous float32 (C + len(foreground labels), *target_shape) in the
-    transposed axis order, exactly the tensor nnU-Net's data iterators give the cascade network, and the
-    :class:`CaseProperties` (identical to :func:`nnunet_triton.numerics.preprocess.preprocess_case`'s: the
-    segmentation changes neither the crop nor the shapes).
-
-    ``max_voxels`` (0 = no limit) caps ``(C + K) * prod(target_shape)``; ``max_request_bytes`` as in
-    :func:`~nnunet_triton.numerics.preprocess.preprocess_case`.
-    """
-    if config.previous_stage is None:
-        raise UnsupportedModelError(
-            f"configuration {config.configuration!r} has no previous_stage; it is not a cascade stage, use "
-            "preprocess_case."
-        )
-    validate_image(image, config.num_input_channels)
-    spacing = validate_spacing(spacing, image.ndim - 1)
-    seg = validate_previous_segmentation(previous_segmentation, image.shape[1:], config.labels.all_labels)
-    xp = get_array_module(image)
-    with np.errstate(over="ignore"):  # out-of-range values become inf and are reported just below
-        data = image.astype(np.float32)  # a copy, like nnU-Net's
-    _check_finite(data)
-    data, original_spacing = transpose_case(data, spacing, config.transpose_forward)
-    seg, _ = transpose_case(seg, spacing, config.transpose_forward)
-    shape_before = tuple(int(s) for s in data.shape[1:])
-    data, mask, bbox = crop_to_nonzero(data)
-    seg = crop_previous_segmentation(seg, mask, bbox)
-    shape_after = tuple(int(s) for s in data.shape[1:])
-    new_spacing, new_shape = resampled_geometry(config, shape_after, original_spacing)
-    foreground = config.labels.foreground_labels
-    check_voxel_limit("resampled image", (data.shape[0] + len(foreground), *new_shape), max_voxels)
-    check_request_memory(config.labels.num_segmentation_heads, new_shape, shape_before, max_request_bytes)
-    data = normalize(data, seg[0] >= 0, config.normalization)  # nnU-Net's mask: seg >= 0
-    data = resample_with_settings(data, new_shape, original_spacing, new_spacing, config.resampling_data)
-    seg = resample_with_settings(seg, new_shape, original_spacing, new_spacing, config.resampling_seg)
-    out = xp.empty((data.shape[0] + len(foreground), *new_shape), dtype=np.float32)
-    out[: data.shape[0]] = data
-    out[data.shape[0]:] = convert_labelmap_to_one_hot(seg[0], foreground, np.float32)
-    props = CaseProperties(
-        spacing=spacing,
-        shape_before_cropping=shape_before,
-        bbox=bbox,
-        shape_after_cropping_and_before_resampling=shape_after,
-    )
-    return out, props

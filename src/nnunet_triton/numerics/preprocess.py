@@ -16,8 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from nnunet_triton.errors import InputValidationError
+from nnunet_triton.errors import InputValidationError, UnsupportedModelError
 from nnunet_triton.numerics._xp import get_array_module
+from nnunet_triton.numerics.cascade import (
+    convert_labelmap_to_one_hot,
+    crop_previous_segmentation,
+    validate_previous_segmentation,
+)
 from nnunet_triton.numerics.cropping import BBox, crop_to_nonzero
 from nnunet_triton.numerics.limits import check_request_memory, check_voxel_limit
 from nnunet_triton.numerics.normalization import normalize
@@ -180,23 +185,43 @@ def resampled_geometry(config: InferenceConfig, shape_after_cropping: Sequence[i
 
 
 def preprocess_case(
-    image: Any, spacing: Sequence[float], config: InferenceConfig, *, max_voxels: int = 0,
-    max_request_bytes: int = 0,
+    image: Any, spacing: Sequence[float], config: InferenceConfig, *, previous_segmentation: Any = None,
+    max_voxels: int = 0, max_request_bytes: int = 0,
 ) -> tuple[Any, CaseProperties]:
-    """``DefaultPreprocessor.run_case_npy(data, None, {'spacing': spacing}, ...)`` without the seg.
+    """``DefaultPreprocessor.run_case_npy(data, seg, {'spacing': spacing}, ...)``: a case's network input.
 
     ``image`` is (C, Z, Y, X) in the reader's axis order (SimpleITK), any real dtype, NumPy or CuPy;
     ``spacing`` is in the same order. Returns C-contiguous float32 (C, *target_shape) in the transposed
     axis order and the :class:`CaseProperties`.
 
-    ``max_voxels`` (0 = no limit) caps ``C * prod(target_shape)``: the shape nnU-Net computes after
+    A cascade stage (``config.previous_stage``) also takes ``previous_segmentation``, the previous
+    stage's label map (Z, Y, X) or (1, Z, Y, X) in the image's geometry: it is transposed, cropped and
+    resampled with the image (``run_case_npy(data, seg)``; the normalization mask becomes ``seg >= 0``)
+    and its one-hot foreground channels are stacked after the image's, exactly the tensor nnU-Net's data
+    iterators give the cascade network (see :mod:`.cascade`). The :class:`CaseProperties` do not change.
+
+    ``max_voxels`` (0 = no limit) caps ``C * prod(target_shape)`` (``C + K`` channels in a cascade stage):
+    the shape nnU-Net computes after
     cropping (``compute_new_shape(data.shape[1:], original_spacing, target_spacing)``) is checked with
     :func:`nnunet_triton.numerics.limits.check_voxel_limit` before normalization and resampling allocate it;
     ``max_request_bytes`` (0 = none) caps the request's float32 logits and probabilities
     (:func:`nnunet_triton.numerics.limits.check_request_memory`) at the same point.
     """
+    cascade = config.previous_stage is not None
+    if previous_segmentation is not None and not cascade:
+        raise UnsupportedModelError(
+            f"configuration {config.configuration!r} has no previous_stage; it is not a cascade stage and "
+            "takes no previous_segmentation."
+        )
+    if cascade and previous_segmentation is None:
+        raise InputValidationError(
+            f"configuration {config.configuration!r} is a cascade stage after {config.previous_stage!r}: "
+            "it needs the previous stage's segmentation."
+        )
     validate_image(image, config.num_input_channels)
     spacing = validate_spacing(spacing, image.ndim - 1)
+    seg = validate_previous_segmentation(previous_segmentation, image.shape[1:], config.labels.all_labels) \
+        if cascade else None
     xp = get_array_module(image)
     with np.errstate(over="ignore"):  # out-of-range values become inf and are reported just below
         data = image.astype(np.float32)  # a copy, like nnU-Net's
@@ -206,8 +231,13 @@ def preprocess_case(
     data, mask, bbox = crop_to_nonzero(data)
     shape_after = tuple(int(s) for s in data.shape[1:])
     new_spacing, new_shape = resampled_geometry(config, shape_after, original_spacing)
-    check_voxel_limit("resampled image", (data.shape[0], *new_shape), max_voxels)
+    foreground = config.labels.foreground_labels if cascade else ()
+    check_voxel_limit("resampled image", (data.shape[0] + len(foreground), *new_shape), max_voxels)
     check_request_memory(config.labels.num_segmentation_heads, new_shape, shape_before, max_request_bytes)
+    if seg is not None:
+        seg, _ = transpose_case(seg, spacing, config.transpose_forward)
+        seg = crop_previous_segmentation(seg, mask, bbox)
+        mask = seg[0] >= 0  # nnU-Net's normalization mask when a segmentation is given
     data = normalize(data, mask, config.normalization)
     data = resample_with_settings(data, new_shape, original_spacing, new_spacing, config.resampling_data)
     props = CaseProperties(
@@ -216,4 +246,10 @@ def preprocess_case(
         bbox=bbox,
         shape_after_cropping_and_before_resampling=shape_after,
     )
-    return xp.ascontiguousarray(data), props
+    if seg is None:
+        return xp.ascontiguousarray(data), props
+    seg = resample_with_settings(seg, new_shape, original_spacing, new_spacing, config.resampling_seg)
+    out = xp.empty((data.shape[0] + len(foreground), *new_shape), dtype=np.float32)
+    out[: data.shape[0]] = data
+    out[data.shape[0]:] = convert_labelmap_to_one_hot(seg[0], foreground, np.float32)
+    return out, props

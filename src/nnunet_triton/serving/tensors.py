@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton import io_names
+from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import InputValidationError, PlansError
 from nnunet_triton.serving._pb import pb_utils
 
 __all__ = ["tensor_to_array", "input_array", "image_array", "output_tensor", "request_parameters",
            "model_parameters", "declared_segmentation_dtype"]
 
-_SEGMENTATION_DTYPES = {"TYPE_UINT8": np.dtype(np.uint8), "TYPE_UINT16": np.dtype(np.uint16)}
 
 
 def tensor_to_array(tensor: Any, *, xp: ModuleType | None = None, copy: bool = False) -> Any:
@@ -143,8 +143,8 @@ def declared_segmentation_dtype(model_config: Mapping[str, Any]) -> np.dtype:
     """
     for output in model_config.get("output", []):
         if output["name"] == io_names.SEGMENTATION:
-            dtype = _SEGMENTATION_DTYPES.get(output["data_type"])
-            if dtype is None:
+            dtype = numpy_dtype(output["data_type"])
+            if dtype not in (np.uint8, np.uint16):
                 raise PlansError(
                     f"output {io_names.SEGMENTATION!r} must be TYPE_UINT8 or TYPE_UINT16, "
                     f"got {output['data_type']!r}."

@@ -20,6 +20,7 @@ import numpy as np
 from nnunet_triton.client.cli import CASE_ERRORS
 from nnunet_triton.errors import ClientError, InputValidationError
 from nnunet_triton.validate.compare import CaseComparison, compare_case
+from nnunet_triton.validate.oracle import nnunet_predictor
 
 __all__ = ["Thresholds", "RequestOptions", "CaseResult", "ValidationResult", "NnunetReference",
            "Reference", "run_validation", "deployment_mismatch"]
@@ -82,16 +83,9 @@ class NnunetReference:
     def answer(self, case: str, image: np.ndarray, spacing: Sequence[float]
                ) -> tuple[np.ndarray, np.ndarray | None]:
         if self._predictor is None:
-            import torch
-            from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
-
-            predictor = nnUNetPredictor(
-                tile_step_size=self.options.tile_step_size, use_gaussian=True,
-                use_mirroring=self.options.mirroring, perform_everything_on_device=False,
-                device=torch.device("cpu"), verbose=False, verbose_preprocessing=False, allow_tqdm=False)
-            folds = list(self.options.folds) if self.options.folds else None
-            predictor.initialize_from_trained_model_folder(str(self.model_folder), use_folds=folds)
-            self._predictor = predictor
+            self._predictor = nnunet_predictor(self.model_folder, folds=self.options.folds or None,
+                                               mirroring=self.options.mirroring,
+                                               tile_step_size=self.options.tile_step_size)
         data = np.ascontiguousarray(image, dtype=np.float32)  # nnU-Net's readers give float32
         result = self._predictor.predict_single_npy_array(data, {"spacing": [float(s) for s in spacing]},
                                                           None, None, self.options.probabilities)
