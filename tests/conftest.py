@@ -103,9 +103,10 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any
     if importlib.util.find_spec("pytriton") is None:
         pytest.skip("nvidia-pytriton (which ships tritonserver) is not installed; run `make setup`")
     from nnunet_triton.server import embedded as embedded_server
+    from nnunet_triton.server.handle import ServerHandle
 
     @contextlib.contextmanager
-    def start(model_repository: str | Path, **kwargs: Any) -> Iterator[embedded_server.ServerHandle]:
+    def start(model_repository: str | Path, **kwargs: Any) -> Iterator[ServerHandle]:
         run_dir = tmp_path_factory.mktemp("triton-run")
         kwargs.setdefault("home", os.environ.get("NNUNET_TRITON_HOME", REPO_ROOT / "build" / "triton-home"))
         kwargs.setdefault("log_file", run_dir / "tritonserver.log")

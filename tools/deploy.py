@@ -48,7 +48,7 @@ def _build_options(args: argparse.Namespace, target: str) -> object:
 
 
 def _read_config(args: argparse.Namespace):  # -> InferenceConfig
-    from nnunet_triton.numerics.plans import read_model_folder
+    from nnunet_triton.numerics.model_folder import read_model_folder
 
     if len(args.models) > 1 and args.target != "embedded":
         raise NnunetTritonError(
@@ -100,6 +100,7 @@ def _deployed(handle: object) -> str | None:
 
 def _deploy_embedded(args: argparse.Namespace) -> int:
     from nnunet_triton.server import embedded as embedded_server
+    from nnunet_triton.server.handle import ServerHandle
     from nnunet_triton.server.triton_install import resolve_home
 
     _read_config(args)
@@ -109,7 +110,7 @@ def _deploy_embedded(args: argparse.Namespace) -> int:
         p for p in (str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
     state = resolve_home(None) / "run" / "server.json"
     if state.is_file():
-        running = embedded_server.ServerHandle.from_state_file(state)
+        running = ServerHandle.from_state_file(state)
         same = Path(running.model_repository) == args.out.absolute()
         if same and running.is_ready() and _deployed(running) == f"{running.pid} {info.input_hash}":
             print(f"already serving this repository (pid {running.pid})")
@@ -236,11 +237,11 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
 
 def _undeploy(args: argparse.Namespace) -> int:
     if args.target == "embedded":
-        from nnunet_triton.server import embedded as embedded_server
+        from nnunet_triton.server import embedded_cli
         from nnunet_triton.server.triton_install import resolve_home
 
         (resolve_home(None) / "run" / DEPLOYED_FILE).unlink(missing_ok=True)
-        return embedded_server.main(["stop"])
+        return embedded_cli.main(["stop"])
     if args.target == "docker":
         _run(list(docker.docker_stop_commands()), args.execute)
     else:

@@ -15,7 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
-from nnunet_triton.numerics.plans import parse_fold
+from nnunet_triton.numerics.model_folder import parse_fold
 
 LOGGER = logging.getLogger("validate")
 

@@ -26,6 +26,7 @@ from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.parameters import FoldRunnerParameters
 from nnunet_triton.pipeline.fold_runner import load_runner
+from nnunet_triton.server.thread_budget import fold_threads_for_runner
 
 
 class TritonPythonModel:
@@ -33,11 +34,14 @@ class TritonPythonModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         try:
+            import torch
             import triton_python_backend_utils as pb_utils
 
             self._logger = pb_utils.Logger
             config = json.loads(args["model_config"])
             params = FoldRunnerParameters.from_parameters(serving.model_parameters(args))
+            # the config's torch_num_threads, else the launcher's thread budget, else torch's default capped
+            threads = fold_threads_for_runner(params.torch_num_threads, torch_default=torch.get_num_threads())
             input_config = pb_utils.get_input_config_by_name(config, io_names.FOLD_INPUT)
             output_config = pb_utils.get_output_config_by_name(config, io_names.FOLD_OUTPUT)
             device = "cpu"
@@ -46,7 +50,7 @@ class TritonPythonModel:
             self._runner = load_runner(
                 Path(__file__).parent / params.model_filename,
                 device=device,
-                num_threads=params.torch_num_threads,
+                num_threads=threads,
                 sample_shape=[int(d) for d in input_config["dims"]],
                 max_forward_batch=1 if params.per_sample_forward else 0,
                 output_dtype=numpy_dtype(output_config["data_type"]).name,

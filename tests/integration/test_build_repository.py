@@ -12,6 +12,7 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from nnunet_triton.builder import build_inputs, repository_cli
 from nnunet_triton.builder import repository as build
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.errors import ExportError, PlansError, UnsupportedModelError
@@ -70,7 +71,7 @@ def test_build_metadata_records_versions_hashes_and_export_checks(built) -> None
     out, result = built
     metadata = json.loads((out / "repository_metadata.json").read_text())
     assert metadata["input_hash"] == result.input_hash
-    assert metadata["plans_sha256"] == build._sha256_file(MODEL_DIR / "plans.json")
+    assert metadata["plans_sha256"] == build_inputs.sha256_file(MODEL_DIR / "plans.json")
     assert metadata["torch_version"] == torch.__version__
     assert (metadata["folds"], metadata["target"], metadata["fold_runner"], metadata["fold_precision"]) == (
         [0], "cpu", "python", "fp32")
@@ -80,7 +81,7 @@ def test_build_metadata_records_versions_hashes_and_export_checks(built) -> None
     ]
     (fold,) = metadata["exports"]
     assert (fold["path"], fold["max_abs_diff"]) == ("fold_0/1/model.pt", [[2, 0.0], [1, 0.0], [3, 0.0]])
-    assert fold["sha256"] == build._sha256_file(out / "fold_0" / "1" / "model.pt")
+    assert fold["sha256"] == build_inputs.sha256_file(out / "fold_0" / "1" / "model.pt")
 
 
 def test_build_is_a_noop_when_run_again_with_same_inputs(built) -> None:
@@ -125,7 +126,7 @@ def test_build_leaves_previous_repository_untouched_when_export_fails(monkeypatc
 
 def test_build_raises_naming_missing_adapter_when_model_py_is_absent(monkeypatch: pytest.MonkeyPatch,
                                                                      tmp_path: Path) -> None:
-    monkeypatch.setitem(build.ADAPTERS, "stitch_model", Path("stitch_model/no_such_model.py"))
+    monkeypatch.setitem(build_inputs.ADAPTERS, "stitch_model", Path("stitch_model/no_such_model.py"))
     expected = r"adapters are missing .*'stitch_model': 'stitch_model/no_such_model\.py'"
     with pytest.raises(PlansError, match=expected):
         build.build_repository(MODEL_DIR, tmp_path / "repo", folds=(0,))
@@ -148,7 +149,7 @@ def test_build_raises_when_configuration_differs_from_checkpoint(tmp_path: Path)
 
 def test_build_cli_returns_1_and_logs_when_model_folder_is_missing(tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
-    assert build.main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "repo")]) == 1
+    assert repository_cli.main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "repo")]) == 1
     assert "has no dataset.json" in caplog.text
 
 
@@ -174,7 +175,7 @@ def test_build_deploys_postprocessing_found_in_nnunets_crossval_folder_and_rebui
     deployed = json.loads((out / "stitch_model" / "1" / "postprocessing.json").read_text())
     assert deployed["steps"] == [{"function": "remove_all_but_largest_component_from_segmentation",
                                   "labels_or_regions": [1, 2], "background_label": 0}]
-    metadata = json.loads((out / build.METADATA_FILE).read_text())
+    metadata = json.loads((out / build_inputs.METADATA_FILE).read_text())
     assert metadata["postprocessing"]["steps"] == deployed["steps"]
     _write_pp_pkl(pkl, [{"labels_or_regions": 2}])
     second = build.build_repository(model, out, folds=(0,))
@@ -201,12 +202,12 @@ def test_build_uses_an_explicit_postprocessing_pkl_and_refuses_an_unknown_functi
 
 def test_input_hash_changes_with_max_voxels_and_build_writes_it_into_preprocess_config(built) -> None:
     from nnunet_triton.builder.torchscript import ExportOptions
-    from nnunet_triton.numerics.plans import read_model_folder
+    from nnunet_triton.numerics.model_folder import read_model_folder
 
     config, export_options = read_model_folder(MODEL_DIR, folds=(0,)), ExportOptions()
     hashes = {
-        voxels: build.compute_input_hash(MODEL_DIR, config, BuildOptions(max_voxels=voxels), folds_only=False,
-                                         export_options=export_options)
+        voxels: build_inputs.compute_input_hash(MODEL_DIR, config, BuildOptions(max_voxels=voxels),
+                                                folds_only=False, export_options=export_options)
         for voxels in (0, 1000, BuildOptions().max_voxels)
     }
     assert len(set(hashes.values())) == 3

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nnunet_triton.builder import fold_network, torchscript_cli
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.errors import ExportError, UnsupportedModelError
 from nnunet_triton.pipeline.fold_runner import load_runner
@@ -162,7 +163,7 @@ def test_export_options_raise_when_invalid(kwargs: dict, match: str) -> None:
 
 
 def test_export_cli_writes_model_files_and_metadata_when_given_folds(tmp_path: Path) -> None:
-    assert export.main(["--model", str(MODEL_DIR), "--folds", "0", "--out", str(tmp_path)]) == 0
+    assert torchscript_cli.main(["--model", str(MODEL_DIR), "--folds", "0", "--out", str(tmp_path)]) == 0
     metadata = json.loads((tmp_path / "export_metadata.json").read_text())
     assert [(m["fold"], Path(m["path"]).name, m["max_abs_diff"]) for m in metadata] == [
         (0, "fold_0.pt", [[2, 0.0], [1, 0.0], [3, 0.0]])
@@ -189,14 +190,14 @@ def test_export_fp16_matches_nnunet_autocast_network_when_cuda(tmp_path: Path) -
 
 def test_smallest_input_is_twice_the_total_downsampling_capped_at_the_patch() -> None:
     strides = [[1, 1, 1], [2, 2, 2], [2, 2, 2], [2, 2, 1]]
-    assert export.smallest_input((24, 32, 32), strides) == (16, 16, 8)
-    assert export.smallest_input((112, 160, 128), [[1, 1, 1], *[[2, 2, 2]] * 5]) == (64, 64, 64)
-    assert export.smallest_input((8, 12), [[2, 2], [2, 2], [2, 2]]) == (8, 12)  # never above the patch
-    assert export.smallest_input((24, 32), None) == (24, 32)
+    assert fold_network.smallest_input((24, 32, 32), strides) == (16, 16, 8)
+    assert fold_network.smallest_input((112, 160, 128), [[1, 1, 1], *[[2, 2, 2]] * 5]) == (64, 64, 64)
+    assert fold_network.smallest_input((8, 12), [[2, 2], [2, 2], [2, 2]]) == (8, 12)  # never above the patch
+    assert fold_network.smallest_input((24, 32), None) == (24, 32)
 
 
 def test_quick_export_checks_the_small_input_and_once_at_the_patch(exported: export.ExportResult) -> None:
-    network = export.load_fold_network(MODEL_DIR, 0)
+    network = fold_network.load_fold_network(MODEL_DIR, 0)
     assert exported.check_shape == (network.num_input_channels, *network.smallest_input)
     assert exported.check_shape != exported.input_shape  # the checks really ran on a smaller input
     assert exported.patch_max_abs_diff == 0.0

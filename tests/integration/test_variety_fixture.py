@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nnunet_triton.numerics.plans import read_model_folder
+from nnunet_triton.numerics.model_folder import read_model_folder
 from nnunet_triton.numerics.postprocessing import find_postprocessing_pkl, load_postprocessing_pkl
 
 DATASET = Path(__file__).resolve().parents[1] / "fixtures" / "Dataset903_SynthMulti"

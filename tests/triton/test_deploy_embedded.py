@@ -39,7 +39,7 @@ def test_deploy_serves_the_model_and_redeploy_is_a_no_op_until_undeploy(
     import tritonclient.http as httpclient
 
     from nnunet_triton.client.client import NnunetClient
-    from nnunet_triton.server.embedded import ServerHandle
+    from nnunet_triton.server.handle import ServerHandle
     from tools import deploy as tool
 
     monkeypatch.setenv("NNUNET_TRITON_HOME", str(tmp_path / "home"))

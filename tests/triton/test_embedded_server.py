@@ -21,6 +21,7 @@ from tritonclient.utils import np_to_triton_dtype
 from nnunet_triton.builder import config_gen
 from nnunet_triton.errors import ServerError
 from nnunet_triton.server import embedded as embedded_server
+from nnunet_triton.server import embedded_cli
 
 FLOAT_SPECIALS = np.array(
     [0.0, -0.0, np.inf, -np.inf, np.finfo(np.float32).tiny / 4, -np.finfo(np.float32).max, 1e-45, -1e-45],
@@ -167,24 +168,24 @@ def test_cli_start_status_stop_manage_a_detached_server(identity_model_repositor
     args = ["--home", str(tmp_path / "home")]
     try:
         assert (
-            embedded_server.main([*args, "start", "--model-repository", str(identity_model_repository)]) == 0
+            embedded_cli.main([*args, "start", "--model-repository", str(identity_model_repository)]) == 0
         )
         started = json.loads(capsys.readouterr().out)
         assert started["host"] == "127.0.0.1"
 
-        assert embedded_server.main([*args, "status"]) == 0
+        assert embedded_cli.main([*args, "status"]) == 0
         status = json.loads(capsys.readouterr().out)
         assert (status["pid"], status["running"], status["ready"]) == (started["pid"], True, True)
         assert (status["healthy"], status["problems"], status["watchdog_running"]) == (True, [], True)
         assert "control_token" not in status  # the model-control token stays in server.json (mode 0600)
 
-        assert embedded_server.main([*args, "stop"]) == 0
+        assert embedded_cli.main([*args, "stop"]) == 0
         # started by this process (detached), so it lingers as a zombie until Python reaps it
         for pid in (started["pid"], started["watchdog_pid"]):  # the server and its watchdog
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
-        assert embedded_server.main([*args, "status"]) == 3
+        assert embedded_cli.main([*args, "status"]) == 3
     finally:
-        embedded_server.main([*args, "stop"])
+        embedded_cli.main([*args, "stop"])
 
 
 def test_importing_embedded_server_imports_neither_triton_nor_pytriton() -> None:

@@ -126,7 +126,7 @@ def test_grpc_cancel_stops_orchestrator_sending_tiles_and_next_request_is_correc
     import tritonclient.grpc as grpc
     import tritonclient.http as http
 
-    from nnunet_triton.numerics.plans import read_model_folder
+    from nnunet_triton.numerics.model_folder import read_model_folder
     from nnunet_triton.numerics.sliding_window import mirror_combinations
     from nnunet_triton.numerics.tiling import tile_slicers
 

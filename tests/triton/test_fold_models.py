@@ -74,7 +74,7 @@ def networks() -> dict[int, torch.nn.Module]:
 
 
 def _tiles(n: int, seed: int) -> np.ndarray:
-    from nnunet_triton.numerics.plans import read_model_folder
+    from nnunet_triton.numerics.model_folder import read_model_folder
 
     config = read_model_folder(MODEL_DIR, folds=(0,))
     shape = (n, config.num_input_channels, *config.patch_size)

@@ -79,7 +79,7 @@ def _case(dataset: str, index: int):
 
 
 def _labels(dataset: str) -> tuple[int, ...]:
-    from nnunet_triton.numerics.plans import read_model_folder
+    from nnunet_triton.numerics.model_folder import read_model_folder
 
     return read_model_folder(model_dir(dataset)).labels.all_labels
 

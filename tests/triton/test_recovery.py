@@ -181,18 +181,18 @@ def test_killed_tritonserver_is_reported_not_running_its_leftovers_removed_and_a
     workstation; the watchdog removes what it leaves behind, ``status`` says so, a new start serves."""
     import json
 
-    from nnunet_triton.server import embedded as embedded_server
+    from nnunet_triton.server import embedded_cli
 
     args = ["--home", str(tmp_path / "home")]
     start = [*args, "start", "--model-repository", str(identity_model_repository)]
     try:
-        assert embedded_server.main(start) == 0
+        assert embedded_cli.main(start) == 0
         started = json.loads(capsys.readouterr().out)
         stubs = health.stub_processes(started["pid"])
         assert stubs and all((SHM / s.shm_region).exists() for s in stubs)
         os.kill(started["pid"], signal.SIGKILL)  # the OOM killer's choice
 
-        assert embedded_server.main([*args, "status"]) == 3
+        assert embedded_cli.main([*args, "status"]) == 3
         status = json.loads(capsys.readouterr().out)
         assert (status["running"], status["healthy"], status["problems"]) == (
             False, False, ["tritonserver is not running"])
@@ -206,12 +206,12 @@ def test_killed_tritonserver_is_reported_not_running_its_leftovers_removed_and_a
         log = Path(started["log_file"]).with_name("tritonserver.watchdog.log").read_text()
         assert f"tritonserver pid {started['pid']} died without being stopped" in log
 
-        assert embedded_server.main(start) == 0
+        assert embedded_cli.main(start) == 0
         again = json.loads(capsys.readouterr().out)
-        assert embedded_server.main([*args, "status"]) == 0
+        assert embedded_cli.main([*args, "status"]) == 0
         assert json.loads(capsys.readouterr().out)["pid"] == again["pid"] != started["pid"]
     finally:
-        embedded_server.main([*args, "stop"])
+        embedded_cli.main([*args, "stop"])
 
 
 def test_watchdog_retries_a_failing_reload_with_backoff_until_the_model_loads(triton_server, tmp_path):

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 from nnunet_triton.builder.model_specs import BuildOptions, repository_specs
-from nnunet_triton.numerics.plans import InferenceConfig, load_inference_config
+from nnunet_triton.numerics.model_folder import load_inference_config
+from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.server.deploy import docker, k8s, sizing
 from nnunet_triton.server.deploy.repository_info import ModelGeometry, RepositoryInfo
 

@@ -16,7 +16,8 @@ from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
 from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
 from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
 
-from nnunet_triton.numerics.plans import InferenceConfig, load_inference_config
+from nnunet_triton.numerics.model_folder import load_inference_config
+from nnunet_triton.numerics.plans import InferenceConfig
 
 CONFIG_NAME_3D = "3d_fullres"
 CONFIG_NAME_2D = "2d"

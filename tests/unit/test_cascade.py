@@ -28,7 +28,8 @@ from test_preprocess import _image, make_configuration, make_dataset, make_plans
 from nnunet_triton.errors import InputValidationError, UnsupportedModelError
 from nnunet_triton.numerics._xp import to_numpy
 from nnunet_triton.numerics.cascade import convert_labelmap_to_one_hot
-from nnunet_triton.numerics.plans import InferenceConfig, load_inference_config, read_model_folder
+from nnunet_triton.numerics.model_folder import load_inference_config, read_model_folder
+from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.preprocess import preprocess_case
 from nnunet_triton.validate.oracle import nnunet_predictor
 

@@ -9,12 +9,12 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from nnunet_triton import io_names
+from nnunet_triton.builder.composite_specs import ensemble_repository_specs
 from nnunet_triton.builder.config_gen import render_config
 from nnunet_triton.builder.model_specs import (
     BuildOptions,
     FoldRunner,
     Target,
-    ensemble_repository_specs,
     ensemble_spec,
     fold_spec,
     libtorch_fold_spec,
@@ -24,7 +24,8 @@ from nnunet_triton.builder.model_specs import (
     repository_specs,
     stitch_spec,
 )
-from nnunet_triton.numerics.plans import InferenceConfig, load_inference_config
+from nnunet_triton.numerics.model_folder import load_inference_config
+from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.parameters import PreprocessParameters
 
 PATCH = (16, 24, 32)

@@ -15,12 +15,12 @@ from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
 from test_preprocess import make_configuration, make_dataset, make_plans
 
 from nnunet_triton.errors import PlansError, UnsupportedModelError
-from nnunet_triton.numerics.plans import (
-    InferenceConfig,
+from nnunet_triton.numerics.model_folder import (
     load_inference_config,
     read_model_folder,
     resolve_configuration,
 )
+from nnunet_triton.numerics.plans import InferenceConfig
 
 LABELS = {"background": 0, "liver": 1, "tumor": 2}
 REGIONS = {"background": 0, "whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing": 3}

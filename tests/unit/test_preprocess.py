@@ -22,7 +22,8 @@ from scipy.ndimage import gaussian_filter
 
 from nnunet_triton.errors import InputValidationError
 from nnunet_triton.numerics._xp import to_numpy
-from nnunet_triton.numerics.plans import InferenceConfig, load_inference_config
+from nnunet_triton.numerics.model_folder import load_inference_config
+from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.preprocess import CaseProperties, preprocess_case
 
 # CuPy: ZScore statistics are float32 reductions in another order (~1e-7 relative) and the float64
@@ -297,7 +298,7 @@ def test_preprocess_case_equals_nnunet_when_using_fixture_models(model_dir, imag
     """Real plans (configuration and folds from the checkpoints) on the fixture's held-out images."""
     from nnunetv2.imageio.simpleitk_reader_writer import SimpleITKIO
 
-    from nnunet_triton.numerics.plans import read_model_folder
+    from nnunet_triton.numerics.model_folder import read_model_folder
 
     folds = None if any(model_dir.glob("fold_[0-9]*")) else ("all",)  # cascade fixture: fold_all only
     config = read_model_folder(model_dir, folds=folds, allow_cascade=True)

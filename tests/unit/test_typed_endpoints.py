@@ -8,7 +8,8 @@ import SimpleITK as sitk
 from test_model_specs import _config
 
 from nnunet_triton import io_names
-from nnunet_triton.builder.model_specs import BuildOptions, ensemble_repository_specs, repository_specs
+from nnunet_triton.builder.composite_specs import ensemble_repository_specs
+from nnunet_triton.builder.model_specs import BuildOptions, repository_specs
 from nnunet_triton.client import imageio
 from nnunet_triton.client.client import _as_image
 

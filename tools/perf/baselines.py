@@ -139,7 +139,7 @@ class _Predictor:
 
     def __init__(self, model_dir: Path, folds: Sequence[int | str], tile_step_size: float, device: str
                  ) -> None:
-        from nnunet_triton.numerics.plans import read_model_folder
+        from nnunet_triton.numerics.model_folder import read_model_folder
         from nnunet_triton.validate.oracle import nnunet_predictor
 
         self.config = read_model_folder(model_dir, folds=folds)

@@ -23,7 +23,8 @@ from nnunet_triton.builder import (
     config_gen,
     model_specs,
 )
-from nnunet_triton.numerics.plans import CHECKPOINT_NAME, InferenceConfig, parse_fold, read_model_folder
+from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME, parse_fold, read_model_folder
+from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.parameters import FORCE_CPU_ONLY_INPUT_TENSORS, PARAM_TORCH_NUM_THREADS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -253,7 +253,7 @@ def _cases(workload: str, model_dir: Path, scenarios: Sequence[Scenario]) -> dic
 
 
 def _prepare(plan: WorkloadPlan, args: argparse.Namespace, raw_root: Path, work_root: Path) -> _Context:
-    from nnunet_triton.numerics.plans import read_model_folder
+    from nnunet_triton.numerics.model_folder import read_model_folder
     from tools.perf.input_data import write_input_data
 
     model_dir = _model_dir(plan.name, args)
@@ -597,7 +597,7 @@ def _host_info() -> dict[str, Any]:
 
 
 def _workload_info(ctx: _Context) -> dict[str, Any]:
-    from nnunet_triton.numerics.plans import read_model_folder
+    from nnunet_triton.numerics.model_folder import read_model_folder
 
     config = read_model_folder(ctx.model_dir)
     plans = json.loads((ctx.model_dir / "plans.json").read_text())

@@ -10,9 +10,10 @@ abs on fp32 logits of the tiny test network). nnU-Net's predictor runs one tile 
 ``max_forward_batch=1`` is the setting that reproduces it exactly; ``0`` (one forward per dynamic
 batch) is the fast default. oneDNN's batched convolutions also round differently with another
 thread count (~5e-7 measured), so bit-identical parity with an nnU-Net process also needs the same
-``torch.get_num_threads()``. ``num_threads=0`` follows the launcher's thread budget
-(``nnunet_triton.server.thread_budget``: one share of the available CPUs per fold instance), or, without a
-launcher, torch's default capped at the CPUs really available.
+``torch.get_num_threads()``. ``num_threads`` is set as given (0 leaves torch's setting); the Python
+runner's ``model.py`` passes what the launcher's thread budget says
+(``nnunet_triton.server.thread_budget.fold_threads_for_runner``: one share of the available CPUs per fold
+instance, or without a launcher torch's default capped at the CPUs really available).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def load_runner(
 
     Args:
         num_threads: ``torch.set_num_threads`` for this process (one Triton stub per instance);
-            0 follows the thread budget (:func:`nnunet_triton.server.thread_budget.fold_threads_for_runner`).
+            0 leaves torch's own setting.
         output_dtype: ``"float32"``/``"float16"`` or ``None`` (keep what the module returns).
     """
     import torch
@@ -111,9 +112,8 @@ def load_runner(
         raise ValueError(
             f"num_threads and max_forward_batch must be >= 0, got {num_threads} and {max_forward_batch}."
         )
-    from nnunet_triton.server.thread_budget import fold_threads_for_runner
-
-    torch.set_num_threads(fold_threads_for_runner(num_threads, torch_default=torch.get_num_threads()))
+    if num_threads:
+        torch.set_num_threads(num_threads)
     with warnings.catch_warnings():  # newer torch warns that TorchScript is deprecated
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.", category=FutureWarning)
         module = torch.jit.load(str(path), map_location=device)

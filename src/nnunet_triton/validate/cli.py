@@ -23,7 +23,7 @@ from typing import Any
 
 from nnunet_triton import __version__, io_names
 from nnunet_triton.errors import InputValidationError
-from nnunet_triton.numerics.plans import parse_fold
+from nnunet_triton.numerics.model_folder import parse_fold
 from nnunet_triton.validate.compare import segmentation_labels
 from nnunet_triton.validate.references import IDENTITY_KEYS, RecordedReference, ReferenceWriter
 from nnunet_triton.validate.report import write_report
@@ -99,7 +99,7 @@ def validate(args: argparse.Namespace, url: str) -> int:
         reference.check_compatible(identity, options.to_dict())
         kind = f"reference set {args.against} (recorded {reference.manifest.get('created')})"
     else:
-        from nnunet_triton.numerics.plans import read_model_folder
+        from nnunet_triton.numerics.model_folder import read_model_folder
 
         config = read_model_folder(args.model, folds=folds)
         if io_names.COMBINE_MODEL in description.composing_models or config.previous_stage is not None:

@@ -1,0 +1,119 @@
+"""``python -m repository.build``: the command line of the repository builder (see :mod:`.repository`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from nnunet_triton.builder import torchscript as export
+from nnunet_triton.builder.build_inputs import (
+    REPO_ROOT,
+)
+from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner, Target
+from nnunet_triton.builder.repository import build_ensemble_repository, build_repository
+from nnunet_triton.errors import NnunetTritonError, PlansError
+from nnunet_triton.numerics.model_folder import parse_fold, read_model_folder
+
+__all__ = [
+    "main",
+]
+
+LOGGER = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Build a Triton model repository from an nnU-Net results folder.")
+    p.add_argument("--model", required=True, type=Path, nargs="+",
+                   help="results folder with plans.json, dataset.json and fold_<k>/checkpoint_final.pth; "
+                        "two or more folders build an ensemble of configurations (nnUNetv2_ensemble)")
+    p.add_argument("--configuration", nargs="+", default=None,
+                   help="check that the checkpoints use this configuration (one per --model, or one for all)")
+    p.add_argument("--folds", nargs="+", type=parse_fold, default=None, help="default: all fold_<k> found")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "model_repository")
+    p.add_argument("--target", choices=[t.value for t in Target], default=Target.CPU.value)
+    p.add_argument("--tile-batch-size", type=int, default=BuildOptions.tile_batch_size,
+                   help="tiles per fold request = fold models' max_batch_size")
+    p.add_argument("--fold-runner", choices=[r.value for r in FoldRunner], default=None,
+                   help="default: python on cpu, libtorch on gpu")
+    p.add_argument("--precision", choices=export.PRECISIONS, default="fp32", help="fold networks (fp16: gpu)")
+    p.add_argument("--export-device", default=None, help="device to trace on (default cpu; cuda for fp16)")
+    p.add_argument("--torch-threads", type=int, default=0, help="Python runner threads (0: torch default)")
+    p.add_argument("--per-sample-forward", choices=("true", "false"), default=None,
+                   help="Python runner: one batch-1 forward per tile like nnU-Net (bit-identical on CPU); "
+                        "default true on cpu, false on gpu")
+    p.add_argument("--fold-instances", type=int, default=1)
+    p.add_argument("--orchestrator-instances", type=int, default=1)
+    p.add_argument("--max-inflight", type=int, default=BuildOptions.max_inflight)
+    p.add_argument("--max-voxels", type=int, default=BuildOptions.max_voxels,
+                   help="most voxels an IMAGE, and the volume it resamples to, may have; larger requests get "
+                        "INVALID_ARG (0: no limit; default 2**28 = 512x512x1024)")
+    p.add_argument("--max-request-bytes", type=int, default=BuildOptions.max_request_bytes,
+                   help="most bytes a request's float32 logits (preprocessed geometry) or probabilities "
+                        "(original geometry) may take; larger requests get INVALID_ARG before anything is "
+                        "allocated (0: no budget; default 8 GiB)")
+    p.add_argument("--postprocessing", default="auto",
+                   help="nnU-Net postprocessing.pkl to apply: 'auto' (<model>/crossval_results_folds_<folds>/"
+                        "postprocessing.pkl if present), 'none', or a path")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="no custom nnunet_* metrics in the Python models")
+    p.add_argument("--previous-stage-model", type=Path, default=None,
+                   help="cascade: the previous stage's results folder (default: nnU-Net's sibling folder)")
+    p.add_argument("--folds-only", action="store_true", help="only the fold models")
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    return p
+
+
+def _configurations(models: Sequence[Path], given: Sequence[str] | None) -> list[str | None]:
+    """``--configuration`` per model; with several models each is checked against its checkpoints here."""
+    if not given:
+        return [None] * len(models)
+    if len(given) not in (1, len(models)):
+        raise PlansError(
+            f"--configuration takes one value or one per --model ({len(models)}), got {list(given)}.")
+    wanted = list(given) * len(models) if len(given) == 1 else list(given)
+    if len(models) > 1:
+        for model, configuration in zip(models, wanted, strict=True):
+            found = read_model_folder(model).configuration
+            if found != configuration:
+                raise PlansError(f"--configuration {configuration!r} does not match the configuration "
+                                 f"{found!r} the checkpoints in {str(model)!r} were trained with.")
+    return wanted
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns 0 on success (built or up to date), 1 on a reported error."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        options = BuildOptions(
+            target=Target(args.target), tile_batch_size=args.tile_batch_size, fold_runner=args.fold_runner,
+            fold_precision=args.precision, torch_threads=args.torch_threads,
+            per_sample_forward=None if args.per_sample_forward is None else args.per_sample_forward == "true",
+            fold_instances=args.fold_instances,
+            orchestrator_instances=args.orchestrator_instances, max_inflight=args.max_inflight,
+            max_voxels=args.max_voxels, max_request_bytes=args.max_request_bytes, metrics=not args.no_metrics,
+        )
+        configurations = _configurations(args.model, args.configuration)
+        if len(args.model) > 1:
+            pp = None if args.postprocessing == "auto" else args.postprocessing
+            result = build_ensemble_repository(args.model, args.out, options=options, folds=args.folds,
+                                               force=args.force, export_device=args.export_device,
+                                               postprocessing=pp)
+        else:
+            result = build_repository(args.model[0], args.out, options=options, folds=args.folds,
+                                      configuration=configurations[0], force=args.force,
+                                      folds_only=args.folds_only, export_device=args.export_device,
+                                      postprocessing=args.postprocessing,
+                                      previous_stage_model=args.previous_stage_model)
+    except (NnunetTritonError, ValueError) as exc:
+        LOGGER.error("%s", exc)
+        return 1
+    print(f"{'built' if result.rebuilt else 'up to date'}: {result.out} ({result.seconds:.1f} s)")  # noqa: T201
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""``python -m network_models.export``: export folds to TorchScript and write ``export_metadata.json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from nnunet_triton.builder.torchscript import PRECISIONS, ExportOptions, export_folds
+from nnunet_triton.errors import ExportError, PlansError
+from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME, detect_folds, parse_fold
+
+__all__ = [
+    "main",
+]
+
+LOGGER = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model", required=True, type=Path, nargs="+",
+                        help="nnU-Net results folder(s) (plans.json, dataset.json, fold_k/); several: "
+                             "each goes to <out>/<folder name>/")
+    parser.add_argument("--folds", nargs="+", type=parse_fold, default=None,
+                        help="folds to export (default: every fold_k with a checkpoint)")
+    parser.add_argument("--out", required=True, type=Path, help="output folder for fold_<k>.pt")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (fp16 needs cuda)")
+    parser.add_argument("--checkpoint-name", default=CHECKPOINT_NAME)
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="relative tolerance (default: 0 on cpu fp32, 1e-3 cuda fp32, 1e-2 fp16)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: export folds and write ``export_metadata.json`` next to the files."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    options = ExportOptions(precision=args.precision, device=args.device, tolerance=args.tolerance,
+                            checkpoint_name=args.checkpoint_name)
+    for model in args.model:
+        out = args.out / model.name if len(args.model) > 1 else args.out
+        try:
+            folds = args.folds or detect_folds(model, args.checkpoint_name)
+            results = export_folds(model, folds, out, options=options)
+        except (ExportError, PlansError) as exc:
+            LOGGER.error("%s", exc)
+            return 1
+        (out / "export_metadata.json").write_text(
+            json.dumps([r.to_dict() for r in results], indent=2, sort_keys=True)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""``nnunet-triton-server`` (``make serve``, ``stop``, ``status``): start, stop, query the embedded server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from nnunet_triton.errors import ServerError
+from nnunet_triton.server.embedded import DEFAULT_HOST, start
+from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle
+from nnunet_triton.server.triton_install import (
+    DEFAULT_HOME,
+    HOME_ENV,
+    resolve_home,
+)
+
+__all__ = [
+    "main",
+]
+
+LOGGER = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nnunet-triton-server", description=__doc__.splitlines()[0])
+    parser.add_argument("--home", default=None, help=f"server home (default ${HOME_ENV} or {DEFAULT_HOME})")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+    start_cmd = commands.add_parser("start", help="start tritonserver and wait until it is ready")
+    start_cmd.add_argument("--model-repository", required=True, type=Path)
+    start_cmd.add_argument("--host", default=DEFAULT_HOST, help="bind address for all endpoints")
+    start_cmd.add_argument("--http-port", type=int, default=None, help="default: a free port")
+    start_cmd.add_argument("--grpc-port", type=int, default=None, help="default: a free port")
+    start_cmd.add_argument("--metrics-port", type=int, default=None, help="default: a free port")
+    start_cmd.add_argument("--model-control-mode", choices=("none", "explicit"), default="explicit",
+                           help="explicit (default): the watchdog can reload a model whose process died")
+    start_cmd.add_argument("--load-model", action="append", default=[],
+                           help="repeatable; explicit mode only (default: every model)")
+    start_cmd.add_argument("--no-recovery", action="store_true",
+                           help="no watchdog: a model whose process dies stays broken until a restart")
+    start_cmd.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra tritonserver flag, e.g. --server-arg=--log-verbose=1",
+    )
+    start_cmd.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default 300)")
+    start_cmd.add_argument(
+        "--exit-timeout",
+        type=int,
+        default=EXIT_TIMEOUT_S,
+        help=f"--exit-timeout-secs (default {EXIT_TIMEOUT_S})",
+    )
+    start_cmd.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the server")
+    stop_cmd = commands.add_parser("stop", help="stop the server recorded in <home>/run/server.json")
+    stop_cmd.add_argument(
+        "--timeout", type=float, default=None, help="seconds before SIGKILL (default: exit timeout + 10)"
+    )
+    commands.add_parser("status", help="print the recorded server state and its health; exit 0 when healthy "
+                        "(1: running but not healthy, 3: not running)")
+    return parser
+
+
+def _recorded_handle(home: str | None) -> ServerHandle | None:
+    state_file = resolve_home(home) / "run" / "server.json"
+    if not state_file.is_file():
+        return None
+    try:
+        return ServerHandle.from_state_file(state_file)
+    except (ValueError, TypeError, KeyError) as exc:
+        LOGGER.warning("ignoring unreadable state file %s: %s", state_file, exc)
+        return None
+
+
+def _cmd_start(args: argparse.Namespace) -> int:
+    running = _recorded_handle(args.home)
+    if running is not None and running.is_running():
+        LOGGER.error(
+            "a server is already running (pid %d, http %s); run `stop` first", running.pid, running.http_url
+        )
+        return 1
+    handle = start(
+        args.model_repository,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        home=args.home,
+        model_control_mode=args.model_control_mode,
+        load_models=tuple(args.load_model),
+        recovery=not args.no_recovery,
+        extra_args=tuple(args.server_arg),
+        ready_timeout_s=args.ready_timeout,
+        exit_timeout_s=args.exit_timeout,
+        detach=not args.foreground,
+    )
+    sys.stdout.write(handle.to_json() + "\n")
+    sys.stdout.flush()
+    if not args.foreground:
+        return 0
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt -> clean stop
+    try:
+        return handle._process.wait() if handle._process is not None else 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        handle.stop()
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    handle = _recorded_handle(args.home)
+    if handle is None:
+        LOGGER.info("no server recorded under %s", resolve_home(args.home) / "run")
+        return 0
+    handle.stop(timeout_s=args.timeout)
+    LOGGER.info("stopped (pid %d)", handle.pid)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    handle = _recorded_handle(args.home)
+    if handle is None:
+        sys.stdout.write(json.dumps({"running": False, "ready": False}) + "\n")
+        return 3
+    state = json.loads(handle.to_json())
+    state.pop("control_token", None)
+    running = handle.is_running()
+    health = handle.health() if running else None
+    state |= {"running": running, "ready": handle.is_ready(), "watchdog_running": handle.watchdog_running(),
+              "healthy": bool(health and health.healthy),
+              "problems": health.problems() if health else ["tritonserver is not running"]}
+    if handle.events_file and Path(handle.events_file).is_file():
+        lines = Path(handle.events_file).read_text().splitlines()
+        state["recoveries"] = [json.loads(line) for line in lines[-10:]]  # the last ten
+    sys.stdout.write(json.dumps(state, indent=2) + "\n")
+    return 0 if state["healthy"] else (1 if running else 3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``nnunet-triton-server start|stop|status``; exit code 0 on success."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s"
+    )
+    commands = {"start": _cmd_start, "stop": _cmd_stop, "status": _cmd_status}
+    try:
+        return commands[args.command](args)
+    except (ServerError, ValueError) as exc:
+        LOGGER.error("%s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

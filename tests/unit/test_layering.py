@@ -1,0 +1,118 @@
+"""The package's layers and the direction of imports between them (read from the source with ``ast``).
+
+    core       errors io_names options dtypes (and the version in __init__)
+    numerics   nnU-Net's numerics                        -> core
+    parameters config parameters of the models           -> core, numerics
+    pipeline   the BLS loop, the fold runner              -> core, numerics, parameters
+    serving    pb_utils glue                              -> core, numerics, parameters, pipeline
+    builder    config.pbtxt and repository building       -> core, numerics, parameters
+    client     client, CLI, image and DICOM I/O           -> core, numerics, parameters
+    server     embedded server, health, watchdog, deploy  -> core, numerics, parameters, builder, client
+    validate   the endpoint against nnU-Net               -> core, numerics, parameters, client
+
+Lazy imports inside functions count too: a layer that imports a higher one at run time still depends on it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "nnunet_triton"
+CORE = {"errors", "io_names", "options", "dtypes", "__init__", "__main__"}
+ALLOWED = {
+    "core": {"core"},
+    "numerics": {"core", "numerics"},
+    "parameters": {"core", "numerics", "parameters"},
+    "pipeline": {"core", "numerics", "parameters", "pipeline"},
+    "serving": {"core", "numerics", "parameters", "pipeline", "serving"},
+    "builder": {"core", "numerics", "parameters", "builder"},
+    "client": {"core", "numerics", "parameters", "client"},
+    "server": {"core", "numerics", "parameters", "builder", "client", "server"},
+    "validate": {"core", "numerics", "parameters", "client", "validate"},
+}
+# the two modules above the layers: ``python -m nnunet_triton`` runs the CLI, the CLI offers ``validate``
+ENTRY_POINTS = {("core", "client"), ("client", "validate")}
+
+
+def layer_of(module: str) -> str:
+    """``nnunet_triton.numerics.plans`` -> ``numerics``; core modules -> ``core``."""
+    parts = module.split(".")
+    first = parts[1] if len(parts) > 1 else "__init__"
+    return "core" if first in CORE else first
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (annotations only)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _is_module(dotted: str) -> bool:
+    return (PACKAGE.parent / dotted.replace(".", "/")).with_suffix(".py").exists()
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every ``nnunet_triton`` module ``path`` imports, at module level or inside functions."""
+    found = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("nnunet_triton")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nnunet_triton"):
+            found.add(node.module)
+            # `from nnunet_triton.numerics import plans` imports the module nnunet_triton.numerics.plans
+            found |= {f"{node.module}.{alias.name}" for alias in node.names
+                      if _is_module(f"{node.module}.{alias.name}")}
+    return found
+
+
+def module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(relative.parts).removesuffix(".__init__")
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_of_the_package_belongs_to_a_known_layer():
+    assert {layer_of(module_name(p)) for p in MODULES} <= set(ALLOWED)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_module_imports_only_its_own_and_lower_layers(path: Path):
+    layer = layer_of(module_name(path))
+    wrong = sorted(
+        target for target in imports_of(path)
+        if layer_of(target) not in ALLOWED[layer] and (layer, layer_of(target)) not in ENTRY_POINTS
+        and not (module_name(path).endswith("__main__") and target == "nnunet_triton.client.cli")
+    )
+    assert wrong == [], f"{module_name(path)} ({layer}) imports {wrong}"
+
+
+def test_numerics_imports_no_triton_client_or_build_code():
+    # the issue's rule, stated on its own: numerics is a pure library
+    offenders = {module_name(p): sorted(t for t in imports_of(p) if layer_of(t) not in {"core", "numerics"})
+                 for p in MODULES if layer_of(module_name(p)) == "numerics"}
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_layering_check_detects_an_upward_import(tmp_path):
+    # the check itself can fail: a numerics module importing the client is reported
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from nnunet_triton.client.client import NnunetClient\n")
+    assert {layer_of(t) for t in imports_of(bad)} == {"client"}
+    assert "client" not in ALLOWED["numerics"]
+
+
+def test_no_module_manipulates_sys_path():
+    roots = [PACKAGE.parents[1] / name for name in
+             ("src", "tests", "tools", "repository", "network_models", "preprocess_model", "stitch_model")]
+    offenders = [str(p) for root in roots for p in root.rglob("*.py")
+                 if "sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text()]
+    offenders = [o for o in offenders if not o.endswith("test_layering.py")]
+    assert offenders == []
