@@ -7,7 +7,7 @@
 embedded: build the CPU repository (a no-op when the builder's input hash matches), start the embedded
 tritonserver detached with every model loaded explicitly, wait until ready, print endpoints and example
 calls. docker: print (--execute: run) the GPU-host commands: build the repository with a torch matching
-the image's libtorch (here, or in a container), ``docker build`` of deploy/Dockerfile, ``docker run``
+the image's libtorch (here, or in a container), ``docker build`` of docker/Dockerfile, ``docker run``
 sized for the largest volume. k8s: render the manifests into --out. Docker is needed only for --execute.
 """
 
@@ -229,7 +229,7 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
     print(f"wrote {', '.join(files)} to {args.out}")
     if source.kind == "image":
         print("model repository image (push both images where the cluster pulls from):")
-        print(f"  docker build --file {REPO_ROOT / 'deploy/Dockerfile.models'} --tag {source.ref} {repo}")
+        print(f"  docker build --file {REPO_ROOT / 'docker/Dockerfile.models'} --tag {source.ref} {repo}")
     print("apply (prometheus-adapter needs prometheus-adapter-values.yaml for the HPA metric):")
     _run([("kubectl", "apply", "--kustomize", str(args.out))], args.execute, tool="kubectl")
     return 0

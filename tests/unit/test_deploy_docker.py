@@ -19,7 +19,7 @@ from nnunet_triton.errors import DeployError
 from nnunet_triton.server.deploy import docker, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 
-DOCKERFILE = REPO_ROOT / "deploy" / "Dockerfile"
+DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 
 
 # --- Dockerfile and docker commands -------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_docker_build_command_equals_expected_when_libtorch_runner(tmp_path: Pat
         "docker",
         "build",
         "--file",
-        "deploy/Dockerfile",
+        "docker/Dockerfile",
         "--build-arg",
         "TRITON_RELEASE=24.10",
         "--build-arg",
@@ -215,16 +215,16 @@ def test_export_container_command_runs_the_builder_with_torch_2_5(tmp_path: Path
         "TORCHVISION_VERSION=0.20.1",
         "python:3.11-slim",
         "bash",
-        "/src/deploy/export_in_container.sh",
+        "/src/docker/export_in_container.sh",
         "--model",
         "/model",
         "--target",
         "gpu",
     )
-    script = (REPO_ROOT / "deploy" / "export_in_container.sh").read_text()
+    script = (REPO_ROOT / "docker" / "export_in_container.sh").read_text()
     assert 'python -m repository.build "$@" --out "${REPOSITORY_OUT}"' in script
     subprocess.run(
-        ["bash", "-n", str(REPO_ROOT / "deploy" / "export_in_container.sh")], check=True, timeout=30
+        ["bash", "-n", str(REPO_ROOT / "docker" / "export_in_container.sh")], check=True, timeout=30
     )
 
 

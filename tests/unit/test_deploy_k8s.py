@@ -167,7 +167,7 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
         ["docker", "build", "--file"],
         ["docker", "run", "--detach"],
     ]
-    assert "bash /src/deploy/export_in_container.sh --model /model --target gpu --precision fp16" in lines[0]
+    assert "bash /src/docker/export_in_container.sh --model /model --target gpu --precision fp16" in lines[0]
     assert f"--volume {out}:/models:ro" in lines[2] and "--gpus device=1" in lines[2]
     assert all(
         f"--load-model={name}" in lines[2]

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 # 2**28 = 512 x 512 x 1024 voxels (a long CT at full in-plane resolution), 1 GiB per float32 copy. By the
-# formulas of deploy/sizing.py one such request (1 channel, 2 classes, 5 folds) needs ~12 GiB of working
+# formulas of server.deploy.sizing one such request (1 channel, 2 classes, 5 folds) needs ~12 GiB of working
 # memory (preprocess 2 x IMAGE + 2 x PREPROCESSED, orchestrator 6 x fp16 LOGITS, stitch 2 x LOGITS + 2 x
 # fp32 probabilities) plus ~4 GiB of Python-backend shm: it fits a 32 GiB host. 2**30 would need 4x that;
 # raise it (or 0 = no limit) on bigger machines.

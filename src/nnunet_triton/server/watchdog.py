@@ -22,7 +22,7 @@ The model-repository API is restricted to requests carrying the header ``CONTROL
 token only the launcher and the watchdog know (``restricted_api_args``): explicit model control does
 not let every client that can reach the port unload models.
 
-Launchers: ``embedded_server.start`` runs ``python -m nnunet_triton.server.watchdog`` as a sibling process;
+Launchers: ``server.embedded.start`` runs ``python -m nnunet_triton.server.watchdog`` as a sibling process;
 containers run ``python3 -m nnunet_triton.server.thread_budget exec --watchdog ... -- tritonserver ...``,
 which forks the watchdog and then execs tritonserver (``fork_for_exec``). Only the standard library.
 """

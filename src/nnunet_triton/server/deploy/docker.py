@@ -173,7 +173,7 @@ def check_image_compatible(spec: DeploySpec) -> None:
 
 
 def dockerfile_build_args(spec: DeploySpec) -> dict[str, str]:
-    """``--build-arg`` values for deploy/Dockerfile (each one is declared there with an ``ARG``)."""
+    """``--build-arg`` values for docker/Dockerfile (each one is declared there with an ``ARG``)."""
     return {
         "TRITON_RELEASE": spec.triton_release,
         "INSTALL_TORCH": "1" if spec.install_torch else "0",
@@ -181,7 +181,7 @@ def dockerfile_build_args(spec: DeploySpec) -> dict[str, str]:
     }
 
 
-def docker_build_command(spec: DeploySpec, *, dockerfile: str = "deploy/Dockerfile",
+def docker_build_command(spec: DeploySpec, *, dockerfile: str = "docker/Dockerfile",
                          context: str = ".") -> tuple[str, ...]:
     """``docker build`` of the serving image (context = repository root: pyproject.toml + src/)."""
     build_args = [part for key, value in dockerfile_build_args(spec).items()
@@ -243,7 +243,7 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
                              torchvision_version: str = EXPORT_TORCHVISION) -> tuple[str, ...]:
     """``docker run`` that builds the repository with a torch matching the image's libtorch.
 
-    Runs ``deploy/export_in_container.sh`` in ``python:3.11-slim`` (our code needs Python 3.11; NGC's
+    Runs ``docker/export_in_container.sh`` in ``python:3.11-slim`` (our code needs Python 3.11; NGC's
     pytorch:24.10 image has 3.10): pip torch ``torch_version`` (2.5.1 = libtorch 2.5 of Triton 24.10),
     then ``python -m repository.build --model /model --out /out/<name> <builder_args>``; the result is
     handed to ``uid:gid``. The fp16 export traces under CUDA autocast, hence ``--gpus``.
@@ -258,7 +258,7 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
         "--env", f"REPOSITORY_OUT=/out/{out.name}",
         "--env", f"HOST_UID={uid}", "--env", f"HOST_GID={gid}",
         "--env", f"TORCH_VERSION={torch_version}", "--env", f"TORCHVISION_VERSION={torchvision_version}",
-        EXPORT_IMAGE, "bash", "/src/deploy/export_in_container.sh", "--model", "/model", *builder_args,
+        EXPORT_IMAGE, "bash", "/src/docker/export_in_container.sh", "--model", "/model", *builder_args,
     )
 
 

@@ -64,7 +64,7 @@ class K8sSpec:
     """One Deployment (one GPU per pod), its Service, HPA and optional ServiceMonitor.
 
     Attributes:
-        image: the serving image (deploy/Dockerfile) in a registry the cluster can pull from.
+        image: the serving image (docker/Dockerfile) in a registry the cluster can pull from.
         queue_target_us: HPA target of the orchestrator's average queue time per request; a few
             seconds for 3D volumes (k8s-onprem's 50 us fits millisecond image classifiers).
     """
