@@ -109,6 +109,22 @@ def _export_options(options: BuildOptions, export_device: str | None) -> export.
     return export.ExportOptions(precision=options.fold_precision, device=device)
 
 
+def _export_fold_models(tmp: Path, model_dir: Path, config: InferenceConfig, options: BuildOptions,
+                        export_options: export.ExportOptions, adapters: dict[str, Path], *,
+                        prefix: str = "") -> list[dict[str, Any]]:
+    """Export every fold to ``<prefix>fold_<k>/1/model.pt`` (+ the Python runner's model.py)."""
+    exports = []
+    exported: dict[str, export.ExportResult] = {}  # identical checkpoints are traced once
+    for fold in config.folds:
+        fold_dir = tmp / (prefix + io_names.fold_model_name(fold)) / VERSION_DIR
+        result = export.export_fold_reusing(model_dir, fold, fold_dir / "model.pt", options=export_options,
+                                            exported=exported)
+        exports.append({**result.to_dict(), "path": str(Path(fold_dir.relative_to(tmp)) / "model.pt")})
+        if options.runner is FoldRunner.PYTHON:
+            _write_python_model(fold_dir.parent, adapters["fold runner"], config)
+    return exports
+
+
 def _build_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: BuildOptions, *,
                 folds_only: bool, export_options: export.ExportOptions,
                 postprocessing: PostprocessingPlan | None = None,
@@ -129,15 +145,7 @@ def _build_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: Bu
             _write_python_model(tmp / spec.name, adapters[spec.name], config)
         if spec.name == io_names.STITCH_MODEL and postprocessing is not None:
             (tmp / spec.name / VERSION_DIR / POSTPROCESSING_FILE).write_text(postprocessing.to_json())
-    exported: dict[str, export.ExportResult] = {}  # identical checkpoints are traced once
-    for fold in config.folds:
-        fold_dir = tmp / io_names.fold_model_name(fold) / VERSION_DIR
-        result = export.export_fold_reusing(model_dir, fold, fold_dir / "model.pt", options=export_options,
-                                            exported=exported)
-        exports.append({**result.to_dict(), "path": str(Path(fold_dir.relative_to(tmp)) / "model.pt")})
-        if options.runner is FoldRunner.PYTHON:
-            _write_python_model(fold_dir.parent, adapters["fold runner"], config)
-    return exports
+    return exports + _export_fold_models(tmp, model_dir, config, options, export_options, adapters)
 
 
 def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, input_hash: str,
@@ -296,23 +304,12 @@ def _build_prefixed_into(tmp: Path, model_dir: Path, config: InferenceConfig, op
     """One pipeline's models with ``prefix`` on every name (ensemble member, cascade's previous stage)."""
     adapters = adapters_needed(options, folds_only=False)
     by_name = {prefix + name: path for name, path in adapters.items()}
-    exports = []
-    specs = composite_specs.prefixed_pipeline_specs(config, options, prefix,
-                                                probabilities=probabilities)
-    for spec in specs:
+    for spec in composite_specs.prefixed_pipeline_specs(config, options, prefix, probabilities=probabilities):
         config_gen.write_config(spec, tmp / spec.name)
         (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)
         if spec.name in by_name:
             _write_python_model(tmp / spec.name, by_name[spec.name], config)
-    exported: dict[str, export.ExportResult] = {}
-    for fold in config.folds:
-        fold_dir = tmp / (prefix + io_names.fold_model_name(fold)) / VERSION_DIR
-        result = export.export_fold_reusing(model_dir, fold, fold_dir / "model.pt", options=export_options,
-                                            exported=exported)
-        exports.append({**result.to_dict(), "path": str(Path(fold_dir.relative_to(tmp)) / "model.pt")})
-        if options.runner is FoldRunner.PYTHON:
-            _write_python_model(fold_dir.parent, adapters["fold runner"], config)
-    return exports
+    return _export_fold_models(tmp, model_dir, config, options, export_options, adapters, prefix=prefix)
 
 
 def build_ensemble_repository(
