@@ -39,8 +39,6 @@ from nnunet_triton.numerics.preprocess import preprocess_case
 from nnunet_triton.options import parse_request_options
 from nnunet_triton.parameters import PreprocessParameters
 
-CONFIG_FILE = "inference_config.json"
-
 
 class TritonPythonModel:
     """Preprocessing step of the ``nnunet`` ensemble."""
@@ -50,7 +48,7 @@ class TritonPythonModel:
             import triton_python_backend_utils as pb_utils
 
             self._logger = pb_utils.Logger
-            self._config = InferenceConfig.from_json((Path(__file__).parent / CONFIG_FILE).read_text())
+            self._config = InferenceConfig.load(Path(__file__).parent)
             params = PreprocessParameters.from_parameters(serving.model_parameters(args))
             self._limits = {"max_voxels": params.max_voxels, "max_request_bytes": params.max_request_bytes}
             self._metrics = serving.StepMetrics.create(args, self._config)

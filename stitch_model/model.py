@@ -38,8 +38,6 @@ from nnunet_triton.numerics.preprocess import CaseProperties
 from nnunet_triton.options import ProbabilitiesOutput, parse_request_options
 from nnunet_triton.parameters import StitchParameters
 
-CONFIG_FILE = "inference_config.json"
-
 
 class TritonPythonModel:
     """Export step of the ``nnunet`` ensemble."""
@@ -49,7 +47,7 @@ class TritonPythonModel:
             import triton_python_backend_utils as pb_utils
 
             self._logger = pb_utils.Logger
-            self._config = InferenceConfig.from_json((Path(__file__).parent / CONFIG_FILE).read_text())
+            self._config = InferenceConfig.load(Path(__file__).parent)
             self._seg_dtype = serving.declared_segmentation_dtype(json.loads(args["model_config"]))
             max_label = self._config.labels.max_label
             if max_label > np.iinfo(self._seg_dtype).max:

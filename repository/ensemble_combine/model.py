@@ -28,8 +28,6 @@ from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.postprocessing import apply_postprocessing, load_deployed_postprocessing
 from nnunet_triton.options import parse_request_options
 
-CONFIG_FILE = "inference_config.json"
-
 
 def _member_inputs(model_config: dict[str, Any]) -> list[str]:
     names = [t["name"] for t in model_config.get("input", [])]
@@ -49,7 +47,7 @@ class TritonPythonModel:
 
             self._logger = pb_utils.Logger
             here = Path(__file__).parent
-            self._config = InferenceConfig.from_json((here / CONFIG_FILE).read_text())
+            self._config = InferenceConfig.load(here)
             model_config = json.loads(args["model_config"])
             self._inputs = _member_inputs(model_config)
             self._seg_dtype = serving.declared_segmentation_dtype(model_config)

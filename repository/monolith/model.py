@@ -31,7 +31,6 @@ from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.options import parse_request_options
 from nnunet_triton.parameters import FoldRunnerParameters
 
-CONFIG_FILE = "inference_config.json"
 MODEL_DIR = "nnunet_model"
 
 
@@ -46,7 +45,7 @@ class TritonPythonModel:
 
             self._logger = pb_utils.Logger
             here = Path(__file__).parent
-            self._config = InferenceConfig.from_json((here / CONFIG_FILE).read_text())
+            self._config = InferenceConfig.load(here)
             threads = FoldRunnerParameters.from_parameters(serving.model_parameters(args)).torch_num_threads
             if threads:
                 torch.set_num_threads(threads)

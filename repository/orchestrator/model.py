@@ -40,8 +40,6 @@ from nnunet_triton.options import RequestOptions, parse_request_options
 from nnunet_triton.parameters import PARAM_FOLD_MODELS, OrchestratorParameters
 from nnunet_triton.pipeline.orchestration import predict_folds_async
 
-CONFIG_FILE = "inference_config.json"
-
 
 def _device_of(data: Any) -> str:
     """Where fold outputs should land: host memory for NumPy data, the GPU for CuPy data."""
@@ -56,7 +54,7 @@ class TritonPythonModel:
             import triton_python_backend_utils as pb_utils
 
             self._logger = pb_utils.Logger
-            self._config = InferenceConfig.from_json((Path(__file__).parent / CONFIG_FILE).read_text())
+            self._config = InferenceConfig.load(Path(__file__).parent)
             params = OrchestratorParameters.from_parameters(serving.model_parameters(args))
             names = list(params.fold_models)
             if len(names) != len(self._config.folds):

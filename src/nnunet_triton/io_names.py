@@ -37,6 +37,12 @@ def typed_endpoint(dtype: str, endpoint: str = ENDPOINT_MODEL) -> str:
 # (nnunet_triton.server.thread_budget) gives the server as many as may compute at once.
 FOLD_SLOT_RESOURCE = "nnunet_fold_slot"
 
+# --- files of a built repository --------------------------------------------------------------------
+REPOSITORY_METADATA_FILE = "repository_metadata.json"  # at the repository root (Triton ignores it)
+VERSION_DIR = "1"  # every model's only version
+INFERENCE_CONFIG_FILE = "inference_config.json"  # InferenceConfig.to_json() next to each Python model.py
+TORCHSCRIPT_FILE = "model.pt"  # a fold's TorchScript network
+
 # --- composing models ------------------------------------------------------------------------------
 PREPROCESS_MODEL = "preprocess_model"
 ORCHESTRATOR_MODEL = "orchestrator_model"

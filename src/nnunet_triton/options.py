@@ -76,20 +76,24 @@ def parse_bool(name: str, value: Any, *, what: str = "request parameter",
 
 
 def parse_int(name: str, value: Any, *, minimum: int | None = None, what: str = "config parameter",
-              error: type[NnunetTritonError] = InputValidationError) -> int:
+              label: str | None = None, error: type[Exception] = InputValidationError) -> int:
     """``value`` (an int or its decimal text; not a bool) as an int, at least ``minimum`` if given.
 
+    The one reading of integers in config parameters, environment settings and command-line options.
+
     Raises:
-        error: not an integer, or below ``minimum``; the message names ``what`` ``name`` and the value.
+        error: not an integer, or below ``minimum``; the message names the setting (``what`` ``name``,
+            or ``label`` as given, e.g. an environment variable), the rule and the value.
     """
-    rule = "an integer" if minimum is None else f"an integer >= {minimum}"
+    rule = {None: "an integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+    subject = f"{what} {name!r}" if label is None else label
     number: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
         number = int(value.strip())
     if number is None or (minimum is not None and number < minimum):
-        raise error(f"{what} {name!r} must be {rule}, got {value!r}.")
+        raise error(f"{subject} must be {rule}, got {value!r}.".lstrip())
     return number
 
 

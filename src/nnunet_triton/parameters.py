@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from nnunet_triton import __version__
+from nnunet_triton import __version__, io_names
 from nnunet_triton.errors import ConfigParameterError
 from nnunet_triton.numerics.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -193,7 +193,7 @@ class FoldRunnerParameters:
 
     torch_num_threads: int = 0
     per_sample_forward: bool = False
-    model_filename: str = "model.pt"
+    model_filename: str = io_names.TORCHSCRIPT_FILE
     force_cpu_inputs: bool = True
 
     def to_config(self) -> dict[str, str]:
@@ -205,7 +205,7 @@ class FoldRunnerParameters:
     def from_parameters(cls, params: Mapping[str, str]) -> FoldRunnerParameters:
         return cls(torch_num_threads=_int(params, PARAM_TORCH_NUM_THREADS, 0, 0),
                    per_sample_forward=_bool(params, PARAM_PER_SAMPLE_FORWARD, False),
-                   model_filename=params.get(PARAM_MODEL_FILENAME, "").strip() or "model.pt",
+                   model_filename=params.get(PARAM_MODEL_FILENAME, "").strip() or io_names.TORCHSCRIPT_FILE,
                    force_cpu_inputs=_force_cpu(params))
 
 

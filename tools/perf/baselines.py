@@ -162,11 +162,11 @@ class _Floor:
         from nnunet_triton.pipeline.fold_runner import load_runner
 
         # the Python runner writes inference_config.json next to model.pt; libtorch folds have none
-        config_file = repository / io_names.PREPROCESS_MODEL / "1" / "inference_config.json"
-        self.config = InferenceConfig.from_json(config_file.read_text())
+        self.config = InferenceConfig.load(repository / io_names.PREPROCESS_MODEL / io_names.VERSION_DIR)
         self.step = tile_step_size
         self.device = device
-        self.runners = {f: load_runner(repository / f"fold_{f}" / "1" / "model.pt", device=device,
+        self.runners = {f: load_runner(repository / io_names.fold_model_name(f) / io_names.VERSION_DIR
+                                       / io_names.TORCHSCRIPT_FILE, device=device,
                                        max_forward_batch=1) for f in folds}
         self._tiles: dict[str, list[Any]] = {}
 

@@ -34,7 +34,6 @@ __all__ = ["MONOLITH_MODEL", "ADAPTER", "monolith_spec", "build_monolith_reposit
 MONOLITH_MODEL = "nnunet_monolith"
 ADAPTER = REPO_ROOT / "repository" / "monolith" / "model.py"
 MODEL_DIR = "nnunet_model"
-CONFIG_FILE = "inference_config.json"
 
 
 def monolith_spec(config: InferenceConfig, *, instances: int = 1, torch_threads: int = 0, device: str = "cpu"
@@ -79,7 +78,7 @@ def build_monolith_repository(model_dir: Path, out: Path, *, folds: Sequence[int
     version = model_root / "1"
     version.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(ADAPTER, version / "model.py")
-    (version / CONFIG_FILE).write_text(config.to_json())
+    config.save(version)
     for name in ("plans.json", "dataset.json"):
         _link_or_copy(model_dir / name, version / MODEL_DIR / name)
     for fold in config.folds:

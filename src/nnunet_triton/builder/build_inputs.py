@@ -44,7 +44,7 @@ LOGGER = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-METADATA_FILE = "repository_metadata.json"
+METADATA_FILE = io_names.REPOSITORY_METADATA_FILE
 
 
 # model name -> its model.py adapter, relative to the source tree root

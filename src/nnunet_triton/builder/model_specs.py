@@ -292,7 +292,7 @@ def libtorch_fold_spec(config: InferenceConfig, fold: int | str, options: BuildO
         dynamic_batching=DynamicBatching(max_queue_delay_us=options.fold_queue_delay_us),
         parameters={"INFERENCE_MODE": "true", "DISABLE_OPTIMIZED_EXECUTION": "true"},
         model_warmup=warmup,
-        default_model_filename="model.pt",
+        default_model_filename=io_names.TORCHSCRIPT_FILE,
     )
 
 

@@ -54,6 +54,7 @@ from nnunet_triton.builder.build_inputs import (
 )
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
 from nnunet_triton.errors import PlansError
+from nnunet_triton.io_names import TORCHSCRIPT_FILE, VERSION_DIR
 from nnunet_triton.numerics.ensembling import check_ensemble_members
 from nnunet_triton.numerics.model_folder import read_model_folder
 from nnunet_triton.numerics.plans import InferenceConfig
@@ -73,8 +74,6 @@ __all__ = [
 
 LOGGER = logging.getLogger(__name__)
 
-CONFIG_FILE = "inference_config.json"
-VERSION_DIR = "1"
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def _write_python_model(model_dir: Path, adapter: Path, config: InferenceConfig)
     version = model_dir / VERSION_DIR
     version.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(adapter, version / "model.py")
-    (version / CONFIG_FILE).write_text(config.to_json())
+    config.save(version)
 
 
 def _export_options(options: BuildOptions, export_device: str | None) -> export.ExportOptions:
@@ -117,9 +116,9 @@ def _export_fold_models(tmp: Path, model_dir: Path, config: InferenceConfig, opt
     exported: dict[str, export.ExportResult] = {}  # identical checkpoints are traced once
     for fold in config.folds:
         fold_dir = tmp / (prefix + io_names.fold_model_name(fold)) / VERSION_DIR
-        result = export.export_fold_reusing(model_dir, fold, fold_dir / "model.pt", options=export_options,
-                                            exported=exported)
-        exports.append({**result.to_dict(), "path": str(Path(fold_dir.relative_to(tmp)) / "model.pt")})
+        result = export.export_fold_reusing(model_dir, fold, fold_dir / TORCHSCRIPT_FILE,
+                                            options=export_options, exported=exported)
+        exports.append({**result.to_dict(), "path": str(Path(fold_dir.relative_to(tmp)) / TORCHSCRIPT_FILE)})
         if options.runner is FoldRunner.PYTHON:
             _write_python_model(fold_dir.parent, adapters["fold runner"], config)
     return exports

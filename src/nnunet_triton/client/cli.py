@@ -36,6 +36,7 @@ from typing import Any
 from nnunet_triton.client import imageio
 from nnunet_triton.client.dicom import volume as dicom
 from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError
+from nnunet_triton.options import parse_int
 
 __all__ = ["main", "Job", "collect_jobs"]
 
@@ -92,13 +93,7 @@ def collect_jobs(source: Path, options: dicom.DicomOptions = dicom.DEFAULT_OPTIO
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+    return parse_int("", text, minimum=1, label="", error=argparse.ArgumentTypeError)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+from nnunet_triton import io_names
 from nnunet_triton.errors import PlansError, UnsupportedModelError
 
 __all__ = [
@@ -271,6 +273,15 @@ class InferenceConfig:
     @classmethod
     def from_json(cls, text: str) -> InferenceConfig:
         return cls.from_dict(json.loads(text))
+
+    def save(self, version_dir: Path) -> None:
+        """Write ``<version_dir>/inference_config.json``, next to a Python model's ``model.py``."""
+        (Path(version_dir) / io_names.INFERENCE_CONFIG_FILE).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, version_dir: Path) -> InferenceConfig:
+        """Read what :meth:`save` wrote (a ``model.py`` passes its own folder)."""
+        return cls.from_json((Path(version_dir) / io_names.INFERENCE_CONFIG_FILE).read_text())
 
 
 

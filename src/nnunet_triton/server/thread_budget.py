@@ -62,6 +62,7 @@ from pathlib import Path
 
 from nnunet_triton.errors import ThreadBudgetError
 from nnunet_triton.io_names import FOLD_SLOT_RESOURCE
+from nnunet_triton.options import parse_int
 from nnunet_triton.parameters import PARAM_TORCH_NUM_THREADS
 
 __all__ = [
@@ -197,13 +198,7 @@ class ThreadBudget:
 
 
 def _positive_int(name: str, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ThreadBudgetError(f"{name} must be a positive integer, got {text!r}.") from None
-    if value < 1:
-        raise ThreadBudgetError(f"{name} must be a positive integer, got {text!r}.")
-    return value
+    return parse_int(name, text, minimum=1, label=name, error=ThreadBudgetError)
 
 
 def _policy(text: str) -> ThreadPolicy:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton import io_names
 from nnunet_triton.errors import DeployError
 from nnunet_triton.numerics.plans import InferenceConfig
 
@@ -35,7 +36,7 @@ __all__ = [
     "check_torch_compatible",
 ]
 
-METADATA_FILE = "repository_metadata.json"
+METADATA_FILE = io_names.REPOSITORY_METADATA_FILE
 _CONFIG_DIRS = ("preprocess_model", "orchestrator_model", "stitch_model")  # each has 1/inference_config.json
 _REQUIRED_KEYS = ("models", "folds", "target", "fold_runner", "fold_precision", "tile_batch_size",
                   "build_options", "torch_version", "input_hash")
@@ -207,7 +208,7 @@ def _check_model_dirs(repo: Path, models: tuple[str, ...]) -> None:
 
 def _read_config(repo: Path) -> InferenceConfig:
     for name in _CONFIG_DIRS:
-        path = repo / name / "1" / "inference_config.json"
+        path = repo / name / io_names.VERSION_DIR / io_names.INFERENCE_CONFIG_FILE
         if path.is_file():
             return InferenceConfig.from_json(path.read_text())
     raise DeployError(
