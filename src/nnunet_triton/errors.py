@@ -20,6 +20,7 @@ __all__ = [
     "NumericalError",
     "ClientError",
     "DeployError",
+    "PacsError",
     "RequestCancelledError",
     "NOT_RUNNING_MESSAGES",
 ]
@@ -110,6 +111,11 @@ class ClientError(NnunetTritonError):
     def __init__(self, message: str, *, status: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class PacsError(ClientError):
+    """A PACS could not be reached, refused a request (DICOMweb status, DIMSE association or status), or
+    has no such study or series; the message names the study or series UID, never patient data."""
 
 
 class DeployError(NnunetTritonError):

@@ -151,9 +151,13 @@ def write_volume_as_ct(
     origin: Sequence[float] = (-30.0, -40.0, -20.0),
     orientation: Sequence[float] = OBLIQUE_AXIAL,
     seed: int = 0,
+    study_uid: str | None = None,
 ) -> BuiltSeries:
-    """Write an int16 ``(z, y, x)`` volume as a CT series (template CT_small.dcm; slope 1, intercept 0)."""
+    """Write an int16 ``(z, y, x)`` volume as a CT series (template CT_small.dcm; slope 1, intercept 0);
+    ``study_uid`` puts it in its own study (default: the template's)."""
     base = template()
+    if study_uid is not None:
+        base.StudyInstanceUID = study_uid
     series_uid = generate_uid()
     normal = _normal(orientation)
     names = [f"IM{i:04d}.dcm" for i in random.Random(seed).sample(range(10_000), volume.shape[0])]

@@ -44,7 +44,7 @@ def test_segment_labels_use_regions_class_order_when_regions():
     labels = dicom_seg.segment_labels(
         {"background": 0, "whole": [1, 2], "core": [2]}, regions_class_order=[1, 2]
     )
-    assert labels == (SegmentLabel(1, 1, "whole"), SegmentLabel(2, 2, "core"))
+    assert labels == (SegmentLabel(1, 1, "whole", (1, 2)), SegmentLabel(2, 2, "core", (2,)))
     with pytest.raises(InputValidationError, match="need regions_class_order with 2 entries"):
         dicom_seg.segment_labels({"background": 0, "whole": [1, 2], "core": [2]})
 
@@ -110,3 +110,53 @@ def test_write_dicom_seg_raises_when_shape_or_labels_do_not_match(series, tmp_pa
     with pytest.raises(InputValidationError, match=r"label values \[7\] have no segment"):
         dicom_seg.write_dicom_seg(np.full(volume.data.shape, 7, np.uint8), volume, labels, tmp_path / "b.dcm")
     assert list(tmp_path.glob("*.dcm")) == []
+
+
+def _segment_pixels(path, built) -> np.ndarray:
+    """(z, y, x, segments) booleans of the written SEG, in source order."""
+    return hd.seg.segread(path).get_pixels_by_source_instance(
+        list(built.sop_uids), combine_segments=False, assert_missing_frames_are_empty=True
+    ).astype(bool)
+
+
+def test_region_based_seg_has_one_overlapping_segment_per_region_named_from_dataset_json(series, tmp_path):
+    # the issue's model: {"whole": [1, 2], "core": 2}, regions_class_order [1, 2]; value 2 = core (and whole)
+    built, volume = series
+    seg = _label_map(volume.data.shape)
+    labels = dicom_seg.segment_labels({"background": 0, "whole": [1, 2], "core": 2},
+                                      regions_class_order=[1, 2])
+    path = dicom_seg.write_dicom_seg(seg, volume, labels, tmp_path / "regions.dcm")
+
+    ds = pydicom.dcmread(path)
+    assert [(s.SegmentNumber, s.SegmentLabel) for s in ds.SegmentSequence] == [(1, "whole"), (2, "core")]
+    pixels = _segment_pixels(path, built)
+    np.testing.assert_array_equal(pixels[..., 0], seg > 0)  # whole: labels 1 and 2
+    np.testing.assert_array_equal(pixels[..., 1], seg == 2)  # core: label 2, inside whole
+    assert (pixels[..., 0] & pixels[..., 1]).any()  # the segments overlap
+
+
+def test_seg_leaves_out_the_ignore_label(series, tmp_path):
+    built, volume = series
+    labels = dicom_seg.segment_labels({"background": 0, "organ": 1, "lesion": 2, "ignore": 3})
+    path = dicom_seg.write_dicom_seg(_label_map(volume.data.shape), volume, labels, tmp_path / "ignore.dcm")
+    assert [s.SegmentLabel for s in pydicom.dcmread(path).SegmentSequence] == ["organ", "lesion"]
+
+
+def test_seg_of_a_model_with_more_than_255_labels_keeps_every_label(series, tmp_path):
+    built, volume = series
+    names = {"background": 0, **{f"structure_{k}": k for k in range(1, 301)}}
+    seg = np.zeros(volume.data.shape, np.uint16)
+    seg[1, 10:20, 10:20], seg[3, 50:60, 50:60], seg[4, 90:100, 90:100] = 1, 256, 300
+    path = dicom_seg.write_dicom_seg(seg, volume, dicom_seg.segment_labels(names), tmp_path / "many.dcm")
+
+    ds = pydicom.dcmread(path)
+    assert len(ds.SegmentSequence) == 300 and ds.SegmentSequence[299].SegmentLabel == "structure_300"
+    pixels = _segment_pixels(path, built)
+    for value in (1, 256, 300):
+        np.testing.assert_array_equal(pixels[..., value - 1], seg == value)
+
+
+def test_generic_segment_labels_name_each_value_present():
+    seg = np.array([[0, 3], [7, 3]], np.uint8)
+    assert dicom_seg.generic_segment_labels(seg) == (SegmentLabel(1, 3, "label_3"),
+                                                     SegmentLabel(2, 7, "label_7"))

@@ -35,6 +35,13 @@ from typing import Any
 
 from nnunet_triton.client import imageio
 from nnunet_triton.client.dicom import volume as dicom
+from nnunet_triton.client.dicom.web import is_dicomweb
+from nnunet_triton.client.pacs_cli import (
+    add_dicomweb_arguments,
+    add_listen_parser,
+    listen,
+    predict_over_dicomweb,
+)
 from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError
 from nnunet_triton.options import parse_int
 
@@ -100,8 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nnunet-triton", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     predict = sub.add_parser("predict", help="segment a file, a folder of cases or a DICOM folder")
-    predict.add_argument("-i", "--input", required=True, type=Path, help="file, case folder or DICOM folder")
-    predict.add_argument("-o", "--output", required=True, type=Path, help="output folder")
+    predict.add_argument("-i", "--input", required=True,
+                         help="file, case folder, DICOM folder or dicomweb://HOST[:PORT]/ROOT (with --study)")
+    predict.add_argument("-o", "--output", required=True,
+                         help="output folder, or dicomweb://HOST[:PORT]/ROOT (STOW-RS of the DICOM-SEG)")
     predict.add_argument("-f", "--folds", nargs="+", default=None, help="subset of the deployed folds")
     predict.add_argument(
         "--step-size",
@@ -153,11 +162,12 @@ def _parser() -> argparse.ArgumentParser:
         help="requests in flight (default: the deployed orchestrator instances + 1); outputs are identical "
         "to a sequential run",
     )
+    add_dicomweb_arguments(predict)
     info = sub.add_parser("info", help="describe the deployed model")
     info.add_argument("--json", action="store_true", help="print the description as JSON")
     from nnunet_triton.validate.cli import add_parser as add_validate
 
-    for p in (predict, info, add_validate(sub)):
+    for p in (predict, info, add_validate(sub), add_listen_parser(sub)):
         p.add_argument(
             "--url",
             default=os.environ.get("NNUNET_TRITON_URL"),
@@ -179,15 +189,6 @@ def _outputs(out: Path, job: Job, args: argparse.Namespace) -> list[Path]:
     if args.save_probabilities:
         paths.append(out / f"{job.name}.npz")
     return paths
-
-
-def _segment_labels(description: Any, args: argparse.Namespace) -> Any:
-    from nnunet_triton.client.dicom import seg as dicom_seg
-
-    if args.dataset_json is not None:
-        dataset = json.loads(args.dataset_json.read_text())
-        return dicom_seg.segment_labels(dataset["labels"], dataset.get("regions_class_order"))
-    return dicom_seg.segment_labels(description.labels, description.published.get("regions_class_order"))
 
 
 @dataclass(frozen=True)
@@ -232,9 +233,10 @@ def _write(done: _Inferred, description: Any, args: argparse.Namespace) -> None:
     if args.save_probabilities:
         imageio.write_probabilities(result.probabilities, args.output / job.name, case.properties())
     if args.output_format == "dicom-seg":
-        from nnunet_triton.client.dicom.seg import write_dicom_seg
+        from nnunet_triton.client.dicom.seg import model_segment_labels, write_dicom_seg
 
-        write_dicom_seg(result.segmentation, done.volume, _segment_labels(description, args), target)
+        labels = model_segment_labels(description, args.dataset_json) or result.segmentation
+        write_dicom_seg(result.segmentation, done.volume, labels, target)
     else:
         imageio.write_segmentation(result.segmentation, target, case.geometry)
 
@@ -310,6 +312,13 @@ def _run_all(
 
 
 def predict(args: argparse.Namespace) -> int:
+    if is_dicomweb(args.input) or is_dicomweb(args.output) or args.study or args.series:
+        return predict_over_dicomweb(args, _predict_folders)
+    args.input, args.output = Path(args.input), Path(args.output)
+    return _predict_folders(args)
+
+
+def _predict_folders(args: argparse.Namespace) -> int:
     from nnunet_triton.client.client import NnunetClient
     from nnunet_triton.client.endpoint import describe_endpoint
 
@@ -370,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             from nnunet_triton.validate.cli import validate
 
             return validate(args, _url(args))
+        if args.command == "listen":
+            return listen(args, _url(args))
         return predict(args) if args.command == "predict" else info(args)
     except ClientError as exc:
         _say(f"nnunet-triton: server error: {exc}")

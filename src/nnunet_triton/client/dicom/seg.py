@@ -1,17 +1,22 @@
 """Write a label map as a DICOM Segmentation (highdicom) that references the source series.
 
-One segment per foreground label of dataset.json (segment label = the label's name; for region-based models
-one segment per region, value from ``regions_class_order``). The segmentation is BINARY (the most widely
-supported SEG type); frames follow the source images (one per single-frame file, or the source's frame order
-for an enhanced multi-frame image), so each frame references its source SOP instance.
+One segment per foreground label of dataset.json (segment label = the label's name; the ``ignore`` label
+and background have none). Region-based models get one segment per region, overlapping as regions do: a
+region covers the label-map values dataset.json lists for it (``"whole": [1, 2]`` covers values 1 and 2,
+``"core": 2`` value 2), which is what nnU-Net's ``regions_class_order`` export writes. The segmentation is
+BINARY (the most widely supported SEG type; any number of segments, also more than 255 labels); frames
+follow the source images (one per single-frame file, or the source's frame order for an enhanced
+multi-frame image), so each frame references its source SOP instance.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pydicom.uid import generate_uid
@@ -21,7 +26,8 @@ from nnunet_triton.client.dicom.volume import DicomVolume
 from nnunet_triton.client.imageio import atomic_output
 from nnunet_triton.errors import InputValidationError
 
-__all__ = ["SegmentLabel", "segment_labels", "write_dicom_seg", "PRIVATE_SCHEME"]
+__all__ = ["SegmentLabel", "segment_labels", "model_segment_labels", "generic_segment_labels",
+           "write_dicom_seg", "PRIVATE_SCHEME"]
 
 LOGGER = logging.getLogger(__name__)
 PRIVATE_SCHEME = "99NNUNET"  # private coding scheme for label names that have no standard code
@@ -30,11 +36,17 @@ MANUFACTURER = "nnunet_triton"
 
 @dataclass(frozen=True)
 class SegmentLabel:
-    """Segment ``number`` (1..N) holds the voxels whose label map value is ``value``."""
+    """Segment ``number`` (1..N), named ``name``, coded ``value``, holds the voxels whose label-map value is
+    one of ``members`` (just ``value`` for a plain label; the region's labels for a region)."""
 
     number: int
     value: int
     name: str
+    members: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            object.__setattr__(self, "members", (int(self.value),))
 
 
 def segment_labels(
@@ -42,11 +54,13 @@ def segment_labels(
 ) -> tuple[SegmentLabel, ...]:
     """Segments for dataset.json ``labels`` (background and ``ignore`` left out), numbered in label order.
 
-    Region-based models (list values) need ``regions_class_order``: region ``i`` is written as value
-    ``regions_class_order[i]`` (nnU-Net's ``convert_probabilities_to_segmentation``).
+    Region-based models (list values) need ``regions_class_order``: region ``i`` is coded
+    ``regions_class_order[i]`` (the value nnU-Net's ``convert_probabilities_to_segmentation`` writes) and
+    covers the label-map values of its dataset.json entry.
     """
     foreground = [(n, v) for n, v in labels.items() if n != "ignore" and v not in (0, [0], (0,))]
-    is_regions = any(isinstance(v, list | tuple) and len(v) > 1 for _, v in foreground)
+    members = [tuple(int(x) for x in v) if isinstance(v, list | tuple) else (int(v),) for _, v in foreground]
+    is_regions = any(len(m) > 1 for m in members)
     if is_regions:
         if regions_class_order is None or len(regions_class_order) != len(foreground):
             raise InputValidationError(
@@ -55,9 +69,39 @@ def segment_labels(
             )
         values = [int(v) for v in regions_class_order]
     else:
-        values = [int(v[0] if isinstance(v, list | tuple) else v) for _, v in foreground]
-    ordered = sorted(zip(values, (n for n, _ in foreground), strict=True))
-    return tuple(SegmentLabel(number=k + 1, value=v, name=n) for k, (v, n) in enumerate(ordered))
+        values = [m[0] for m in members]
+    ordered = sorted(zip(values, (n for n, _ in foreground), members, strict=True))
+    return tuple(SegmentLabel(number=k + 1, value=v, name=n, members=m)
+                 for k, (v, n, m) in enumerate(ordered))
+
+
+def model_segment_labels(description: Any, dataset_json: Path | None = None) -> tuple[SegmentLabel, ...]:
+    """The segments of a served model: from ``dataset_json`` when given, else from the labels the endpoint
+    publishes (``EndpointDescription``, regions understood); ``()`` when neither is known."""
+    if dataset_json is not None:
+        dataset = json.loads(Path(dataset_json).read_text())
+        return segment_labels(dataset["labels"], dataset.get("regions_class_order"))
+    if description is not None and description.published.get("labels"):
+        return segment_labels(description.labels, description.published.get("regions_class_order"))
+    return ()
+
+
+def generic_segment_labels(segmentation: np.ndarray) -> tuple[SegmentLabel, ...]:
+    """``label_<v>`` segments for the values present, when the model's labels are not known."""
+    values = sorted(int(v) for v in np.unique(segmentation) if v != 0)
+    return tuple(SegmentLabel(number=k + 1, value=v, name=f"label_{v}") for k, v in enumerate(values))
+
+
+def _segment_frames(seg: np.ndarray, labels: Sequence[SegmentLabel]) -> np.ndarray:
+    """highdicom's BINARY input: segment numbers ``(z, y, x)`` when segments are disjoint and fewer than 256,
+    else one boolean plane per segment ``(z, y, x, n)`` (overlapping regions, many labels)."""
+    flat = [v for s in labels for v in s.members]
+    if len(flat) == len(set(flat)) and len(labels) < 256:
+        lookup = np.zeros(max(flat + [int(seg.max(initial=0))]) + 1, dtype=np.uint8)
+        for s in labels:
+            lookup[list(s.members)] = s.number
+        return lookup[seg]
+    return np.stack([np.isin(seg, s.members) for s in labels], axis=-1)
 
 
 def _frames_in_source_order(segmentation: np.ndarray, volume: DicomVolume) -> np.ndarray:
@@ -90,7 +134,12 @@ def write_dicom_seg(
     algorithm_name: str = "nnU-Net",
     algorithm_version: str = __version__,
 ) -> Path:
-    """Write ``segmentation`` (``(z, y, x)``, label values, shaped like ``volume.data``) as DICOM-SEG."""
+    """Write ``segmentation`` (``(z, y, x)``, label values, shaped like ``volume.data``) as DICOM-SEG.
+
+    ``labels`` may also be the segmentation itself: then each value present becomes ``label_<v>``.
+    """
+    if isinstance(labels, np.ndarray):
+        labels = generic_segment_labels(labels)
     import highdicom as hd
     from pydicom.sr.codedict import codes
 
@@ -100,13 +149,10 @@ def write_dicom_seg(
             f"DICOM-SEG: segmentation shape {seg.shape} != source volume shape "
             f"{volume.data.shape} (series {volume.series_instance_uid})."
         )
-    unknown = sorted(set(np.unique(seg).tolist()) - {0} - {s.value for s in labels})
+    unknown = sorted(set(np.unique(seg).tolist()) - {0} - {v for s in labels for v in s.members})
     if unknown:
         raise InputValidationError(f"DICOM-SEG: label values {unknown} have no segment in {list(labels)}.")
-    lookup = np.zeros(max([s.value for s in labels] + [int(seg.max(initial=0))]) + 1, dtype=np.uint16)
-    for s in labels:
-        lookup[s.value] = s.number
-    numbers = lookup[seg].astype(np.uint8 if len(labels) < 256 else np.uint16)
+    numbers = _segment_frames(seg, labels)
     algorithm = hd.AlgorithmIdentificationSequence(
         name=algorithm_name, family=codes.cid7162.ArtificialIntelligence, version=algorithm_version
     )
