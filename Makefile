@@ -44,7 +44,7 @@ SERVER := $(VENV)/bin/nnunet-triton-server
 SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
-.PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy demo validate perf \
+.PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy demo pacs-demo validate perf \
 	perf-defaults soak
 
 help: ## Show this help
@@ -104,6 +104,9 @@ status: $(SETUP_STAMP) ## Print the state and health of the server started by `m
 
 demo: $(SETUP_STAMP) ## From nothing: build the fixture model's repository, serve it, segment one image with one endpoint call, stop
 	$(PY) tools/demo.py $(if $(MODEL),--model $(MODEL)) $(if $(FOLDS),--folds $(FOLDS))
+
+pacs-demo: $(SETUP_STAMP) ## A real Orthanc PACS (apt), the served fixture and `nnunet-triton listen`: route a CT study to the node, see the DICOM-SEG arrive, then the same over DICOMweb (PACS_ARGS=--keep)
+	$(PY) -m tools.pacs_demo $(PACS_ARGS)
 
 validate: $(SETUP_STAMP) ## Build MODEL=<results folder>, serve it, compare it with nnU-Net on INPUT=<cases> [FOLDS="0 1"] [VALIDATE_ARGS="--exact"] -> build/validate/report, stop
 	$(PY) -m tools.validate --model "$(MODEL)" --input "$(INPUT)" $(if $(FOLDS),--folds $(FOLDS)) -- $(VALIDATE_ARGS)

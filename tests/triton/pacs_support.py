@@ -1,155 +1,20 @@
-"""A real Orthanc PACS (Debian's ``orthanc`` + ``orthanc-dicomweb``) on free loopback ports, for the tests.
-
-Installed with apt when missing and this runs as root (about 10 s); the tests skip with the reason
-otherwise. Orthanc runs unprivileged-style from a JSON config in a temporary folder: HTTP (REST and
-DICOMweb under ``/dicom-web/``) with basic authentication, DICOM with AE title ``ORTHANC`` (called AE
-titles are checked), and one modality ``nnunet`` (AE ``NNUNET``) that the node tests route studies to.
-"""
+"""The real Orthanc of the PACS tests (``tools/orthanc.py``); skipped with the reason where it cannot run."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
-from base64 import b64encode
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-PLUGIN = Path("/usr/share/orthanc/plugins/libOrthancDicomWeb.so")
-USER, PASSWORD = "nnunet", "pacs-secret"
-AE_TITLE = "ORTHANC"
-NODE_AE = "NNUNET"
+from tools.orthanc import NODE_AE, PASSWORD, USER, Orthanc, ensure_orthanc, free_port, stop_orthanc
+from tools.orthanc import start_orthanc as _start
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def orthanc_binary() -> str:
-    found = shutil.which("Orthanc")
-    if (found is None or not PLUGIN.is_file()) and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "orthanc",
-                        "orthanc-dicomweb"], check=False, capture_output=True, timeout=600,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        found = shutil.which("Orthanc")
-    if found is None or not PLUGIN.is_file():
-        pytest.skip("Orthanc (Debian packages orthanc, orthanc-dicomweb) is not installed and cannot be "
-                    "installed here (needs root and apt-get)")
-    return found
-
-
-@dataclass
-class Orthanc:
-    """A running Orthanc: REST/DICOMweb root, DICOM port, and the node port of its ``nnunet`` modality."""
-
-    http_port: int
-    dicom_port: int
-    node_port: int
-    process: subprocess.Popen
-    log: Path
-
-    @property
-    def rest(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def dicomweb(self) -> str:
-        return f"dicomweb://127.0.0.1:{self.http_port}/dicom-web"
-
-    @property
-    def store_destination(self) -> str:
-        return f"{AE_TITLE}@127.0.0.1:{self.dicom_port}"
-
-    def request(self, method: str, path: str, body: bytes | None = None) -> Any:
-        request = urllib.request.Request(self.rest + path, data=body, method=method)
-        request.add_header("Authorization", "Basic " + b64encode(f"{USER}:{PASSWORD}".encode()).decode())
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(request, timeout=120) as response:
-            text = response.read()
-        return json.loads(text) if text.strip() else None
-
-    def upload(self, paths: Iterator[Path] | list[Path]) -> list[str]:
-        """POST each file to /instances; returns the Orthanc series ids."""
-        series = set()
-        for path in paths:
-            answer = self.request("POST", "/instances", Path(path).read_bytes())
-            series.add(answer["ParentSeries"])
-        return sorted(series)
-
-    def series_of_study(self, study_uid: str) -> list[dict[str, Any]]:
-        """Orthanc's series records (MainDicomTags) of the study ``study_uid`` (none if unknown)."""
-        found = self.request("POST", "/tools/find", json.dumps(
-            {"Level": "Series", "Query": {"StudyInstanceUID": study_uid}, "Expand": True}).encode())
-        return found or []
-
-    def wait_for_seg(self, study_uid: str, timeout_s: float = 180.0) -> list[bytes]:
-        """The DICOM-SEG file(s) of the study, waiting until one arrives."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            segs = [s for s in self.series_of_study(study_uid) if s["MainDicomTags"].get("Modality") == "SEG"]
-            if segs:
-                return [self._file(i) for s in segs for i in s["Instances"]]
-            time.sleep(0.5)
-        raise AssertionError(f"no DICOM-SEG arrived in study {study_uid} within {timeout_s} s; log:\n"
-                             + self.log.read_text()[-3000:])
-
-    def _file(self, instance: str) -> bytes:
-        request = urllib.request.Request(f"{self.rest}/instances/{instance}/file")
-        request.add_header("Authorization", "Basic " + b64encode(f"{USER}:{PASSWORD}".encode()).decode())
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(request, timeout=120) as response:
-            return response.read()
+__all__ = ["NODE_AE", "PASSWORD", "USER", "Orthanc", "free_port", "start_orthanc", "stop_orthanc"]
 
 
 def start_orthanc(folder: Path) -> Orthanc:
-    binary = orthanc_binary()
-    http_port, dicom_port, node_port = free_port(), free_port(), free_port()
-    for name in ("storage", "index"):
-        (folder / name).mkdir(parents=True, exist_ok=True)
-    config = {
-        "Name": "nnunet-triton-tests", "StorageDirectory": str(folder / "storage"),
-        "IndexDirectory": str(folder / "index"), "HttpPort": http_port, "DicomPort": dicom_port,
-        "DicomAet": AE_TITLE, "DicomCheckCalledAet": True, "RemoteAccessAllowed": False,
-        "AuthenticationEnabled": True, "RegisteredUsers": {USER: PASSWORD},
-        "Plugins": [str(PLUGIN)], "DicomWeb": {"Enable": True, "Root": "/dicom-web/"},
-        "DicomModalities": {"nnunet": [NODE_AE, "127.0.0.1", node_port]},
-        "DicomAlwaysAllowStore": True, "DicomAlwaysAllowEcho": True, "StableAge": 1, "HttpThreadsCount": 8,
-    }
-    (folder / "orthanc.json").write_text(json.dumps(config, indent=2))
-    log = folder / "orthanc.log"
-    process = subprocess.Popen([binary, str(folder / "orthanc.json")], stdout=log.open("w"),
-                               stderr=subprocess.STDOUT, cwd=folder)
-    orthanc = Orthanc(http_port, dicom_port, node_port, process, log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"Orthanc exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            plugins = orthanc.request("GET", "/plugins")
-            if "dicom-web" in plugins:
-                return orthanc
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.3)
-    process.kill()
-    raise RuntimeError(f"Orthanc did not answer within 60 s:\n{log.read_text()[-3000:]}")
-
-
-def stop_orthanc(orthanc: Orthanc) -> None:
-    orthanc.process.terminate()
-    try:
-        orthanc.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        orthanc.process.kill()
-        orthanc.process.wait(timeout=30)
+    binary = ensure_orthanc()
+    if binary is None:
+        pytest.skip("Orthanc (Debian packages orthanc, orthanc-dicomweb) is not installed and cannot be "
+                    "installed here (needs root and apt-get)")
+    return _start(folder, binary)

@@ -160,3 +160,19 @@ def test_generic_segment_labels_name_each_value_present():
     seg = np.array([[0, 3], [7, 3]], np.uint8)
     assert dicom_seg.generic_segment_labels(seg) == (SegmentLabel(1, 3, "label_3"),
                                                      SegmentLabel(2, 7, "label_7"))
+
+
+def _description(published):
+    from nnunet_triton.client.endpoint import EndpointDescription
+
+    return EndpointDescription(url="x", model_name="nnunet", server_version="2.51.0", num_channels=1,
+                               num_heads=2, segmentation_dtype="UINT8", composing_models=(), fold_models=(),
+                               published=published)
+
+
+def test_model_segment_labels_understand_the_regions_a_server_publishes():
+    # the case: labels published with regions; the SEG must have a segment per region
+    published = {"labels": {"background": 0, "whole": [1, 2], "core": 2}, "regions_class_order": [1, 2]}
+    labels = dicom_seg.model_segment_labels(_description(published))
+    assert [(s.name, s.members) for s in labels] == [("whole", (1, 2)), ("core", (2,))]
+    assert dicom_seg.model_segment_labels(_description({})) == ()  # unknown: label_<v> per value instead

@@ -3,6 +3,9 @@
     nnunet-triton predict -i IN -o OUT [--url HOST:PORT] [--protocol http|grpc] [--disable-tta]
         [--step-size 0.5] [-f 0 1] [--save-probabilities] [--continue-prediction]
         [--output-format nifti|nrrd|mha|dicom-seg] [--concurrency N]
+    nnunet-triton predict -i dicomweb://HOST/ROOT --study UID [--series UID] -o dicomweb://HOST/ROOT|OUT ...
+    nnunet-triton listen --ae-title NNUNET --port 11112 --spool DIR --destination AET@HOST:PORT|dicomweb://...
+        (DICOMweb and the DICOM node: see nnunet_triton.client.pacs_cli)
     nnunet-triton info [--url HOST:PORT] [--protocol http|grpc] [--json]
     nnunet-triton validate (--model RESULTS_FOLDER | --against REFERENCE_SET) -i IN [--record DIR]
         [--min-dice 0.999 | --exact] [--probabilities] [--report DIR]   (see nnunet_triton.validate)

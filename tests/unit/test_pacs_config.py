@@ -1,0 +1,61 @@
+"""DICOMweb locations, credentials and node destinations: parsed, validated, secrets kept out of reprs."""
+
+from __future__ import annotations
+
+import pytest
+
+from nnunet_triton.client.dicom.node import (
+    DicomWebDestination,
+    NodeConfig,
+    StoreDestination,
+    parse_destination,
+)
+from nnunet_triton.client.dicom.web import DicomWebAuth, DicomWebLocation, is_dicomweb
+from nnunet_triton.errors import ClientError, PacsError
+
+
+@pytest.mark.parametrize(("text", "url"), [
+    ("dicomweb://pacs:8042/dicom-web", "http://pacs:8042/dicom-web"),
+    ("dicomwebs://pacs.hospital.org/wado/rs/", "https://pacs.hospital.org/wado/rs"),
+    ("DICOMWEB://10.0.0.5:80/", "http://10.0.0.5:80"),
+])
+def test_dicomweb_location_maps_to_the_http_root(text, url):
+    assert is_dicomweb(text)
+    assert DicomWebLocation.parse(text).url == url
+
+
+@pytest.mark.parametrize("text", ["http://pacs/dicom-web", "dicomweb:///dicom-web", "pacs:8042"])
+def test_dicomweb_location_refuses_other_schemes_and_no_host(text):
+    with pytest.raises(PacsError, match="must look like dicomweb://HOST"):
+        DicomWebLocation.parse(text)
+
+
+def test_dicomweb_auth_refuses_ambiguous_or_half_credentials_and_hides_secrets(tmp_path, monkeypatch):
+    with pytest.raises(PacsError, match="either a user and password or a bearer token"):
+        DicomWebAuth(user="u", password="p", token="t")
+    with pytest.raises(PacsError, match="needs both a user and a password"):
+        DicomWebAuth(user="u")
+    with pytest.raises(PacsError, match="CA file .* does not exist"):
+        DicomWebAuth(ca_file=tmp_path / "missing.pem")
+    monkeypatch.setenv("NNUNET_TRITON_DICOMWEB_TOKEN", "s3cr3t-token")
+    auth = DicomWebAuth.from_env()
+    assert auth.token == "s3cr3t-token" and "s3cr3t" not in repr(auth)
+    assert "hunter2" not in repr(DicomWebAuth(user="u", password="hunter2"))
+    assert issubclass(PacsError, ClientError)  # the CLI reports it as a server-side problem (exit 2)
+
+
+def test_destination_is_a_store_scp_or_a_dicomweb_service():
+    assert parse_destination("ORTHANC@pacs:4242", calling_ae="NNUNET") == StoreDestination(
+        "ORTHANC", "pacs", 4242, calling_ae="NNUNET")
+    assert isinstance(parse_destination("dicomweb://pacs:8042/dicom-web"), DicomWebDestination)
+    for bad in ("ORTHANC@pacs", "pacs:4242", "A_TITLE_LONGER_THAN_16@pacs:4242"):
+        with pytest.raises(PacsError, match="AET@HOST:PORT"):
+            parse_destination(bad)
+
+
+def test_node_config_refuses_a_bad_ae_title_or_timing(tmp_path):
+    base = dict(port=11112, spool=tmp_path, destination=parse_destination("PACS@h:104"), segment=lambda v: v)
+    with pytest.raises(PacsError, match="AE title must have 1 to 16 characters"):
+        NodeConfig(ae_title="X" * 17, **base)
+    with pytest.raises(PacsError, match="idle timeout must be > 0"):
+        NodeConfig(ae_title="NNUNET", idle_timeout_s=0, **base)
