@@ -134,3 +134,14 @@ def identity_server(triton_server: Callable[..., Any], identity_model_repository
     """One embedded server with the identity model, shared by the whole session."""
     with triton_server(identity_model_repository) as handle:
         yield handle
+
+
+@pytest.fixture(params=["numpy", "cupy"])
+def xp(request: pytest.FixtureRequest) -> Any:
+    """The array backend of a numerics test: NumPy, and CuPy where a usable GPU answers (else skipped).
+
+    One fixture for every numerics test module (tests/unit/parity_support.py decides whether CuPy can run).
+    """
+    from tests.unit.parity_support import xp_from_param
+
+    return xp_from_param(request.param)

@@ -195,6 +195,21 @@ def parse_log(text: str) -> dict[str, float]:
     return metrics
 
 
+# perf_analyzer's error when the server-side statistics it reads lack a composing model's version; it
+# happened once in a full suite run under load and never alone, so one retry separates it from a real failure
+STATS_RACE = "failed to find the requested model version"
+
+
+def _attempt(args: Sequence[str], timeout_s: float) -> tuple[int, str]:
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, check=False)
+        return proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        partial = [s.decode(errors="replace") if isinstance(s, bytes) else s
+                   for s in (exc.stdout, exc.stderr) if s]
+        return 124, "".join(partial) + f"\nTIMEOUT after {timeout_s:.0f} s"
+
+
 def run(settings: AnalyzerSettings, out_dir: Path, label: str, *, timeout_s: float,
         binary: Path | None = None) -> AnalyzerResult:
     """Run perf_analyzer once; the CSV and the full log go to ``out_dir/<label>.{csv,log}``."""
@@ -203,14 +218,11 @@ def run(settings: AnalyzerSettings, out_dir: Path, label: str, *, timeout_s: flo
     csv_path.unlink(missing_ok=True)
     args = command(settings, csv_path, binary=binary)
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, check=False)
-        returncode, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        returncode = 124
-        partial = [s.decode(errors="replace") if isinstance(s, bytes) else s
-                   for s in (exc.stdout, exc.stderr) if s]
-        output = "".join(partial) + f"\nTIMEOUT after {timeout_s:.0f} s"
+    returncode, output = _attempt(args, timeout_s)
+    if returncode == 99 and STATS_RACE in output:  # seen once on a loaded 2-core machine; retried once
+        first = output
+        returncode, output = _attempt(args, timeout_s)
+        output = f"{first}\n--- retried once after perf_analyzer's '{STATS_RACE}' ---\n{output}"
     wall = time.perf_counter() - start
     log_path.write_text(shell_command(args, _REPO_ROOT) + "\n\n" + output)
     metrics: dict[str, float] = {}

@@ -280,8 +280,12 @@ class DicomNode:
         LOGGER.info("series %s: DICOM-SEG sent", uid)
 
     def _resend_outgoing(self) -> None:
+        """Send the SEGs a previous run wrote but did not send; a series still in incoming/ is segmented
+        again instead (its SEG may predate instances received since)."""
         for seg_path in sorted(self.outgoing.glob("*.dcm")):
             uid = seg_path.stem
+            if (self.incoming / uid).is_dir():
+                continue
             try:
                 self._send(uid, seg_path)
             except (ClientError, OSError) as exc:
