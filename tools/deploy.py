@@ -146,7 +146,7 @@ def _docker_spec(args: argparse.Namespace, info: deploy.RepositoryInfo) -> docke
              "metrics_port": args.metrics_port or 8002}
     return docker.DeploySpec(info=info, plan=plan, repository=str(args.out.absolute()),
                              triton_release=args.triton_release, gpus=tuple(args.gpus),
-                             image_torch_version=args.image_torch_version, **ports)
+                             image_torch_version=args.image_torch_version, publish_host=args.host, **ports)
 
 
 def _run(commands: list[tuple[str, ...]], execute: bool, tool: str = "docker") -> None:
@@ -265,7 +265,9 @@ def _parser(undeploy: bool) -> argparse.ArgumentParser:
     p.add_argument("--tile-batch-size", type=int, default=4)
     p.add_argument("--fold-instances", type=int, default=1)
     p.add_argument("--orchestrator-instances", type=int, default=1)
-    p.add_argument("--host", default="127.0.0.1", help="embedded: bind address")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="embedded: bind address; docker: host address the ports are published on "
+                        "(0.0.0.0 for the network)")
     for name in ("http", "grpc", "metrics"):
         p.add_argument(f"--{name}-port", type=int, default=None,
                        help="embedded: default a free port; docker: host port (default 8000/8001/8002)")

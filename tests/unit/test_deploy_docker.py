@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -135,11 +136,11 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
         "--ulimit",
         "stack=67108864",
         "--publish",
-        "18000:8000",
+        "127.0.0.1:18000:8000",
         "--publish",
-        "8001:8001",
+        "127.0.0.1:8001:8001",
         "--publish",
-        "8002:8002",
+        "127.0.0.1:8002:8002",
         "--volume",
         "/srv/repo:/models:ro",
     )
@@ -268,3 +269,13 @@ print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() if n.startswi
         check=False,
     )
     assert check.returncode == 0, check.stdout
+
+
+def test_docker_run_publishes_on_loopback_unless_a_network_address_is_given(tmp_path: Path) -> None:
+    def published(spec) -> list[str]:
+        argv = docker.docker_run_command(spec)
+        return [argv[i + 1] for i, arg in enumerate(argv) if arg == "--publish"]
+
+    spec = docker_spec(tmp_path)
+    assert published(spec) == ["127.0.0.1:8000:8000", "127.0.0.1:8001:8001", "127.0.0.1:8002:8002"]
+    assert published(replace(spec, publish_host="0.0.0.0"))[0] == "0.0.0.0:8000:8000"

@@ -32,6 +32,8 @@ Tolerance (max |reloaded - eager| <= rel * max(1, max |eager|)):
         (TorchScript's CPU fuser is off by default), so the results are bit-identical; measured 0.0.
     cuda fp32: 1e-3 -- cuDNN may choose a different convolution algorithm (and TF32) per call.
     fp16: 1e-2 -- a few fp16 ulps (eps 9.8e-4) per layer from algorithm choice.
+The eager network runs as nnU-Net runs it (under autocast for fp16); the reloaded file runs without
+autocast, as Triton's libtorch backend and the Python runner run it.
 
 TorchScript compatibility: a file saved by a newer torch may not load in an older libtorch. Triton
 24.10's libtorch is PyTorch 2.5; export with ``torch==2.5.x`` for the ``pytorch_libtorch`` runner.
@@ -213,9 +215,19 @@ def _load_traced(path: Path, device: str) -> Any:
 
 
 def _forward(module: Any, x: Any, options: ExportOptions) -> Any:
+    """The eager network as nnU-Net runs it: under CUDA autocast for fp16."""
     import torch
 
     with torch.inference_mode(), _autocast(options):
+        return module(x)
+
+
+def _forward_traced(module: Any, x: Any) -> Any:
+    """The saved file as Triton's libtorch backend and the Python runner run it: no autocast (the fp16
+    trace carries its casts), so the checks see what the server will compute."""
+    import torch
+
+    with torch.inference_mode():
         return module(x)
 
 
@@ -232,7 +244,7 @@ def _check_reloaded(eager: Any, reloaded: Any, sample_shape: tuple[int, ...], op
     for batch_size in (options.trace_batch_size, *options.check_batch_sizes):
         x = _random_input(batch_size, sample_shape, seed=options.seed + batch_size, device=options.device)
         expected = _forward(eager, x, options)
-        runs = [_forward(reloaded, x, options) for _ in range(options.check_runs)]
+        runs = [_forward_traced(reloaded, x) for _ in range(options.check_runs)]
         worst = max(_max_abs_diff(y, expected) for y in runs)
         tolerance = max(tolerance, options.relative_tolerance * max(1.0, float(expected.float().abs().max())))
         diffs.append((batch_size, worst))
@@ -246,8 +258,8 @@ def _batch_vs_single(module: Any, sample_shape: tuple[int, ...], options: Export
 
     batch_size = max(options.trace_batch_size, *options.check_batch_sizes)
     x = _random_input(batch_size, sample_shape, seed=options.seed + 1000, device=options.device)
-    batched = _forward(module, x, options)
-    singles = torch.cat([_forward(module, x[i:i + 1], options) for i in range(batch_size)])
+    batched = _forward_traced(module, x)
+    singles = torch.cat([_forward_traced(module, x[i:i + 1]) for i in range(batch_size)])
     return _max_abs_diff(batched, singles)
 
 
@@ -363,7 +375,7 @@ def _check_patch(eager: Any, reloaded: Any, sample_shape: tuple[int, ...], optio
     x = _random_input(1, sample_shape, seed=options.seed + 2000, device=options.device)
     expected = _forward(eager, x, options)
     try:
-        got = _forward(reloaded, x, options)
+        got = _forward_traced(reloaded, x)
     except RuntimeError as exc:
         raise ExportError(f"fold {fold}: the traced network fails at the patch size {list(sample_shape)}: "
                           f"{exc}") from None

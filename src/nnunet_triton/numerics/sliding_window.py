@@ -142,6 +142,8 @@ class LogitAccumulator:
         self._weights = xp.zeros(shape, dtype=xp.float16)
         if use_gaussian and gaussian is None:
             gaussian = compute_gaussian(self._patch, xp=xp)
+        elif gaussian is not None:
+            gaussian = xp.asarray(gaussian)  # a NumPy map shared across requests, on the data's device
         if gaussian is not None and (tuple(gaussian.shape) != self._patch or gaussian.dtype != xp.float16):
             raise InputValidationError(
                 f"gaussian must be float16 with shape patch_size {self._patch}, "

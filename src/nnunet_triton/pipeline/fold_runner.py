@@ -114,6 +114,8 @@ def load_runner(
         )
     if num_threads:
         torch.set_num_threads(num_threads)
+    if str(device).startswith("cuda"):
+        torch.backends.cudnn.benchmark = True  # as nnUNetPredictor: the tile shape never changes
     with warnings.catch_warnings():  # newer torch warns that TorchScript is deprecated
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.", category=FutureWarning)
         module = torch.jit.load(str(path), map_location=device)

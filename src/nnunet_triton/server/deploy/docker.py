@@ -61,6 +61,8 @@ class DeploySpec:
         repository: host path of the built repository (bind-mounted read-only at ``/models``).
         gpus: host GPU ids given to the container; empty = CPU-only host (no ``--gpus``).
         http_port, grpc_port, metrics_port: host ports published for the container's 8000/8001/8002.
+        publish_host: the host address they are published on: loopback by default, like the embedded
+            server (``0.0.0.0`` opens them to the network; docker's own default would).
         image_torch_version: libtorch (or pip torch) major.minor override for releases not in
             ``TRITON_RELEASES``.
         startup_timeout_s: model loading + warm-up allowance (docker health start period, k8s startup probe).
@@ -76,6 +78,7 @@ class DeploySpec:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
+    publish_host: str = "127.0.0.1"
     runner_torch_version: str = DEFAULT_RUNNER_TORCH
     image_torch_version: str | None = None
     exit_timeout_s: int = 30
@@ -202,7 +205,7 @@ def docker_run_command(spec: DeploySpec) -> tuple[str, ...]:
     check_image_compatible(spec)
     ports = {"http": spec.http_port, "grpc": spec.grpc_port, "metrics": spec.metrics_port}
     publish = [part for name, host_port in ports.items()
-               for part in ("--publish", f"{host_port}:{CONTAINER_PORTS[name]}")]
+               for part in ("--publish", f"{spec.publish_host}:{host_port}:{CONTAINER_PORTS[name]}")]
     return (
         "docker", "run", "--detach", "--name", spec.container_name, "--restart", "unless-stopped",
         *_gpus_flag(spec.gpus),
