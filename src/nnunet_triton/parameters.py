@@ -78,6 +78,11 @@ def _force_cpu(params: Mapping[str, str]) -> bool:
     return params.get(FORCE_CPU_ONLY_INPUT_TENSORS, "yes").strip().lower() != "no"
 
 
+def _pipeline_fields(params: Mapping[str, str]) -> dict[str, bool]:
+    """The :class:`PipelineParameters` fields every pipeline model's parameters start with."""
+    return {"force_cpu_inputs": _force_cpu(params), "metrics": _bool(params, PARAM_METRICS, True)}
+
+
 def _common(force_cpu_inputs: bool, metrics: bool | None) -> dict[str, str]:
     # "no" lets GPU tensors reach the Python models where they live (triton.md 1.4); on cpu the default
     # "yes" is written out so the config says what happens. metrics: written only when off.
@@ -104,7 +109,7 @@ class PipelineParameters:
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> PipelineParameters:
-        return cls(force_cpu_inputs=_force_cpu(params), metrics=_bool(params, PARAM_METRICS, True))
+        return cls(**_pipeline_fields(params))
 
 
 @dataclass(frozen=True)
@@ -120,8 +125,7 @@ class PreprocessParameters(PipelineParameters):
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> PreprocessParameters:
-        common = PipelineParameters.from_parameters(params)
-        return cls(force_cpu_inputs=common.force_cpu_inputs, metrics=common.metrics,
+        return cls(**_pipeline_fields(params),
                    max_voxels=_int(params, MAX_VOXELS_PARAMETER, DEFAULT_MAX_VOXELS, 0),
                    max_request_bytes=_int(params, MAX_REQUEST_BYTES_PARAMETER, DEFAULT_MAX_REQUEST_BYTES, 0))
 
@@ -140,9 +144,8 @@ class OrchestratorParameters(PipelineParameters):
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> OrchestratorParameters:
-        common = PipelineParameters.from_parameters(params)
         names = tuple(n.strip() for n in params.get(PARAM_FOLD_MODELS, "").split(",") if n.strip())
-        return cls(force_cpu_inputs=common.force_cpu_inputs, metrics=common.metrics, fold_models=names,
+        return cls(**_pipeline_fields(params), fold_models=names,
                    tile_batch_size=_int(params, PARAM_TILE_BATCH_SIZE, None, 1),
                    max_inflight=_int(params, PARAM_MAX_INFLIGHT, None, 1))
 
@@ -167,7 +170,6 @@ class StitchParameters(PipelineParameters):
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> StitchParameters:
-        common = PipelineParameters.from_parameters(params)
         raw = params.get(PARAM_PROBABILITIES_OUTPUT, "").strip() or ProbabilitiesOutput.REQUEST.value
         try:
             mode = ProbabilitiesOutput(raw)
@@ -176,7 +178,7 @@ class StitchParameters(PipelineParameters):
                 f"config parameter {PARAM_PROBABILITIES_OUTPUT!r} must be one of "
                 f"{tuple(m.value for m in ProbabilitiesOutput)}, got {raw!r}."
             ) from None
-        return cls(force_cpu_inputs=common.force_cpu_inputs, metrics=common.metrics,
+        return cls(**_pipeline_fields(params),
                    probabilities_output=mode)
 
 

@@ -167,8 +167,9 @@ class BuildOptions:
         return self.target is not Target.GPU
 
     @property
-    def pipeline_parameters(self) -> PipelineParameters:
-        return PipelineParameters(force_cpu_inputs=self.force_cpu_inputs, metrics=self.metrics)
+    def pipeline_fields(self) -> dict[str, bool]:
+        """The :class:`~nnunet_triton.parameters.PipelineParameters` fields these options set."""
+        return {"force_cpu_inputs": self.force_cpu_inputs, "metrics": self.metrics}
 
 
 def segmentation_dtype(config: InferenceConfig) -> str:
@@ -194,7 +195,7 @@ def _python_spec(name: str, options: BuildOptions, count: int, *, inputs: tuple[
         inputs=inputs,
         outputs=outputs,
         instance_groups=(InstanceGroup(count=count, kind=options.instance_kind, gpus=options.gpus),),
-        parameters=(parameters or options.pipeline_parameters).to_config(),
+        parameters=(parameters or PipelineParameters(**options.pipeline_fields)).to_config(),
     )
 
 
@@ -219,7 +220,7 @@ def preprocess_spec(config: InferenceConfig, options: BuildOptions) -> ModelSpec
             TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.network.num_input_channels)),
             TensorSpec(io_names.CASE_PROPERTIES, "FP64", (_VARIABLE,)),
         ),
-        parameters=PreprocessParameters(force_cpu_inputs=options.force_cpu_inputs, metrics=options.metrics,
+        parameters=PreprocessParameters(**options.pipeline_fields,
                                         max_voxels=options.max_voxels,
                                         max_request_bytes=options.max_request_bytes),
     )
@@ -233,7 +234,7 @@ def orchestrator_spec(config: InferenceConfig, options: BuildOptions, *, prefix:
         inputs=(TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.network.num_input_channels)),),
         outputs=(TensorSpec(io_names.LOGITS, "FP16", _image_dims(config.labels.num_segmentation_heads)),),
         parameters=OrchestratorParameters(
-            force_cpu_inputs=options.force_cpu_inputs, metrics=options.metrics,
+            **options.pipeline_fields,
             fold_models=tuple(prefix + io_names.fold_model_name(f) for f in config.folds),
             tile_batch_size=options.tile_batch_size, max_inflight=options.max_inflight),
     )
@@ -253,7 +254,7 @@ def stitch_spec(config: InferenceConfig, options: BuildOptions, *,
             TensorSpec(io_names.SEGMENTATION, segmentation_dtype(config), _spatial_dims()),
             TensorSpec(io_names.PROBABILITIES, "FP32", _image_dims(heads)),
         ),
-        parameters=StitchParameters(force_cpu_inputs=options.force_cpu_inputs, metrics=options.metrics,
+        parameters=StitchParameters(**options.pipeline_fields,
                                     probabilities_output=probabilities),
     )
 

@@ -150,13 +150,11 @@ def listen(args: argparse.Namespace, url: str) -> int:
 
     logging.getLogger("pynetdicom").setLevel(logging.WARNING)  # its INFO/DEBUG output dumps datasets
     description = describe_endpoint(url, args.protocol, timeout_s=min(args.timeout, 60.0))
-    lock = threading.Lock()
-    client = NnunetClient(url, protocol=args.protocol, timeout_s=args.timeout)
+    client = NnunetClient(url, protocol=args.protocol, timeout_s=args.timeout)  # for the node's one worker
 
     def segment(volume: Any) -> Any:
         case = volume.image_case()
-        with lock:
-            result = segment_with_retry(client, case.data, case.spacing, mirroring=not args.disable_tta)
+        result = segment_with_retry(client, case.data, case.spacing, mirroring=not args.disable_tta)
         return result.segmentation
 
     destination = parse_destination(args.destination, calling_ae=args.ae_title, auth=_auth(args))

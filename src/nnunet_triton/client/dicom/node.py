@@ -33,6 +33,7 @@ from nnunet_triton.client.dicom.seg import SegmentLabel, generic_segment_labels,
 from nnunet_triton.client.dicom.volume import DicomOptions, read_series, scan_folder
 from nnunet_triton.client.dicom.web import DicomWebAuth, DicomWebLocation, is_dicomweb, store_files
 from nnunet_triton.client.endpoint import is_unavailable
+from nnunet_triton.client.imageio import atomic_output, remove_stale_partials
 from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError, PacsError
 
 __all__ = ["StoreDestination", "DicomWebDestination", "parse_destination", "NodeConfig", "DicomNode"]
@@ -167,12 +168,9 @@ class DicomNode:
         if series is None or sop is None:
             LOGGER.warning("refused an instance without valid SeriesInstanceUID/SOPInstanceUID")
             return STATUS_CANNOT_UNDERSTAND
-        target = self.incoming / series / f"{sop}.dcm"
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            temp = target.with_name(f".{target.name}.partial")
-            ds.save_as(temp, enforce_file_format=True)
-            temp.replace(target)  # atomic: a crash leaves the old file or none, never half a file
+        try:  # atomic: a crash leaves the old file or none, never half a file (and no .dcm temporary)
+            with atomic_output(self.incoming / series / f"{sop}.dcm") as temp:
+                ds.save_as(temp, enforce_file_format=True)
         except OSError as exc:
             LOGGER.error("could not spool instance %s of series %s: %s", sop, series, exc.strerror)
             return STATUS_OUT_OF_RESOURCES
@@ -185,10 +183,9 @@ class DicomNode:
         """Resume the spool, start listening and start the worker thread."""
         from pynetdicom import AE, AllStoragePresentationContexts, VerificationPresentationContexts, evt
 
-        for partial in self.incoming.rglob(".*.partial"):
-            partial.unlink()
         now = time.monotonic()
         for folder in sorted(p for p in self.incoming.iterdir() if p.is_dir()):
+            remove_stale_partials(folder)  # instances a dead run was still writing (never acknowledged)
             self._pending[folder.name] = _Pending(now, attempts=self._state(folder).get("attempts", 0))
         if self._pending:
             LOGGER.info("resuming %d spooled series", len(self._pending))

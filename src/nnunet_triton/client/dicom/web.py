@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import pydicom
 
+from nnunet_triton.client.imageio import atomic_output
 from nnunet_triton.errors import PacsError
 
 __all__ = ["SCHEMES", "DicomWebAuth", "DicomWebLocation", "is_dicomweb", "fetch_study", "store_files"]
@@ -155,16 +156,10 @@ def fetch_study(location: DicomWebLocation, study_uid: str, folder: Path, *,
             raise PacsError(f"DICOMweb {location.url}: retrieving series {uid} of study {study_uid} failed "
                             f"({_reason(exc)}).") from None
         for ds in datasets:
-            _save(ds, folder / uid / f"{ds.SOPInstanceUID}.dcm")
+            with atomic_output(folder / uid / f"{ds.SOPInstanceUID}.dcm") as temp:
+                ds.save_as(temp, enforce_file_format=True)
         LOGGER.info("fetched series %s of study %s: %d instance(s)", uid, study_uid, len(datasets))
     return series
-
-
-def _save(ds: pydicom.Dataset, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.partial")
-    ds.save_as(temp, enforce_file_format=True)
-    temp.replace(path)
 
 
 def store_files(location: DicomWebLocation, paths: Iterable[Path], *, what: str) -> None:
