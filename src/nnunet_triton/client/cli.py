@@ -236,9 +236,14 @@ def _write(done: _Inferred, description: Any, args: argparse.Namespace) -> None:
     if args.save_probabilities:
         imageio.write_probabilities(result.probabilities, args.output / job.name, case.properties())
     if args.output_format == "dicom-seg":
-        from nnunet_triton.client.dicom.seg import model_segment_labels, write_dicom_seg
+        from nnunet_triton.client.dicom.seg import (
+            generic_segment_labels,
+            model_segment_labels,
+            write_dicom_seg,
+        )
 
-        labels = model_segment_labels(description, args.dataset_json) or result.segmentation
+        labels = model_segment_labels(description, args.dataset_json) or generic_segment_labels(
+            result.segmentation)
         write_dicom_seg(result.segmentation, done.volume, labels, target)
     else:
         imageio.write_segmentation(result.segmentation, target, case.geometry)

@@ -39,6 +39,7 @@ from nnunet_triton.errors import InputValidationError, NumericalError
 from nnunet_triton.numerics._xp import get_array_module
 from nnunet_triton.numerics.gaussian import compute_gaussian
 from nnunet_triton.numerics.tiling import pad_to_patch, tile_slicers
+from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE
 
 __all__ = [
     "mirror_combinations",
@@ -334,7 +335,7 @@ def predict_sliding_window(
     patch_size: Sequence[int],
     num_heads: int,
     mirror_axes: Sequence[int] | None,
-    tile_step_size: float = 0.5,
+    tile_step_size: float = DEFAULT_TILE_STEP_SIZE,
     batch_size: int = 1,
     use_gaussian: bool = True,
 ) -> Any:

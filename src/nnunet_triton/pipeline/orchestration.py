@@ -22,6 +22,7 @@ from typing import Any
 
 from nnunet_triton.errors import SubmodelError
 from nnunet_triton.numerics.sliding_window import TileItem, TileMerger, TileSplitter, average_folds
+from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE
 
 __all__ = [
     "predict_fold_async",
@@ -49,7 +50,7 @@ async def predict_fold_async(
     patch_size: Sequence[int],
     num_heads: int,
     mirror_axes: Sequence[int] | None,
-    tile_step_size: float = 0.5,
+    tile_step_size: float = DEFAULT_TILE_STEP_SIZE,
     batch_size: int = 1,
     max_inflight: int = 1,
     use_gaussian: bool = True,

@@ -134,12 +134,7 @@ def write_dicom_seg(
     algorithm_name: str = "nnU-Net",
     algorithm_version: str = __version__,
 ) -> Path:
-    """Write ``segmentation`` (``(z, y, x)``, label values, shaped like ``volume.data``) as DICOM-SEG.
-
-    ``labels`` may also be the segmentation itself: then each value present becomes ``label_<v>``.
-    """
-    if isinstance(labels, np.ndarray):
-        labels = generic_segment_labels(labels)
+    """Write ``segmentation`` (``(z, y, x)``, label values, shaped like ``volume.data``) as DICOM-SEG."""
     import highdicom as hd
     from pydicom.sr.codedict import codes
 
