@@ -7,6 +7,10 @@ expensive work. Each request is answered on its own: a bad one gets an INVALID_A
 of the same batch are unaffected. Custom metrics (``serving.StepMetrics``, docs/deploy.md "Metrics")
 time ``preprocess_case``.
 
+On a KIND_GPU instance (``serving.InstanceDevice``) IMAGE is copied to the instance's GPU once (or taken
+where it already is, e.g. CUDA shared memory) and ``preprocess_case`` runs with CuPy; PREPROCESSED leaves
+as a device tensor (DLPack) for the orchestrator. On KIND_CPU everything is NumPy.
+
 Config parameter ``max_voxels`` (``nnunet_triton.numerics.limits``; 0 = no limit): the IMAGE input and the
 resampled volume (C x the shape nnU-Net resamples to) may hold at most that many voxels; larger requests
 get INVALID_ARG naming the tensor, its voxel count and the limit before preprocessing allocates anything.
@@ -48,6 +52,8 @@ class TritonPythonModel:
             import triton_python_backend_utils as pb_utils
 
             self._logger = pb_utils.Logger
+            self._device = serving.InstanceDevice.from_args(args)
+            self._device.activate()
             self._config = InferenceConfig.load(Path(__file__).parent)
             params = PreprocessParameters.from_parameters(serving.model_parameters(args))
             self._limits = {"max_voxels": params.max_voxels, "max_request_bytes": params.max_request_bytes}
@@ -63,10 +69,11 @@ class TritonPythonModel:
             parse_request_options(serving.request_parameters(request), self._config)
             image = serving.image_array(request)  # IMAGE or IMAGE_<dtype>; preprocess_case casts to float32
             check_voxel_limit(io_names.IMAGE, image.shape, self._limits["max_voxels"])
-            spacing = serving.input_array(request, io_names.SPACING)
+            spacing = serving.InstanceDevice().array(serving.input_array(request, io_names.SPACING))  # host
             # a cascade stage: the previous stage's segmentation becomes one-hot input channels
             previous = serving.input_array(request, io_names.PREVIOUS_SEGMENTATION) \
                 if self._config.previous_stage is not None else None
+            image, previous = self._device.array(image), self._device.array(previous)
             with record.timed():
                 data, props = preprocess_case(image, spacing, self._config, previous_segmentation=previous,
                                               **self._limits)

@@ -9,6 +9,11 @@ PROBABILITIES are computed only when the request parameter ``probabilities`` is 
 because an ensemble always asks a composing model for every output in its ``output_map``
 (``requested_output_names`` lists PROBABILITIES even when the client did not ask for it); when the flag
 is off the output is simply left out of the response, which the ensemble accepts (checked on 2.51).
+On a KIND_GPU instance (``serving.InstanceDevice``) LOGITS are read in device memory (copied there when
+they arrive on the host) and resampling, softmax/argmax, postprocessing and uncropping run with CuPy;
+only SEGMENTATION (and PROBABILITIES when asked) are copied back to host memory. On KIND_CPU everything is
+NumPy.
+
 The repository's postprocessing (nnU-Net's ``postprocessing.pkl``, stored as ``postprocessing.json``
 next to this file by the builder) is applied to SEGMENTATION unless the request parameter
 ``postprocessing`` is false; PROBABILITIES are never postprocessed, as in nnU-Net.
@@ -31,6 +36,7 @@ import numpy as np
 
 from nnunet_triton import io_names, serving
 from nnunet_triton.errors import NnunetTritonError, PlansError
+from nnunet_triton.numerics._xp import to_numpy
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.postprocessing import apply_postprocessing, load_deployed_postprocessing
 from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
@@ -47,6 +53,8 @@ class TritonPythonModel:
             import triton_python_backend_utils as pb_utils
 
             self._logger = pb_utils.Logger
+            self._device = serving.InstanceDevice.from_args(args)
+            self._device.activate()
             self._config = InferenceConfig.load(Path(__file__).parent)
             self._seg_dtype = serving.declared_segmentation_dtype(json.loads(args["model_config"]))
             max_label = self._config.labels.max_label
@@ -69,7 +77,7 @@ class TritonPythonModel:
     def _run(self, request: Any, record: serving.RequestRecord) -> Any:
         try:
             options = parse_request_options(serving.request_parameters(request), self._config)
-            logits = serving.input_array(request, io_names.LOGITS)
+            logits = self._device.array(serving.input_array(request, io_names.LOGITS))
             props = CaseProperties.from_array(serving.input_array(request, io_names.CASE_PROPERTIES))
             want_probabilities = self._probabilities_output is ProbabilitiesOutput.ALWAYS or (
                 options.probabilities and self._probabilities_output is ProbabilitiesOutput.REQUEST
@@ -82,9 +90,9 @@ class TritonPythonModel:
                 segmentation = segmentation.astype(self._seg_dtype, copy=False)
                 if self._postprocessing is not None and options.postprocessing:
                     segmentation = apply_postprocessing(segmentation, self._postprocessing)
-            outputs = {io_names.SEGMENTATION: segmentation}
+            outputs = {io_names.SEGMENTATION: to_numpy(segmentation)}  # results go back to host memory
             if probabilities is not None:
-                outputs[io_names.PROBABILITIES] = probabilities
+                outputs[io_names.PROBABILITIES] = to_numpy(probabilities)
             return serving.ok_response(outputs)
         except NnunetTritonError as exc:
             return serving.error_response(exc)

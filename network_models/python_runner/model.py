@@ -44,12 +44,9 @@ class TritonPythonModel:
             threads = fold_threads_for_runner(params.torch_num_threads, torch_default=torch.get_num_threads())
             input_config = pb_utils.get_input_config_by_name(config, io_names.FOLD_INPUT)
             output_config = pb_utils.get_output_config_by_name(config, io_names.FOLD_OUTPUT)
-            device = "cpu"
-            if args["model_instance_kind"] == "GPU":
-                device = f"cuda:{int(args['model_instance_device_id'])}"
             self._runner = load_runner(
                 Path(__file__).parent / params.model_filename,
-                device=device,
+                device=serving.InstanceDevice.from_args(args).torch_device,
                 num_threads=threads,
                 sample_shape=[int(d) for d in input_config["dims"]],
                 max_forward_batch=1 if params.per_sample_forward else 0,

@@ -5,11 +5,19 @@ ensemble), then run nnU-Net's sliding window for every selected fold concurrentl
 (:func:`nnunet_triton.pipeline.orchestration.predict_folds_async`): pad, plan tiles, send batches of tiles
 (mirrored copies are extra batch items) to the ``fold_<k>`` models through BLS, un-flip, TTA-average,
 Gaussian-accumulate in tile order, and average the folds' fp16 logits in fold order. All numerics are
-library calls; this file only moves tensors. A fold model's error fails the request with a message
-naming that model (``serving.infer`` raises ``SubmodelError``). Before each tile batch is sent the
-request's ``is_cancelled()`` is checked: once the client has cancelled, no further fold request is
-issued (batches already sent finish on the fold models and are dropped), and the request ends with
-CANCELLED.
+library calls; this file only moves tensors.
+
+The data is a torch tensor on the instance's device from PREPROCESSED to LOGITS (``serving.InstanceDevice``):
+on a KIND_GPU instance PREPROCESSED is taken from device memory (or copied there once), tiles go to the
+fold models and their outputs come back as CUDA tensors (BLS outputs requested in GPU memory, DLPack),
+and flips, TTA averaging, Gaussian weighting and the fp16 accumulation run on the GPU; LOGITS leave as a
+device tensor. On KIND_CPU the same code runs on torch CPU tensors with one torch thread (the cores
+belong to the fold models), which is nnU-Net's own CPU arithmetic.
+
+A fold model's error fails the request with a message naming that model (``serving.infer`` raises
+``SubmodelError``). Before each tile batch is sent the request's ``is_cancelled()`` is checked: once the
+client has cancelled, no further fold request is issued (batches already sent finish on the fold models
+and are dropped), and the request ends with CANCELLED.
 
 Config parameters (``nnunet_triton.parameters.OrchestratorParameters``):
     fold_models      comma list of fold model names, same length and order as inference_config.json folds
@@ -29,8 +37,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from nnunet_triton import io_names, serving
 from nnunet_triton.errors import NnunetTritonError, PlansError, RequestCancelledError
 from nnunet_triton.numerics.gaussian import compute_gaussian
@@ -41,19 +47,19 @@ from nnunet_triton.parameters import PARAM_FOLD_MODELS, OrchestratorParameters
 from nnunet_triton.pipeline.orchestration import predict_folds_async
 
 
-def _device_of(data: Any) -> str:
-    """Where fold outputs should land: host memory for NumPy data, the GPU for CuPy data."""
-    return "cpu" if isinstance(data, np.ndarray) else "gpu"
-
-
 class TritonPythonModel:
     """The tile loop of the ``nnunet`` ensemble."""
 
     def initialize(self, args: dict[str, str]) -> None:
         try:
+            import torch
             import triton_python_backend_utils as pb_utils
 
+            self._torch = torch
             self._logger = pb_utils.Logger
+            self._device = serving.InstanceDevice.from_args(args)
+            if not self._device.gpu:
+                torch.set_num_threads(1)  # elementwise fp16 sums; more threads would compete with the folds
             self._config = InferenceConfig.load(Path(__file__).parent)
             params = OrchestratorParameters.from_parameters(serving.model_parameters(args))
             names = list(params.fold_models)
@@ -65,7 +71,7 @@ class TritonPythonModel:
             self._fold_models = dict(zip(self._config.folds, names, strict=True))
             self._tile_batch_size = params.tile_batch_size
             self._max_inflight = params.max_inflight
-            self._gaussian = compute_gaussian(self._config.patch_size)
+            self._gaussian = self._device.tensor(compute_gaussian(self._config.patch_size))
             self._metrics = serving.StepMetrics.create(args, self._config, counts=serving.ORCHESTRATOR_COUNTS)
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None
@@ -76,7 +82,7 @@ class TritonPythonModel:
     async def _run(self, request: Any, record: serving.RequestRecord) -> Any:
         try:
             options = parse_request_options(serving.request_parameters(request), self._config)
-            data = serving.input_array(request, io_names.PREPROCESSED)
+            data = self._device.tensor(serving.input_array(request, io_names.PREPROCESSED, xp=self._torch))
             with record.timed():
                 logits = await self._predict(data, options, request, record)
             return serving.ok_response({io_names.LOGITS: logits})
@@ -91,8 +97,7 @@ class TritonPythonModel:
         mirror_axes = config.mirror_axes if options.mirroring else None
         logits = await predict_folds_async(
             data,
-            [self._fold_infer(self._fold_models[fold], request, _device_of(data), record)
-             for fold in options.folds],
+            [self._fold_infer(self._fold_models[fold], request, record) for fold in options.folds],
             patch_size=config.patch_size,
             num_heads=config.labels.num_segmentation_heads,
             mirror_axes=mirror_axes,
@@ -105,19 +110,20 @@ class TritonPythonModel:
         record.add(folds=len(options.folds), tiles=record.counts.get("forwards", 0) // per_tile)
         return logits
 
-    @staticmethod
-    def _fold_infer(model_name: str, request: Any, device: str,
+    def _fold_infer(self, model_name: str, request: Any,
                     record: serving.RequestRecord) -> Callable[[Any], Any]:
+        device = self._device
+
         async def infer(batch: Any) -> Any:
             if request.is_cancelled():  # checked before every tile batch: a cancelled request sends no more
                 raise RequestCancelledError(
                     f"request cancelled by the client; stopped before sending a tile batch to {model_name!r}."
                 )
             outputs = await serving.infer(
-                model_name, {io_names.FOLD_INPUT: batch}, [io_names.FOLD_OUTPUT], copy=True,
-                output_device=device, parent=request,
+                model_name, {io_names.FOLD_INPUT: batch}, [io_names.FOLD_OUTPUT], xp=self._torch, copy=True,
+                output_device=device.memory, device_id=device.index, parent=request,
             )
             record.add(forwards=len(batch), fold_calls=1)
-            return outputs[io_names.FOLD_OUTPUT]
+            return device.tensor(outputs[io_names.FOLD_OUTPUT])
 
         return infer

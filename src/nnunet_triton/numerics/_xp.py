@@ -12,13 +12,34 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["get_array_module", "get_ndimage", "is_cupy_array", "to_numpy"]
+__all__ = ["get_array_module", "get_ndimage", "is_cupy_array", "is_torch_tensor", "tensor_namespace",
+           "to_numpy"]
 
 
 def is_cupy_array(array: Any) -> bool:
     """True if ``array`` is a CuPy array (without importing CuPy when it is not loaded)."""
     cupy = sys.modules.get("cupy")
     return cupy is not None and isinstance(array, cupy.ndarray)
+
+
+def is_torch_tensor(array: Any) -> bool:
+    """True if ``array`` is a torch tensor (without importing torch when it is not loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(array, torch.Tensor)
+
+
+def tensor_namespace(*arrays: Any) -> ModuleType:
+    """``torch`` if any argument is a torch tensor, else :func:`get_array_module`.
+
+    Only the sliding-window loop (``numerics.tiling``, ``numerics.sliding_window``) accepts torch tensors:
+    it is the device-resident path of the orchestrator (CPU or CUDA tensors, nnU-Net's own arithmetic).
+    """
+    for array in arrays:
+        if is_torch_tensor(array):
+            import torch
+
+            return torch
+    return get_array_module(*arrays)
 
 
 def get_array_module(*arrays: Any) -> ModuleType:
@@ -43,7 +64,9 @@ def get_ndimage(xp: ModuleType) -> ModuleType:
 
 
 def to_numpy(array: Any) -> np.ndarray:
-    """Copy a CuPy array to the host; NumPy arrays are returned unchanged."""
+    """Copy a CuPy array or torch tensor to the host; NumPy arrays are returned unchanged."""
     if is_cupy_array(array):
         return array.get()
+    if is_torch_tensor(array):
+        return array.detach().cpu().numpy()
     return np.asarray(array)

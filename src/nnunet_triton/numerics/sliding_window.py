@@ -17,6 +17,10 @@ once they are all back and accumulates tiles in tile order (:class:`LogitAccumul
 :func:`predict_sliding_window` here and the orchestrator's asynchronous
 ``pipeline.orchestration.predict_fold_async`` (several batches in flight) are both this pair.
 
+Array types: NumPy (the CPU path of the monolith and the validator), CuPy, or torch tensors on any
+device (the orchestrator's path on CPU and GPU: the data stays where it is, and torch's own ``op=``
+arithmetic is nnU-Net's, so CPU tensors give the same bits as the NumPy emulation below).
+
 Dtype rule (what torch does for ``a op= b`` on CPU and CUDA): the operation is computed in
 ``promote(a.dtype, b.dtype, float32)`` and the result is rounded to ``a.dtype``. So float32 network
 output times the float16 Gaussian stays float32, and adding it to the float16 buffer is a float32
@@ -36,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton.errors import InputValidationError, NumericalError
-from nnunet_triton.numerics._xp import get_array_module
+from nnunet_triton.numerics._xp import tensor_namespace
 from nnunet_triton.numerics.gaussian import compute_gaussian
 from nnunet_triton.numerics.tiling import pad_to_patch, tile_slicers
 from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE
@@ -57,8 +61,15 @@ __all__ = [
 PredictBatch = Callable[[Any], Any]
 
 
+def _is_torch(xp: ModuleType) -> bool:
+    return xp.__name__ == "torch"
+
+
 def _torch_op(a: Any, b: Any, op: Callable[[Any, Any], Any], xp: ModuleType) -> Any:
-    """``a op b`` computed in ``promote(a, b, float32)`` and rounded to ``a.dtype`` (torch's ``a op= b``)."""
+    """``a op b`` computed in ``promote(a, b, float32)`` and rounded to ``a.dtype`` (torch's ``a op= b``).
+
+    NumPy/CuPy only: torch tensors use torch's in-place operators themselves (see ``_sum_then_divide``).
+    """
     b_dtype = b.dtype if hasattr(b, "dtype") else xp.float32
     compute = xp.promote_types(xp.promote_types(a.dtype, b_dtype), xp.float32)
     b_c = b.astype(compute, copy=False) if hasattr(b, "astype") else compute.type(b)
@@ -86,36 +97,44 @@ def average_tta(predictions: Sequence[Any]) -> Any:
     """
     if not predictions:
         raise InputValidationError("average_tta needs at least one prediction, got none.")
-    xp = get_array_module(*predictions)
-    result = predictions[0]
+    xp = tensor_namespace(*predictions)
     for p in predictions[1:]:
-        if p.shape != result.shape:
+        if p.shape != predictions[0].shape:
             raise InputValidationError(
-                f"TTA predictions must share one shape, got {result.shape} and {p.shape}."
+                f"TTA predictions must share one shape, got {predictions[0].shape} and {p.shape}."
             )
-        result = _torch_op(result, p, operator.add, xp)
-    if len(predictions) > 1:
-        result = _torch_op(result, len(predictions), operator.truediv, xp)
-    return result
+    return _sum_then_divide(predictions, xp)
+
+
+def _sum_then_divide(arrays: Sequence[Any], xp: ModuleType) -> Any:
+    """``r = arrays[0]; r += a for the rest; r /= len(arrays)``, in ``arrays[0]``'s dtype (one array is
+    returned as it is; the inputs are never modified)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    if _is_torch(xp):  # nnU-Net's own in-place statements (no float32 temporaries)
+        result = arrays[0].clone()
+        for a in arrays[1:]:
+            result += a
+        result /= len(arrays)
+        return result
+    result = arrays[0]
+    for a in arrays[1:]:
+        result = _torch_op(result, a, operator.add, xp)
+    return _torch_op(result, len(arrays), operator.truediv, xp)
 
 
 def average_folds(fold_logits: Sequence[Any]) -> Any:
     """Mean of per-fold float16 logits: ``+=`` in fold order, then ``/= n`` (float16, as nnU-Net on CPU)."""
     if not fold_logits:
         raise InputValidationError("average_folds needs at least one fold's logits, got none.")
-    xp = get_array_module(*fold_logits)
+    xp = tensor_namespace(*fold_logits)
     for k, f in enumerate(fold_logits):
         if f.dtype != xp.float16 or f.shape != fold_logits[0].shape:
             raise InputValidationError(
                 f"fold logits must all be float16 with shape {tuple(fold_logits[0].shape)}; fold index {k} "
                 f"has {f.dtype} {tuple(f.shape)}."
             )
-    result = fold_logits[0].copy()
-    for f in fold_logits[1:]:
-        result = _torch_op(result, f, operator.add, xp)
-    if len(fold_logits) > 1:
-        result = _torch_op(result, len(fold_logits), operator.truediv, xp)
-    return result
+    return _sum_then_divide(fold_logits, xp)
 
 
 class LogitAccumulator:
@@ -124,6 +143,8 @@ class LogitAccumulator:
     Call :meth:`add` once per tile in tile order, then :meth:`finalize` once. ``gaussian`` is an
     optional precomputed :func:`~nnunet_triton.numerics.gaussian.compute_gaussian` map (float16, patch shape)
     to share across folds and cases; ``use_gaussian=False`` weights every tile by 1 (nnU-Net's option).
+    With ``xp=torch`` the buffers are torch tensors on ``device`` and the updates are nnU-Net's in-place
+    torch operations.
     """
 
     def __init__(
@@ -135,16 +156,18 @@ class LogitAccumulator:
         use_gaussian: bool = True,
         xp: ModuleType = np,
         gaussian: Any | None = None,
+        device: Any = None,
     ) -> None:
         self._xp = xp
         self._patch = tuple(int(p) for p in patch_size)
         shape = tuple(int(s) for s in padded_spatial_shape)
-        self._logits = xp.zeros((int(num_heads), *shape), dtype=xp.float16)
-        self._weights = xp.zeros(shape, dtype=xp.float16)
+        where = {"device": device} if _is_torch(xp) else {}
+        self._logits = xp.zeros((int(num_heads), *shape), dtype=xp.float16, **where)
+        self._weights = xp.zeros(shape, dtype=xp.float16, **where)
         if use_gaussian and gaussian is None:
-            gaussian = compute_gaussian(self._patch, xp=xp)
-        elif gaussian is not None:
-            gaussian = xp.asarray(gaussian)  # a NumPy map shared across requests, on the data's device
+            gaussian = compute_gaussian(self._patch)
+        if gaussian is not None:  # a NumPy map shared across requests, moved to the data's device
+            gaussian = xp.as_tensor(gaussian, device=device) if _is_torch(xp) else xp.asarray(gaussian)
         if gaussian is not None and (tuple(gaussian.shape) != self._patch or gaussian.dtype != xp.float16):
             raise InputValidationError(
                 f"gaussian must be float16 with shape patch_size {self._patch}, "
@@ -170,6 +193,12 @@ class LogitAccumulator:
             raise InputValidationError(
                 f"slicer {tuple(slicer)} selects {tuple(region.shape)}, expected {expected}."
             )
+        if _is_torch(xp):  # nnU-Net's own statements: pred *= gaussian; logits[sl] += pred; n[sl] += gaussian
+            pred = tile_logits * self._gaussian if self._gaussian is not None else tile_logits
+            region += pred
+            self._weights[tuple(slicer)] += self._gaussian if self._gaussian is not None else 1
+            self.num_tiles += 1
+            return
         pred = tile_logits
         with np.errstate(over="ignore"):  # fp16 overflow gives inf, reported by finalize (as nnU-Net)
             if self._gaussian is not None:
@@ -187,9 +216,12 @@ class LogitAccumulator:
         xp = self._xp
         logits, weights = self._logits, self._weights
         self._logits = self._weights = None
-        with np.errstate(divide="ignore", invalid="ignore"):
-            for k in range(logits.shape[0]):  # per head: keeps the float32 temporaries small
-                logits[k] = _torch_op(logits[k], weights, operator.truediv, xp)
+        if _is_torch(xp):
+            logits /= weights
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                for k in range(logits.shape[0]):  # per head: keeps the float32 temporaries small
+                    logits[k] = _torch_op(logits[k], weights, operator.truediv, xp)
         if bool(xp.isinf(logits).any()):
             raise NumericalError(
                 "Encountered inf in the stitched float16 logits (nnU-Net aborts here too); the network "
@@ -197,7 +229,7 @@ class LogitAccumulator:
             )
         if unpad_slicer is not None:
             logits = logits[(slice(None), *unpad_slicer)]
-        return xp.ascontiguousarray(logits)
+        return logits.contiguous() if _is_torch(xp) else xp.ascontiguousarray(logits)
 
 
 @dataclass(frozen=True)
@@ -236,10 +268,13 @@ def extract_batch(
 ) -> Any:
     """Stack the network inputs of ``batch``: tile ``padded[:, *slicer]`` flipped by its variant.
 
-    ``variants[0]`` must be ``()`` (identity). Returns a C-contiguous float32 array ``(N, C, *P)``.
+    ``variants[0]`` must be ``()`` (identity). Returns a C-contiguous float32 array ``(N, C, *P)`` of
+    ``padded``'s type (and device).
     """
-    xp = get_array_module(padded)
+    xp = tensor_namespace(padded)
     tiles = [_flip(padded[(slice(None), *slicers[item.tile])], variants[item.variant], xp) for item in batch]
+    if _is_torch(xp):
+        return xp.stack(tiles).to(xp.float32).contiguous()
     return xp.ascontiguousarray(xp.stack(tiles).astype(xp.float32, copy=False))
 
 
@@ -247,7 +282,7 @@ class TileSplitter:
     """The input side of one fold's sliding window: padding, nnU-Net's tiles, the mirror variants.
 
     Args:
-        data: preprocessed case ``(C, *spatial)`` float32 (NumPy or CuPy).
+        data: preprocessed case ``(C, *spatial)`` float32 (NumPy, CuPy or a torch tensor on any device).
         patch_size: the configuration's patch size ``P``.
         mirror_axes: allowed mirroring axes (spatial, 0-based); ``None``/empty for no TTA.
         tile_step_size: step as a fraction of ``P``.
@@ -269,7 +304,8 @@ class TileSplitter:
             raise InputValidationError(
                 f"mirror_axes {tuple(mirror_axes or ())} out of range for a {len(patch)}D patch."
             )
-        self.xp = get_array_module(data)
+        self.xp = tensor_namespace(data)
+        self.device = data.device if _is_torch(self.xp) else None
         self.patch_size = patch
         self.padded, self.unpad = pad_to_patch(data, patch)
         self.slicers = tile_slicers(self.padded.shape[1:], patch, tile_step_size)
@@ -297,7 +333,8 @@ class TileMerger:
         self._splitter = splitter
         self.num_heads = int(num_heads)
         self._accumulator = LogitAccumulator(num_heads, splitter.padded.shape[1:], splitter.patch_size,
-                                             use_gaussian=use_gaussian, xp=splitter.xp, gaussian=gaussian)
+                                             use_gaussian=use_gaussian, xp=splitter.xp, gaussian=gaussian,
+                                             device=splitter.device)
         self._pending: dict[int, list[Any]] = {}
 
     def expected_shape(self, batch: Sequence[TileItem]) -> tuple[int, ...]:

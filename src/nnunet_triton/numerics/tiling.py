@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton.errors import InputValidationError
-from nnunet_triton.numerics._xp import get_array_module
+from nnunet_triton.numerics._xp import tensor_namespace
 from nnunet_triton.options import check_tile_step_size
 
 __all__ = [
@@ -76,7 +76,7 @@ def pad_to_patch(data: Any, patch_size: Sequence[int]) -> tuple[Any, tuple[slice
     without its leading channel entry. Axes already >= the patch are left alone; odd padding puts
     the extra voxel at the high end. When nothing is padded the input itself is returned.
     """
-    xp = get_array_module(data)
+    xp = tensor_namespace(data)
     n_pad = len(patch_size)
     if data.ndim < n_pad + 1:
         raise InputValidationError(
@@ -89,11 +89,12 @@ def pad_to_patch(data: Any, patch_size: Sequence[int]) -> tuple[Any, tuple[slice
         max(int(p), s) for p, s in zip(patch_size, old_shape[lead:], strict=True)
     ]
     pad_list = [((n - o) // 2, (n - o) - (n - o) // 2) for n, o in zip(new_shape, old_shape, strict=True)]
-    padded = (
-        data
-        if all(lo == 0 and hi == 0 for lo, hi in pad_list)
-        else xp.pad(data, pad_list, mode="constant", constant_values=0)
-    )
+    if all(lo == 0 and hi == 0 for lo, hi in pad_list):
+        padded = data
+    elif xp.__name__ == "torch":  # torch.nn.functional.pad lists (lo, hi) from the last axis backwards
+        padded = xp.nn.functional.pad(data, [v for pair in reversed(pad_list) for v in pair], value=0)
+    else:
+        padded = xp.pad(data, pad_list, mode="constant", constant_values=0)
     unpad = tuple(slice(lo, n - hi) for (lo, hi), n in zip(pad_list[1:], new_shape[1:], strict=True))
     return padded, unpad
 

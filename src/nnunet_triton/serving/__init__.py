@@ -13,11 +13,13 @@ API:
     await infer(model_name, inputs, output_names, *, ...) -> {name: array}  (raises SubmodelError)
     StepMetrics.create(args, config, counts=...) -> .observe(run, request) / await .observe_async(...)
         custom nnunet_* Prometheus metrics (see ``metrics.py``); RequestRecord.timed() / .add(...)
+    InstanceDevice.from_args(args) -> .gpu, .torch_device, .memory, .array(a), .tensor(a)  (devices.py)
 """
 
 from __future__ import annotations
 
 from nnunet_triton.serving.bls import infer
+from nnunet_triton.serving.devices import InstanceDevice
 from nnunet_triton.serving.metrics import ORCHESTRATOR_COUNTS, RequestRecord, StepMetrics
 from nnunet_triton.serving.responses import (
     error_response,
@@ -38,6 +40,7 @@ from nnunet_triton.serving.tensors import (
 
 __all__ = [
     "infer",
+    "InstanceDevice",
     "ORCHESTRATOR_COUNTS",
     "RequestRecord",
     "StepMetrics",

@@ -98,13 +98,15 @@ def image_array(request: Any, *, xp: ModuleType | None = None) -> Any:
 def output_tensor(name: str, array: Any) -> Any:
     """Wrap an array as a ``pb_utils.Tensor`` named ``name``.
 
-    NumPy arrays are passed by value (made C-contiguous); CuPy/torch arrays go through DLPack,
-    which needs C-contiguous data, so they are made contiguous first.
+    NumPy arrays and torch CPU tensors are passed by value (made C-contiguous); CuPy arrays and torch
+    CUDA tensors go through DLPack, which needs C-contiguous data, so they are made contiguous first.
     """
     pb = pb_utils()
     if isinstance(array, np.ndarray | np.generic):
         return pb.Tensor(name, np.ascontiguousarray(array))
-    if hasattr(array, "is_contiguous"):  # torch
+    if hasattr(array, "is_contiguous"):  # torch: host tensors by value like NumPy, device tensors by DLPack
+        if array.device.type == "cpu":
+            return pb.Tensor(name, np.ascontiguousarray(array.detach().numpy()))
         array = array.contiguous()
     elif hasattr(array, "flags") and not array.flags.c_contiguous:  # cupy
         import cupy

@@ -1,0 +1,79 @@
+"""Where a model instance computes, and moving arrays there (style: one place decides the device).
+
+Triton gives every instance a kind and a device id (``initialize``'s ``model_instance_kind`` /
+``model_instance_device_id``). A KIND_GPU instance keeps its data on that GPU: the preprocess and stitch
+models compute with CuPy, the orchestrator and the Python fold runner with torch CUDA tensors, and the
+tensors they pass on stay in device memory (DLPack). A KIND_CPU instance computes with NumPy (preprocess,
+stitch) or torch CPU tensors (orchestrator, fold runner). HTTP/gRPC inputs always arrive in host memory,
+so the first GPU step copies them to the device once (:meth:`InstanceDevice.array` / :meth:`tensor`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nnunet_triton.numerics._xp import is_cupy_array, is_torch_tensor, to_numpy
+
+__all__ = ["InstanceDevice"]
+
+
+@dataclass(frozen=True)
+class InstanceDevice:
+    """A model instance's device: ``gpu`` is False for KIND_CPU (and KIND_MODEL/AUTO on a CPU server)."""
+
+    gpu: bool = False
+    index: int = 0
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, str]) -> InstanceDevice:
+        """From ``initialize``'s args (``model_instance_kind`` GPU -> that ``model_instance_device_id``)."""
+        if args.get("model_instance_kind") == "GPU":
+            return cls(gpu=True, index=int(args.get("model_instance_device_id", 0)))
+        return cls()
+
+    @property
+    def torch_device(self) -> str:
+        """``"cpu"`` or ``"cuda:<index>"``."""
+        return f"cuda:{self.index}" if self.gpu else "cpu"
+
+    @property
+    def memory(self) -> str:
+        """BLS ``output_device`` for outputs this instance reads: ``"cpu"`` or ``"gpu"``."""
+        return "gpu" if self.gpu else "cpu"
+
+    def activate(self) -> None:
+        """Make this GPU CuPy's current device in this stub (a no-op on CPU)."""
+        if self.gpu:
+            import cupy
+
+            cupy.cuda.Device(self.index).use()
+
+    def array(self, array: Any) -> Any:
+        """``array`` as this instance's NumPy (CPU) or CuPy (GPU) array, copied only if it lives elsewhere."""
+        if array is None:
+            return None
+        if not self.gpu:
+            return to_numpy(array)
+        import cupy
+
+        if is_cupy_array(array) and array.device.id == self.index:
+            return array
+        with cupy.cuda.Device(self.index):
+            if is_torch_tensor(array):
+                return cupy.from_dlpack(array.contiguous())
+            return cupy.asarray(array)
+
+    def tensor(self, array: Any) -> Any:
+        """``array`` as a torch tensor on :attr:`torch_device` (NumPy/CuPy arrays are wrapped, then moved)."""
+        import torch
+
+        if not is_torch_tensor(array):
+            if isinstance(array, np.ndarray):
+                array = torch.from_numpy(array if array.flags.writeable else array.copy())
+            else:
+                array = torch.from_dlpack(array)
+        return array.to(self.torch_device)
