@@ -143,8 +143,8 @@ class LogitAccumulator:
     Call :meth:`add` once per tile in tile order, then :meth:`finalize` once. ``gaussian`` is an
     optional precomputed :func:`~nnunet_triton.numerics.gaussian.compute_gaussian` map (float16, patch shape)
     to share across folds and cases; ``use_gaussian=False`` weights every tile by 1 (nnU-Net's option).
-    With ``xp=torch`` the buffers are torch tensors on ``device`` and the updates are nnU-Net's in-place
-    torch operations.
+    With ``xp=torch`` the buffers are ``like.new_zeros(...)`` (a torch tensor's type and device: the
+    data's) and the updates are nnU-Net's in-place torch operations.
     """
 
     def __init__(
@@ -156,18 +156,22 @@ class LogitAccumulator:
         use_gaussian: bool = True,
         xp: ModuleType = np,
         gaussian: Any | None = None,
-        device: Any = None,
+        like: Any = None,
     ) -> None:
         self._xp = xp
         self._patch = tuple(int(p) for p in patch_size)
         shape = tuple(int(s) for s in padded_spatial_shape)
-        where = {"device": device} if _is_torch(xp) else {}
-        self._logits = xp.zeros((int(num_heads), *shape), dtype=xp.float16, **where)
-        self._weights = xp.zeros(shape, dtype=xp.float16, **where)
+        if _is_torch(xp):
+            like = xp.empty(0) if like is None else like
+            self._logits = like.new_zeros((int(num_heads), *shape), dtype=xp.float16)
+            self._weights = like.new_zeros(shape, dtype=xp.float16)
+        else:
+            self._logits = xp.zeros((int(num_heads), *shape), dtype=xp.float16)
+            self._weights = xp.zeros(shape, dtype=xp.float16)
         if use_gaussian and gaussian is None:
             gaussian = compute_gaussian(self._patch)
         if gaussian is not None:  # a NumPy map shared across requests, moved to the data's device
-            gaussian = xp.as_tensor(gaussian, device=device) if _is_torch(xp) else xp.asarray(gaussian)
+            gaussian = xp.as_tensor(gaussian, device=like.device) if _is_torch(xp) else xp.asarray(gaussian)
         if gaussian is not None and (tuple(gaussian.shape) != self._patch or gaussian.dtype != xp.float16):
             raise InputValidationError(
                 f"gaussian must be float16 with shape patch_size {self._patch}, "
@@ -305,7 +309,6 @@ class TileSplitter:
                 f"mirror_axes {tuple(mirror_axes or ())} out of range for a {len(patch)}D patch."
             )
         self.xp = tensor_namespace(data)
-        self.device = data.device if _is_torch(self.xp) else None
         self.patch_size = patch
         self.padded, self.unpad = pad_to_patch(data, patch)
         self.slicers = tile_slicers(self.padded.shape[1:], patch, tile_step_size)
@@ -334,7 +337,7 @@ class TileMerger:
         self.num_heads = int(num_heads)
         self._accumulator = LogitAccumulator(num_heads, splitter.padded.shape[1:], splitter.patch_size,
                                              use_gaussian=use_gaussian, xp=splitter.xp, gaussian=gaussian,
-                                             device=splitter.device)
+                                             like=splitter.padded)
         self._pending: dict[int, list[Any]] = {}
 
     def expected_shape(self, batch: Sequence[TileItem]) -> tuple[int, ...]:
