@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from nnunet_triton import io_names
+from nnunet_triton.builder import torch_compat
 from nnunet_triton.builder.config_gen import (
     DynamicBatching,
     EnsembleStep,
@@ -107,6 +108,9 @@ class BuildOptions:
             float32 logits or probabilities may take (``validation.check_request_memory``); 0 = none.
         metrics: the Python pipeline models export the custom ``nnunet_*`` metrics (``serving.metrics``);
             False writes their ``metrics`` parameter as "false".
+        serving_torch: major.minor of the torch that loads the fold models where they are served
+            (``builder.torch_compat``); default (None): the libtorch of tritonserver 24.10 (2.5) for the
+            libtorch runner, the serving environment's own torch for the Python runner.
     """
 
     target: Target = Target.CPU
@@ -125,6 +129,7 @@ class BuildOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     gpus: tuple[int, ...] = ()
     metrics: bool = True
+    serving_torch: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", Target(self.target))
@@ -150,12 +155,23 @@ class BuildOptions:
             raise ValueError(f"fold_precision must be 'fp32' or 'fp16', got {self.fold_precision!r}.")
         if self.fold_precision == "fp16" and self.target is not Target.GPU:
             raise ValueError("fold_precision 'fp16' needs target 'gpu' (CUDA autocast export).")
+        if self.serving_torch is not None:
+            object.__setattr__(self, "serving_torch", torch_compat.torch_minor_text(self.serving_torch))
 
     @property
     def runner(self) -> FoldRunner:
         if self.fold_runner is not None:
             return self.fold_runner
         return FoldRunner.LIBTORCH if self.target is Target.GPU else FoldRunner.PYTHON
+
+    @property
+    def loading_torch(self) -> str | None:
+        """major.minor of the torch that will load the fold models (None: the serving environment's own)."""
+        if self.serving_torch is not None:
+            return self.serving_torch
+        if self.runner is FoldRunner.LIBTORCH:
+            return torch_compat.TRITON_RELEASES[torch_compat.DEFAULT_TRITON_RELEASE].libtorch
+        return None
 
     @property
     def instance_kind(self) -> str:

@@ -39,7 +39,7 @@ from typing import Any
 
 from nnunet_triton import __version__ as NNUNET_TRITON_VERSION
 from nnunet_triton import io_names
-from nnunet_triton.builder import composite_specs, config_gen, model_specs
+from nnunet_triton.builder import composite_specs, config_gen, model_specs, torch_compat
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.build_inputs import (
     COMBINE_ADAPTER,
@@ -155,6 +155,7 @@ def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, i
         "nnunet_triton_version": NNUNET_TRITON_VERSION,
         "nnunetv2_version": importlib.metadata.version("nnunetv2"),
         "torch_version": torch_version(),
+        "serving_torch": options.loading_torch,  # None: the serving environment's own torch
         "model_folder": model_dir.name,
         "dataset_name": config.dataset_name,
         "plans_name": config.plans_name,
@@ -218,6 +219,7 @@ def build_repository(
     start = time.perf_counter()
     model_dir, out = Path(model_dir), Path(out)
     options = options or BuildOptions()
+    torch_compat.check_export_torch(torch_version(), options.loading_torch, runner=str(options.runner))
     config = read_model_folder(model_dir, folds=folds, allow_cascade=True)
     previous = _previous_stage(model_dir, config, previous_stage_model, folds)
     if configuration is not None and configuration != config.configuration:
@@ -335,6 +337,7 @@ def build_ensemble_repository(
     start = time.perf_counter()
     model_dirs, out = [Path(m) for m in model_dirs], Path(out)
     options = options or BuildOptions()
+    torch_compat.check_export_torch(torch_version(), options.loading_torch, runner=str(options.runner))
     configs = [read_model_folder(m, folds=folds) for m in model_dirs]
     check_ensemble_members(configs, [str(m) for m in model_dirs])
     export_options = _export_options(options, export_device)

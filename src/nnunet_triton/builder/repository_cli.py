@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--per-sample-forward", choices=("true", "false"), default=None,
                    help="Python runner: one batch-1 forward per tile like nnU-Net (bit-identical on CPU); "
                         "default true on cpu, false on gpu")
+    p.add_argument("--serving-torch", default=None, metavar="X.Y",
+                   help="torch/libtorch major.minor that loads the fold models where they are served "
+                        "(default: 2.5, tritonserver 24.10's libtorch, for the libtorch runner; the serving "
+                        "environment's torch for the python runner); a newer torch here refuses to export")
     p.add_argument("--fold-instances", type=int, default=1)
     p.add_argument("--orchestrator-instances", type=int, default=1)
     p.add_argument("--max-inflight", type=int, default=BuildOptions.max_inflight)
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             fold_instances=args.fold_instances,
             orchestrator_instances=args.orchestrator_instances, max_inflight=args.max_inflight,
             max_voxels=args.max_voxels, max_request_bytes=args.max_request_bytes, metrics=not args.no_metrics,
+            serving_torch=args.serving_torch,
         )
         configurations = _configurations(args.model, args.configuration)
         if len(args.model) > 1:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import __version__
+from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE
 from nnunet_triton.errors import DeployError
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible, triton_release
 from nnunet_triton.server.deploy.sizing import MemoryPlan
@@ -43,7 +44,6 @@ __all__ = [
     "check_image_compatible",
 ]
 
-DEFAULT_TRITON_RELEASE = "24.10"  # Triton 2.51.0, the release of the embedded (PyTriton 0.7.0) server
 DEFAULT_RUNNER_TORCH = "2.5.1"  # pip torch installed into the image only for the Python fold runner
 CONTAINER_REPOSITORY = "/models"
 CONTAINER_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}

@@ -15,12 +15,12 @@ for the ``python`` runner.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
+from nnunet_triton.builder.torch_compat import TRITON_RELEASES, TritonRelease, torch_minor, torch_minor_text
 from nnunet_triton.errors import DeployError
 from nnunet_triton.numerics.plans import InferenceConfig
 
@@ -42,20 +42,6 @@ _REQUIRED_KEYS = ("models", "folds", "target", "fold_runner", "fold_precision", 
                   "build_options", "torch_version", "input_hash")
 
 
-@dataclass(frozen=True)
-class TritonRelease:
-    """One NGC ``tritonserver:<release>-py3`` image (versions from its build.py / NGC release notes)."""
-
-    release: str
-    triton_version: str
-    libtorch: str  # torch major.minor the pytorch_libtorch backend is built from
-    python: str  # the Python-backend stub's Python
-
-
-# Only releases whose versions were checked (triton.md section 8); others need an explicit libtorch version.
-TRITON_RELEASES = {"24.10": TritonRelease("24.10", "2.51.0", libtorch="2.5", python="3.10")}
-
-
 def triton_release(release: str, libtorch: str | None = None) -> TritonRelease:
     """The known release, or one with the given ``libtorch`` version (raises for unknown without it)."""
     if libtorch is not None:
@@ -69,19 +55,6 @@ def triton_release(release: str, libtorch: str | None = None) -> TritonRelease:
             "explicitly (--image-torch-version X.Y)."
         )
     return TRITON_RELEASES[release]
-
-
-def torch_minor(version: str) -> tuple[int, int]:
-    """``"2.5.0a0+e000cf0ad9.nv24.10"`` -> ``(2, 5)``."""
-    match = re.match(r"^\s*(\d+)\.(\d+)", version)
-    if match is None:
-        raise DeployError(f"torch version {version!r} is not of the form MAJOR.MINOR[...].")
-    return int(match.group(1)), int(match.group(2))
-
-
-def torch_minor_text(version: str) -> str:
-    major, minor = torch_minor(version)
-    return f"{major}.{minor}"
 
 
 @dataclass(frozen=True)

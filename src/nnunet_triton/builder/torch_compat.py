@@ -1,0 +1,81 @@
+"""Which torch loads the exported fold models where they are served, and the build-time refusal.
+
+A TorchScript ``model.pt`` saved by a newer torch may not load in an older libtorch (pytorch/pytorch#62313:
+a newer export fails in an older Triton with "Unknown type name 'NoneType'"). Triton's ``pytorch_libtorch``
+backend loads the fold models with the libtorch its NGC release was built from (24.10: PyTorch 2.5), so the
+builder refuses to export for that runner with a newer torch, before any work, naming both versions and the
+two ways out (export in the matching container: ``make deploy TARGET=docker``; or say which libtorch the
+server really has: ``--serving-torch``). ``repository_metadata.json`` records both versions.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from nnunet_triton.errors import ConfigParameterError, ExportError
+
+__all__ = [
+    "DEFAULT_TRITON_RELEASE",
+    "TRITON_RELEASES",
+    "TritonRelease",
+    "torch_minor",
+    "torch_minor_text",
+    "check_export_torch",
+]
+
+DEFAULT_TRITON_RELEASE = "24.10"  # Triton 2.51.0, the release of the embedded (PyTriton 0.7.0) server
+
+
+@dataclass(frozen=True)
+class TritonRelease:
+    """One NGC ``tritonserver:<release>-py3`` image (versions from its build.py / NGC release notes)."""
+
+    release: str
+    triton_version: str
+    libtorch: str  # torch major.minor the pytorch_libtorch backend is built from
+    python: str  # the Python-backend stub's Python
+
+
+# Only releases whose versions were checked (triton.md section 8); others need an explicit libtorch version.
+TRITON_RELEASES = {"24.10": TritonRelease("24.10", "2.51.0", libtorch="2.5", python="3.10")}
+
+
+def torch_minor(version: str) -> tuple[int, int]:
+    """``"2.5.0a0+e000cf0ad9.nv24.10"`` -> ``(2, 5)``."""
+    match = re.match(r"^\s*(\d+)\.(\d+)", str(version))
+    if match is None:
+        raise ConfigParameterError(f"torch version {version!r} is not of the form MAJOR.MINOR[...].")
+    return int(match.group(1)), int(match.group(2))
+
+
+def torch_minor_text(version: str) -> str:
+    major, minor = torch_minor(version)
+    return f"{major}.{minor}"
+
+
+def check_export_torch(export_torch: str, serving_torch: str | None, *, runner: str) -> None:
+    """Refuse to export fold models with ``export_torch`` when the server loads them with an older torch.
+
+    Args:
+        export_torch: this environment's ``torch.__version__``.
+        serving_torch: major.minor of the torch that loads the files where they are served (the fold runner's
+            libtorch, or the Python runner's pip torch); ``None``: the serving environment's own torch (the
+            embedded server runs the build environment's torch), nothing to check.
+        runner: the fold runner, for the message.
+
+    Raises:
+        ExportError: ``export_torch`` is newer (major.minor) than ``serving_torch``.
+    """
+    if serving_torch is None or torch_minor(export_torch) <= torch_minor(serving_torch):
+        return
+    default = TRITON_RELEASES[DEFAULT_TRITON_RELEASE]
+    loading = torch_minor_text(serving_torch)
+    raise ExportError(
+        f"the {runner} fold runner loads the fold models with torch {loading} (libtorch "
+        f"of nvcr.io/nvidia/tritonserver:{default.release}-py3 is {default.libtorch}) but this environment "
+        f"exports with torch {export_torch}, which is newer: a TorchScript file from a newer torch may not "
+        "load in an older one. Export with a matching torch: `make deploy TARGET=docker` (or `python "
+        "tools/deploy.py --target docker --execute`) builds the repository in a container with torch "
+        f"{default.libtorch}.x; or pass --serving-torch X.Y if the server's libtorch is X.Y."
+    )
