@@ -2,11 +2,12 @@
 # Build a GPU model repository with a torch that matches the serving image's libtorch.
 #
 # Runs inside `python:3.11-slim` (started by the command `python tools/deploy.py --target docker` prints):
-#   /src    this source tree (read-only)        /model  the nnU-Net results folder (read-only)
+#   /src    this source tree (read-only)        /models the results folder's parent (read-only: a cascade
+#                                                       stage needs its sibling previous-stage folder)
 #   /out    parent of the output repository     REPOSITORY_OUT  the repository path under /out
 #   TORCH_VERSION / TORCHVISION_VERSION          2.5.1 / 0.20.1 for Triton 24.10 (libtorch 2.5)
 #   HOST_UID / HOST_GID                          owner of the result on the host
-# Arguments are passed to `python -m repository.build` (e.g. --model /model --target gpu --precision fp16).
+# Arguments are passed to `python -m repository.build` (e.g. --model /models/<folder> --target gpu).
 set -euo pipefail
 
 : "${REPOSITORY_OUT:?REPOSITORY_OUT must name the output repository under /out}"

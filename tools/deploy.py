@@ -41,10 +41,13 @@ DEFAULT_OUT = {"embedded": "build/model_repository", "docker": "build/model_repo
 def _build_options(args: argparse.Namespace, target: str) -> object:
     from nnunet_triton.builder.model_specs import BuildOptions
 
+    serving_torch = None  # the docker image's libtorch: the builder refuses a newer exporting torch
+    if target == "gpu" and getattr(args, "triton_release", None):
+        serving_torch = deploy.triton_release(args.triton_release, args.image_torch_version).libtorch
     return BuildOptions(target=target, tile_batch_size=args.tile_batch_size,
                         fold_precision=args.precision if target == "gpu" else "fp32",
                         fold_instances=args.fold_instances,
-                        orchestrator_instances=args.orchestrator_instances)
+                        orchestrator_instances=args.orchestrator_instances, serving_torch=serving_torch)
 
 
 def _read_config(args: argparse.Namespace):  # -> InferenceConfig

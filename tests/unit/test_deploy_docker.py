@@ -143,6 +143,8 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
         "127.0.0.1:8002:8002",
         "--volume",
         "/srv/repo:/models:ro",
+        "--volume",  # compiled CuPy kernels outlive the container
+        "nnunet-triton-cupy-cache:/var/cache/cupy",
     )
     pool = f"{2688 * MiB}"
     assert server == (
@@ -182,10 +184,12 @@ def test_deploy_spec_refuses_when_gpu_target_gets_no_gpu(tmp_path: Path) -> None
         docker_spec(tmp_path, gpus=())
 
 
-def test_export_container_command_runs_the_builder_with_torch_2_5(tmp_path: Path) -> None:
+def test_export_container_command_runs_the_builder_with_torch_2_5_on_the_model_folders_parent(
+    tmp_path: Path,
+) -> None:
     argv = docker.export_container_command(
         source_root="/src/tree",
-        model_dir="/data/model",
+        model_dir="/data/results/model",
         out_dir="/data/build/repo_gpu",
         builder_args=("--target", "gpu"),
         gpu=1,
@@ -200,8 +204,8 @@ def test_export_container_command_runs_the_builder_with_torch_2_5(tmp_path: Path
         "device=1",
         "--volume",
         "/src/tree:/src:ro",
-        "--volume",
-        "/data/model:/model:ro",
+        "--volume",  # the parent: a cascade stage's previous stage is a sibling folder
+        "/data/results:/models:ro",
         "--volume",
         "/data/build:/out",
         "--env",
@@ -218,7 +222,7 @@ def test_export_container_command_runs_the_builder_with_torch_2_5(tmp_path: Path
         "bash",
         "/src/docker/export_in_container.sh",
         "--model",
-        "/model",
+        "/models/model",
         "--target",
         "gpu",
     )

@@ -66,7 +66,9 @@ def test_k8s_deployment_has_gpu_shm_probes_and_repository_volume(tmp_path: Path)
     assert pod["volumes"] == [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "6064Mi"}},
         {"name": "model-repository", "emptyDir": {}},
+        {"name": "cupy-cache", "emptyDir": {}},  # compiled CuPy kernels survive container restarts
     ]
+    assert {"name": "cupy-cache", "mountPath": "/var/cache/cupy"} in container["volumeMounts"]
     assert pod["initContainers"][0]["image"] == "registry.example/nnunet-models:abc"
     assert container["args"] == list(docker.server_command(spec.info, spec.plan, gpus=1))
     assert container["args"][:8] == ["python3", "-m", "nnunet_triton.server.thread_budget", "exec",
@@ -167,7 +169,9 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
         ["docker", "build", "--file"],
         ["docker", "run", "--detach"],
     ]
-    assert "bash /src/docker/export_in_container.sh --model /model --target gpu --precision fp16" in lines[0]
+    assert (f"bash /src/docker/export_in_container.sh --model /models/{tmp_path.name} --target gpu "
+            "--precision fp16") in lines[0]
+    assert "--serving-torch 2.5" in lines[0]  # the image's libtorch: the builder there checks its torch
     assert f"--volume {out}:/models:ro" in lines[2] and "--gpus device=1" in lines[2]
     assert all(
         f"--load-model={name}" in lines[2]

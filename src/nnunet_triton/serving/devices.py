@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from nnunet_triton.errors import ServerError
 from nnunet_triton.numerics._xp import is_cupy_array, is_torch_tensor, to_numpy
 
 __all__ = ["InstanceDevice"]
@@ -46,11 +47,27 @@ class InstanceDevice:
         return "gpu" if self.gpu else "cpu"
 
     def activate(self) -> None:
-        """Make this GPU CuPy's current device in this stub (a no-op on CPU)."""
-        if self.gpu:
-            import cupy
+        """Make this GPU CuPy's current device in this stub and compile one kernel (a no-op on CPU).
 
+        CuPy compiles kernels with NVRTC on first use; doing one here makes a missing or broken NVRTC (or
+        an unusable GPU) fail the model load with the reason, not the first request.
+
+        Raises:
+            ServerError: CuPy cannot run a kernel on this GPU.
+        """
+        if not self.gpu:
+            return
+        import cupy
+
+        try:
             cupy.cuda.Device(self.index).use()
+            if float(cupy.arange(4, dtype=cupy.float32).sum()) != 6.0:
+                raise RuntimeError("a reduction of [0, 1, 2, 3] did not give 6")
+        except Exception as exc:
+            raise ServerError(
+                f"CuPy cannot run a kernel on GPU {self.index} ({type(exc).__name__}: {exc}); the GPU models "
+                "need a working CUDA driver and NVRTC (cupy-cuda12x with the CUDA runtime of the image)."
+            ) from exc
 
     def array(self, array: Any) -> Any:
         """``array`` as this instance's NumPy (CPU) or CuPy (GPU) array, copied only if it lives elsewhere."""

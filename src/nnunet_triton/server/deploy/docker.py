@@ -50,6 +50,8 @@ CONTAINER_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 EXPORT_IMAGE = "python:3.11-slim"
 EXPORT_TORCH = "2.5.1"  # pip release of the torch 2.5 that Triton 24.10's libtorch is built from
 EXPORT_TORCHVISION = "0.20.1"  # the torchvision released with torch 2.5.1 (nnU-Net's trainer lookup needs it)
+CUPY_CACHE_DIR = "/var/cache/cupy"  # docker/Dockerfile's CUPY_CACHE_DIR: compiled CuPy kernels
+CUPY_CACHE_VOLUME = "nnunet-triton-cupy-cache"  # a named volume: the kernels outlive the container
 STUB_TIMEOUT_S = 120  # stub start handshake; stubs importing cupy/torch on a busy host need > 30 s
 
 
@@ -213,6 +215,7 @@ def docker_run_command(spec: DeploySpec) -> tuple[str, ...]:
         "--ulimit", "memlock=-1", "--ulimit", "stack=67108864",
         *publish,
         "--volume", f"{spec.repository}:{CONTAINER_REPOSITORY}:ro",
+        "--volume", f"{CUPY_CACHE_VOLUME}:{CUPY_CACHE_DIR}",
         "--health-cmd", health_command(),
         "--health-interval", "30s", "--health-timeout", "10s", "--health-retries", "3",
         "--health-start-period", f"{spec.startup_timeout_s}s",
@@ -234,6 +237,8 @@ def builder_args(options: Any, *, folds: tuple[int | str, ...] | None = None,
     """``repository/build.py`` flags that rebuild ``options`` (a BuildOptions) on the GPU export host."""
     fold_args = ("--folds", *map(str, folds)) if folds else ()
     config_args = ("--configuration", configuration) if configuration else ()
+    if getattr(options, "serving_torch", None):
+        config_args += ("--serving-torch", options.serving_torch)
     return ("--target", str(options.target), "--precision", options.fold_precision,
             "--export-device", "cuda", "--tile-batch-size", str(options.tile_batch_size),
             "--fold-instances", str(options.fold_instances),
@@ -248,20 +253,22 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
 
     Runs ``docker/export_in_container.sh`` in ``python:3.11-slim`` (our code needs Python 3.11; NGC's
     pytorch:24.10 image has 3.10): pip torch ``torch_version`` (2.5.1 = libtorch 2.5 of Triton 24.10),
-    then ``python -m repository.build --model /model --out /out/<name> <builder_args>``; the result is
-    handed to ``uid:gid``. The fp16 export traces under CUDA autocast, hence ``--gpus``.
+    then ``python -m repository.build --model /models/<name> --out /out/<name> <builder_args>``; the result
+    is handed to ``uid:gid``. The model folder's parent is mounted (read-only) so that a cascade stage finds
+    its previous stage (nnU-Net's sibling folder). fp16 exports trace under CUDA autocast: ``--gpus``.
     """
-    out = Path(out_dir)
+    out, model = Path(out_dir), Path(model_dir)
     gpus = ("--gpus", f"device={gpu}") if gpu is not None else ()
     return (
         "docker", "run", "--rm", *gpus,
         "--volume", f"{source_root}:/src:ro",
-        "--volume", f"{model_dir}:/model:ro",
+        "--volume", f"{model.parent}:/models:ro",
         "--volume", f"{out.parent}:/out",
         "--env", f"REPOSITORY_OUT=/out/{out.name}",
         "--env", f"HOST_UID={uid}", "--env", f"HOST_GID={gid}",
         "--env", f"TORCH_VERSION={torch_version}", "--env", f"TORCHVISION_VERSION={torchvision_version}",
-        EXPORT_IMAGE, "bash", "/src/docker/export_in_container.sh", "--model", "/model", *builder_args,
+        EXPORT_IMAGE, "bash", "/src/docker/export_in_container.sh", "--model", f"/models/{model.name}",
+        *builder_args,
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from nnunet_triton.server.deploy.docker import (
     CONTAINER_PORTS,
     CONTAINER_REPOSITORY,
+    CUPY_CACHE_DIR,
     health_probe,
     server_command,
 )
@@ -136,7 +137,8 @@ def _server_container(spec: K8sSpec) -> dict[str, Any]:
         "resources": {"requests": {"cpu": spec.cpu, "memory": memory, "nvidia.com/gpu": 1},
                       "limits": {"cpu": spec.cpu, "memory": memory, "nvidia.com/gpu": 1}},
         "volumeMounts": [{"name": "model-repository", "mountPath": CONTAINER_REPOSITORY, "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
+                         {"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "cupy-cache", "mountPath": CUPY_CACHE_DIR}],
         "startupProbe": _probe("/v2/health/ready", _PROBE_PERIOD_S,
                                math.ceil(spec.startup_timeout_s / _PROBE_PERIOD_S)),
         # the watchdog reloads a dead model in seconds; only when it could not for a minute does the
@@ -155,7 +157,8 @@ def _volumes(spec: K8sSpec) -> list[dict[str, Any]]:
                 "persistentVolumeClaim": {"claimName": spec.model_source.ref, "readOnly": True}}
     else:
         repo = {"name": "model-repository", "emptyDir": {}}
-    return [shm, repo]
+    cupy_cache = {"name": "cupy-cache", "emptyDir": {}}  # compiled CuPy kernels survive container restarts
+    return [shm, repo, cupy_cache]
 
 
 def deployment(spec: K8sSpec) -> dict[str, Any]:
