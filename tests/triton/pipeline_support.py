@@ -35,6 +35,7 @@ DATASETS = (SYNTHCT, ANISO)
 BUILD_ROOT = REPO_ROOT / "build" / "test-repositories"
 TILE_BATCH_SIZE = 4
 MAX_INFLIGHT = 4
+ORCHESTRATOR_INSTANCES = 2  # two requests at once; the fold models take 2 x TILE_BATCH_SIZE tiles per batch
 # preprocess_model's voxel limit in the test repositories: 20x the largest fixture case (~1e5 voxels),
 # small enough that a request over it is cheap to send (test_bad_input.py).
 TEST_MAX_VOXELS = 2**21
@@ -103,7 +104,7 @@ def build(dataset: str) -> Path:
 
     options = BuildOptions(
         tile_batch_size=TILE_BATCH_SIZE, per_sample_forward=True, max_inflight=MAX_INFLIGHT,
-        max_voxels=TEST_MAX_VOXELS,
+        orchestrator_instances=ORCHESTRATOR_INSTANCES, max_voxels=TEST_MAX_VOXELS,
         max_request_bytes=TEST_MAX_REQUEST_BYTES,
     )
     out = BUILD_ROOT / (Path("copies", *Path(dataset).parts[-2:]) if Path(dataset).is_absolute() else dataset)

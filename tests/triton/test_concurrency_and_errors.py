@@ -5,11 +5,21 @@ Uses the SynthCT fixture on the shared embedded server (see pipeline_support).
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from pipeline_support import SYNTHCT, cases, probe_case, reference, shared_server
+from pipeline_support import (
+    ORCHESTRATOR_INSTANCES,
+    SYNTHCT,
+    TILE_BATCH_SIZE,
+    cases,
+    probe_case,
+    reference,
+    shared_server,
+)
 
 from nnunet_triton import io_names
 from nnunet_triton.client.client import NnunetClient
@@ -44,6 +54,39 @@ def test_four_concurrent_clients_get_nnunet_segmentations(server):
         case = cases(SYNTHCT)[index]
         expected = reference(SYNTHCT, case.name, mirroring).segmentation
         np.testing.assert_array_equal(segmentation, expected, err_msg=f"{protocol} {case.name} {mirroring}")
+
+
+def _fold_counts(server, model: str) -> tuple[float, float]:
+    """Triton's ``nv_inference_request_success`` and ``nv_inference_exec_count`` of ``model``."""
+    with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
+        text = response.read().decode()
+    values = []
+    for metric in ("nv_inference_request_success", "nv_inference_exec_count"):
+        match = re.search(rf'^{metric}{{[^}}]*model="{model}"[^}}]*}} (\S+)$', text, re.MULTILINE)
+        assert match is not None, f"no {metric} for {model} in the metrics"
+        values.append(float(match.group(1)))
+    return values[0], values[1]
+
+
+def test_fold_models_run_tile_batches_of_concurrent_requests_together_and_answers_stay_exact(server):
+    assert ORCHESTRATOR_INSTANCES == 2  # the test repository's concurrency: two requests at once
+    fold = io_names.fold_model_name(0)
+    requests_before, executions_before = _fold_counts(server, fold)
+    case = cases(SYNTHCT)[0]
+
+    def run(protocol: str):
+        with NnunetClient(_url(server, protocol), protocol=protocol, timeout_s=1800) as client:
+            return client.segment(case.image, case.spacing, mirroring=True).segmentation
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run, ["http", "grpc"]))
+    requests, executions = (a - b for a, b in zip(_fold_counts(server, fold), (requests_before,
+                                                                             executions_before), strict=True))
+    # every tile batch is one fold request; the dynamic batcher merged some (up to 2 x TILE_BATCH_SIZE tiles)
+    assert requests > executions > 0, (requests, executions, TILE_BATCH_SIZE)
+    expected = reference(SYNTHCT, case.name, True).segmentation
+    for segmentation in results:
+        np.testing.assert_array_equal(segmentation, expected)
 
 
 def _bad_requests():

@@ -121,6 +121,18 @@ def test_libtorch_fold_warmup_has_one_entry_when_tile_batch_size_is_one() -> Non
     assert [(w.name, w.batch_size) for w in message.model_warmup] == [("batch_1", 1)]
 
 
+@pytest.mark.parametrize("runner", [FoldRunner.PYTHON, FoldRunner.LIBTORCH])
+def test_fold_models_take_one_tile_batch_per_orchestrator_instance_when_concurrency_expected(runner):
+    options = BuildOptions(target="gpu", fold_runner=runner, tile_batch_size=4, orchestrator_instances=3)
+    message = _parse(fold_spec(_config(), 0, options))
+    assert message.max_batch_size == options.fold_max_batch_size == 12
+    assert message.dynamic_batching.max_queue_delay_microseconds == options.fold_queue_delay_us
+    if runner is FoldRunner.LIBTORCH:  # warm-up covers the merged batches of concurrent requests too
+        assert [w.batch_size for w in message.model_warmup] == [1, 4, 12]
+    orchestrator = _parse(orchestrator_spec(_config(), options))
+    assert [g.count for g in orchestrator.instance_group] == [3]
+
+
 def test_python_fold_config_has_libtorch_io_and_runner_parameters_when_target_cpu() -> None:
     options = BuildOptions(tile_batch_size=5, fold_instances=2, torch_threads=3)
     python = _parse(python_fold_spec(_config(), 1, options))

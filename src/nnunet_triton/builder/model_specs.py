@@ -89,8 +89,11 @@ class BuildOptions:
 
     Attributes:
         target: ``cpu`` (Python models on KIND_CPU, inputs forced to host) or ``gpu``.
-        tile_batch_size: tiles per fold request from the orchestrator; also the fold models'
-            ``max_batch_size`` (the dynamic batcher never builds a larger batch).
+        tile_batch_size: tiles per fold request from the orchestrator.
+        orchestrator_instances: requests the pipeline works on at once (set it to the expected
+            concurrency: one orchestrator instance holds one request). The fold models'
+            ``max_batch_size`` is ``tile_batch_size`` x this (:attr:`fold_max_batch_size`), so the
+            dynamic batcher can run the tile batches of concurrent requests in one forward.
         fold_runner: defaults to ``python`` on cpu and ``libtorch`` on gpu.
         fold_precision: ``fp32``, or ``fp16`` (autocast export, FP16 OUTPUT__0; gpu only).
         fold_queue_delay_us: dynamic batcher ``max_queue_delay_microseconds`` of the fold models.
@@ -163,6 +166,11 @@ class BuildOptions:
         if self.fold_runner is not None:
             return self.fold_runner
         return FoldRunner.LIBTORCH if self.target is Target.GPU else FoldRunner.PYTHON
+
+    @property
+    def fold_max_batch_size(self) -> int:
+        """The fold models' ``max_batch_size``: one tile batch from every orchestrator instance."""
+        return self.tile_batch_size * self.orchestrator_instances
 
     @property
     def loading_torch(self) -> str | None:
@@ -289,19 +297,20 @@ def libtorch_fold_spec(config: InferenceConfig, fold: int | str, options: BuildO
 
     ``DISABLE_OPTIMIZED_EXECUTION`` keeps TorchScript's profiling executor from re-optimizing the
     graph for every new batch size the dynamic batcher produces (server#3012); warm-up runs the
-    sizes the orchestrator sends (1 for a last partial batch, ``tile_batch_size`` otherwise) so the
-    model is READY only after CUDA/cuDNN initialization.
+    sizes the fold model sees (1 for a last partial batch, ``tile_batch_size``, and the merged batches of
+    concurrent requests up to ``fold_max_batch_size``) so the model is READY only after CUDA/cuDNN
+    initialization.
     """
     inputs, outputs = _fold_io(config, options)
     sample = WarmupInput(dtype="FP32", dims=inputs[0].dims, source="zero")
     warmup = tuple(
         ModelWarmup(name=f"batch_{size}", batch_size=size, inputs={io_names.FOLD_INPUT: sample})
-        for size in sorted({1, options.tile_batch_size})
+        for size in sorted({1, options.tile_batch_size, options.fold_max_batch_size})
     )
     return ModelSpec(
         name=io_names.fold_model_name(fold),
         platform="pytorch_libtorch",
-        max_batch_size=options.tile_batch_size,
+        max_batch_size=options.fold_max_batch_size,
         inputs=inputs,
         outputs=outputs,
         instance_groups=(InstanceGroup(count=options.fold_instances, kind=options.instance_kind,
@@ -319,7 +328,7 @@ def python_fold_spec(config: InferenceConfig, fold: int | str, options: BuildOpt
     return ModelSpec(
         name=io_names.fold_model_name(fold),
         backend="python",
-        max_batch_size=options.tile_batch_size,
+        max_batch_size=options.fold_max_batch_size,
         inputs=inputs,
         outputs=outputs,
         instance_groups=(InstanceGroup(
