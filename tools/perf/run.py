@@ -171,6 +171,7 @@ TUNING_VARIANTS: dict[str, dict[str, Any]] = {
     "torch_threads=1": {"torch_threads": 1},
     "fold_instances=2,torch_threads=1": {"fold_instances": 2, "torch_threads": 1},
     "orchestrator_instances=2": {"orchestrator_instances": 2},
+    "orchestrator_instances=4": {"orchestrator_instances": 4},
     "preprocess+stitch_instances=2": {"preprocess_instances": 2, "stitch_instances": 2},
     "client_shm=system": {},  # default build; perf_analyzer sends/receives through /dev/shm (below)
 }
@@ -716,6 +717,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scenarios", default="", help="comma list of scenario names (default: all in the plan)")
     p.add_argument("--protocols", default="grpc,http")
     p.add_argument("--max-concurrency", type=int, default=0, help="skip higher levels (0: plan's levels)")
+    p.add_argument("--concurrencies", default="",
+                   help="comma list of concurrency levels for every scenario, e.g. 1,2,4,8 (default: plan's)")
     p.add_argument("--window-requests", type=int, default=0, help="override the windowed scenarios' size")
     p.add_argument("--reps", type=int, default=0, help="override the baselines' repetitions")
     p.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE", "inherit"), default="inherit",
@@ -729,6 +732,11 @@ def _apply_overrides(plan: WorkloadPlan, args: argparse.Namespace) -> WorkloadPl
     scenarios = plan.scenarios
     if args.scenarios:
         scenarios = tuple(s for s in scenarios if s.name in args.scenarios)
+    if args.concurrencies:
+        levels = tuple(int(c) for c in args.concurrencies.split(","))
+        if not levels or min(levels) < 1:
+            raise SystemExit(f"--concurrencies must list levels >= 1, got {args.concurrencies!r}.")
+        scenarios = tuple(replace(s, load=replace(s.load, concurrencies=levels)) for s in scenarios)
     if args.window_requests:
         scenarios = tuple(replace(s, load=replace(s.load, window_requests=args.window_requests))
                           if s.load.window_requests else s for s in scenarios)
