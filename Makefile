@@ -1,6 +1,7 @@
 # nnunet_triton: serve trained nnU-Net v2 models on NVIDIA Triton.
-# `make` lists the targets. Every target except help/clean/lock depends on `setup` through a stamp file,
-# so the environment is (re)built only when pyproject.toml or the lock file change.
+# `make` lists the targets. Every target except help/clean/lock/gpu-check depends on `setup` through a stamp
+# file, so the environment is (re)built only when pyproject.toml or the lock file change. gpu-check runs on a
+# GPU machine without network: with .venv's Python when there is one, else GPU_PYTHON (default python3).
 
 .DEFAULT_GOAL := help
 SHELL := /bin/bash
@@ -37,15 +38,17 @@ PERF_ARGS ?=
 SOAK_DURATION ?= 600
 SOAK_CONCURRENCY ?= 4
 PYTEST_ARGS ?=
+GPU_CHECK_ARGS ?=
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 SERVER := $(VENV)/bin/nnunet-triton-server
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
 .PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy demo pacs-demo validate perf \
-	perf-defaults soak
+	perf-defaults soak gpu-check
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' \
@@ -116,6 +119,9 @@ perf: $(SETUP_STAMP) $(PERF_STAMP) ## perf_analyzer benchmark vs nnUNetPredictor
 
 perf-defaults: $(SETUP_STAMP) ## Default-launch benchmark: build time, first answer, latency/throughput vs nnUNetPredictor, folder CLI vs nnUNetv2_predict
 	$(PY) -m tools.perf.defaults $(PERF_ARGS)
+
+gpu-check: ## On an NVIDIA GPU: CuPy/torch parity, the endpoint vs nnUNetPredictor on cuda, timings -> build/gpu-check/gpu-check.md (GPU_CHECK_ARGS="--device cpu": the dry run)
+	$(GPU_PYTHON) -m tools.gpu_check $(GPU_CHECK_ARGS)
 
 soak: $(SETUP_STAMP) ## Bounded soak: mixed valid/invalid requests, answers checked, RSS and /dev/shm growth -> build/soak/
 	$(PY) tools/soak.py --duration $(SOAK_DURATION) --concurrency $(SOAK_CONCURRENCY) --out build/soak
