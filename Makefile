@@ -121,7 +121,7 @@ perf-defaults: $(SETUP_STAMP) ## Default-launch benchmark: build time, first ans
 	$(PY) -m tools.perf.defaults $(PERF_ARGS)
 
 gpu-check: ## On an NVIDIA GPU: CuPy/torch parity, the endpoint vs nnUNetPredictor on cuda, timings -> build/gpu-check/gpu-check.md (GPU_CHECK_ARGS="--device cpu": the dry run)
-	$(GPU_PYTHON) -m tools.gpu_check $(GPU_CHECK_ARGS)
+	PYTHONPATH="$(CURDIR)/src:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m tools.gpu_check $(GPU_CHECK_ARGS)
 
 soak: $(SETUP_STAMP) ## Bounded soak: mixed valid/invalid requests, answers checked, RSS and /dev/shm growth -> build/soak/
 	$(PY) tools/soak.py --duration $(SOAK_DURATION) --concurrency $(SOAK_CONCURRENCY) --out build/soak
