@@ -238,9 +238,10 @@ def _repository(setup: Setup, model_dir: Path) -> Path:
     from nnunet_triton.builder.torch_compat import torch_minor_text
     from tools.perf.repos import pipeline_repository
 
-    if setup.gpu:  # the embedded server has the Python backend only: the Python fold runner, on KIND_GPU
-        options = BuildOptions(target="gpu", fold_runner=FoldRunner.PYTHON, orchestrator_instances=4,
-                               serving_torch=torch_minor_text(torch.__version__))
+    if setup.gpu:  # the embedded server has the Python backend only: the Python fold runner, on KIND_GPU;
+        # fp16 (traced under CUDA autocast, what `make deploy TARGET=docker` builds and nnU-Net runs on cuda)
+        options = BuildOptions(target="gpu", fold_runner=FoldRunner.PYTHON, fold_precision="fp16",
+                               orchestrator_instances=4, serving_torch=torch_minor_text(torch.__version__))
     else:
         options = BuildOptions(orchestrator_instances=4)
     return pipeline_repository(model_dir, f"gpu-check-{setup.workload}", variant=setup.device,
@@ -342,8 +343,9 @@ def stage_timings(stage: Stage, setup: Setup, model_dir: Path, repository: Path,
     from tools.perf.baselines import _Floor
 
     folds = tuple(read_model_folder(model_dir).folds)
-    mirroring = False  # nnU-Net's default is on; off keeps the check in its time budget (8 inputs per tile)
-    stage.notes.append(f"case {case.name} {tuple(case.image.shape)}, folds {list(folds)}, mirroring off")
+    mirroring = setup.gpu  # nnU-Net's default; the CPU dry run leaves it off (8 network inputs per tile)
+    stage.notes.append(f"case {case.name} {tuple(case.image.shape)}, folds {list(folds)}, "
+                       f"mirroring {'on' if mirroring else 'off'}, repository {repository}")
     with NnunetClient(handle.grpc_url, protocol="grpc", timeout_s=3600) as client:
         def one() -> Any:
             return client.segment(case.image, case.spacing, mirroring=mirroring)
