@@ -35,7 +35,6 @@ DATASETS = (SYNTHCT, ANISO)
 BUILD_ROOT = REPO_ROOT / "build" / "test-repositories"
 TILE_BATCH_SIZE = 4
 MAX_INFLIGHT = 4
-ORCHESTRATOR_INSTANCES = 2  # two requests at once; the fold models take 2 x TILE_BATCH_SIZE tiles per batch
 # preprocess_model's voxel limit in the test repositories: 20x the largest fixture case (~1e5 voxels),
 # small enough that a request over it is cheap to send (test_bad_input.py).
 TEST_MAX_VOXELS = 2**21
@@ -97,17 +96,23 @@ def probe_case(dataset: str) -> Case:
                 label=np.ascontiguousarray(first.label[crop[1:]]))
 
 
-def build(dataset: str) -> Path:
-    """Build (or reuse) the test repository of ``dataset`` and return its path."""
+def build(dataset: str, *, orchestrator_instances: int = 1) -> Path:
+    """Build (or reuse) the test repository of ``dataset`` and return its path.
+
+    ``orchestrator_instances`` > 1 (requests worked on at once; the fold models then batch that many tile
+    batches) builds a separate copy next to the default one.
+    """
     from nnunet_triton.builder.model_specs import BuildOptions
     from nnunet_triton.builder.repository import build_repository
 
     options = BuildOptions(
         tile_batch_size=TILE_BATCH_SIZE, per_sample_forward=True, max_inflight=MAX_INFLIGHT,
-        orchestrator_instances=ORCHESTRATOR_INSTANCES, max_voxels=TEST_MAX_VOXELS,
+        orchestrator_instances=orchestrator_instances, max_voxels=TEST_MAX_VOXELS,
         max_request_bytes=TEST_MAX_REQUEST_BYTES,
     )
     out = BUILD_ROOT / (Path("copies", *Path(dataset).parts[-2:]) if Path(dataset).is_absolute() else dataset)
+    if orchestrator_instances != 1:
+        out = out.with_name(f"{out.name}-orchestrators{orchestrator_instances}")
     return build_repository(model_dir(dataset), out, options=options).out
 
 

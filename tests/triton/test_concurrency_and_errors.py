@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from pipeline_support import (
-    ORCHESTRATOR_INSTANCES,
     SYNTHCT,
     TILE_BATCH_SIZE,
+    build,
     cases,
     probe_case,
     reference,
@@ -68,20 +68,22 @@ def _fold_counts(server, model: str) -> tuple[float, float]:
     return values[0], values[1]
 
 
-def test_fold_models_run_tile_batches_of_concurrent_requests_together_and_answers_stay_exact(server):
-    assert ORCHESTRATOR_INSTANCES == 2  # the test repository's concurrency: two requests at once
+def test_fold_models_run_tile_batches_of_concurrent_requests_together_and_answers_stay_exact(triton_server):
+    # a repository working on two requests at once: its fold models take 2 x TILE_BATCH_SIZE tiles per batch
+    repository = build(SYNTHCT, orchestrator_instances=2)
     fold = io_names.fold_model_name(0)
-    requests_before, executions_before = _fold_counts(server, fold)
     case = cases(SYNTHCT)[0]
+    with triton_server(repository) as server:
+        requests_before, executions_before = _fold_counts(server, fold)
 
-    def run(protocol: str):
-        with NnunetClient(_url(server, protocol), protocol=protocol, timeout_s=1800) as client:
-            return client.segment(case.image, case.spacing, mirroring=True).segmentation
+        def run(protocol: str):
+            with NnunetClient(_url(server, protocol), protocol=protocol, timeout_s=1800) as client:
+                return client.segment(case.image, case.spacing, mirroring=True).segmentation
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(run, ["http", "grpc"]))
-    requests, executions = (a - b for a, b in zip(_fold_counts(server, fold), (requests_before,
-                                                                             executions_before), strict=True))
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            results = list(pool.map(run, ["http", "grpc"]))
+        after = _fold_counts(server, fold)
+    requests, executions = after[0] - requests_before, after[1] - executions_before
     # every tile batch is one fold request; the dynamic batcher merged some (up to 2 x TILE_BATCH_SIZE tiles)
     assert requests > executions > 0, (requests, executions, TILE_BATCH_SIZE)
     expected = reference(SYNTHCT, case.name, True).segmentation
