@@ -37,6 +37,7 @@ from pathlib import Path
 
 from nnunet_triton import io_names, serving
 from nnunet_triton.errors import NnunetTritonError
+from nnunet_triton.numerics._xp import to_numpy
 from nnunet_triton.numerics.limits import check_voxel_limit
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.preprocess import preprocess_case
@@ -69,7 +70,7 @@ class TritonPythonModel:
             parse_request_options(serving.request_parameters(request), self._config)
             image = serving.image_array(request)  # IMAGE or IMAGE_<dtype>; preprocess_case casts to float32
             check_voxel_limit(io_names.IMAGE, image.shape, self._limits["max_voxels"])
-            spacing = serving.InstanceDevice().array(serving.input_array(request, io_names.SPACING))  # host
+            spacing = to_numpy(serving.input_array(request, io_names.SPACING))  # on the host
             # a cascade stage: the previous stage's segmentation becomes one-hot input channels
             previous = serving.input_array(request, io_names.PREVIOUS_SEGMENTATION) \
                 if self._config.previous_stage is not None else None

@@ -79,7 +79,7 @@ class TritonPythonModel:
             options = parse_request_options(serving.request_parameters(request), self._config)
             logits = self._device.array(serving.input_array(request, io_names.LOGITS))
             props = CaseProperties.from_array(  # a few numbers: read on the host wherever they arrive
-                serving.InstanceDevice().array(serving.input_array(request, io_names.CASE_PROPERTIES)))
+                to_numpy(serving.input_array(request, io_names.CASE_PROPERTIES)))
             want_probabilities = self._probabilities_output is ProbabilitiesOutput.ALWAYS or (
                 options.probabilities and self._probabilities_output is ProbabilitiesOutput.REQUEST
             )

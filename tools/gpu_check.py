@@ -156,6 +156,7 @@ def _device_xp(setup: Setup) -> Any:
 def stage_parity(stage: Stage, setup: Setup, model_dir: Path, case: Any) -> None:
     import torch
 
+    from nnunet_triton import io_names
     from nnunet_triton.numerics._xp import to_numpy
     from nnunet_triton.numerics.model_folder import read_model_folder
     from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
@@ -188,7 +189,9 @@ def stage_parity(stage: Stage, setup: Setup, model_dir: Path, case: Any) -> None
     row("resample_data_or_seg_to_shape (separate z)", _max_abs(sep, sep_d), 1e-4)
 
     torch_device = "cuda:0" if setup.gpu else "cpu"
-    runner = load_runner(_fold_torchscript(model_dir), device=torch_device, max_forward_batch=1)
+    fold = io_names.fold_model_name(config.folds[0])  # the repository stages (b)/(c) serve, built once
+    torchscript = _repository(setup, model_dir) / fold / io_names.VERSION_DIR / io_names.TORCHSCRIPT_FILE
+    runner = load_runner(torchscript, device=torch_device, max_forward_batch=1)
 
     def network(x: Any) -> Any:  # the same device forward for both loops: only the loops differ
         if isinstance(x, np.ndarray):
@@ -211,21 +214,6 @@ def stage_parity(stage: Stage, setup: Setup, model_dir: Path, case: Any) -> None
         0, "differing voxels")
     if not all(r["ok"] for r in stage.rows):
         stage.status = "failed"
-
-
-def _fold_torchscript(model_dir: Path) -> Path:
-    """fold 0's TorchScript, exported once into build/gpu-check/export (the builder's own export)."""
-    from nnunet_triton.builder.repository import build_repository
-
-    repository = REPO_ROOT / "build" / "gpu-check" / "fold-export" / model_dir.parent.name
-    result = build_repository(model_dir, repository, folds=(_first_fold(model_dir),), folds_only=True)
-    return next(result.out.glob("fold_*/1/model.pt"))
-
-
-def _first_fold(model_dir: Path) -> int | str:
-    from nnunet_triton.numerics.model_folder import read_model_folder
-
-    return read_model_folder(model_dir).folds[0]
 
 
 # --- (b) endpoint and (c) timings --------------------------------------------------------------------------
@@ -346,19 +334,18 @@ def stage_timings(stage: Stage, setup: Setup, model_dir: Path, repository: Path,
     mirroring = setup.gpu  # nnU-Net's default; the CPU dry run leaves it off (8 network inputs per tile)
     stage.notes.append(f"case {case.name} {tuple(case.image.shape)}, folds {list(folds)}, "
                        f"mirroring {'on' if mirroring else 'off'}, repository {repository}")
-    with NnunetClient(handle.grpc_url, protocol="grpc", timeout_s=3600) as client:
-        def one() -> Any:
+    def one(_: object = None) -> Any:  # one request on its own connection
+        with NnunetClient(handle.grpc_url, protocol="grpc", timeout_s=3600) as client:
             return client.segment(case.image, case.spacing, mirroring=mirroring)
 
-        one()  # warm-up (CUDA contexts, cuDNN autotuning, CuPy kernels)
-        with _GpuSampler(setup.gpu) as c1_gpu:
-            c1 = _timed(one, setup.reps)
-        c4_requests = 4 * max(1, setup.reps // 2)
-        with _GpuSampler(setup.gpu) as c4_gpu, ThreadPoolExecutor(max_workers=4) as pool:
-            start = time.perf_counter()
-            list(pool.map(lambda _: NnunetClient(handle.grpc_url, protocol="grpc", timeout_s=3600).segment(
-                case.image, case.spacing, mirroring=mirroring), range(c4_requests)))
-            c4_s = time.perf_counter() - start
+    one()  # warm-up (CUDA contexts, cuDNN autotuning, CuPy kernels)
+    with _GpuSampler(setup.gpu) as c1_gpu:
+        c1 = _timed(one, setup.reps)
+    c4_requests = 4 * max(1, setup.reps // 2)
+    with _GpuSampler(setup.gpu) as c4_gpu, ThreadPoolExecutor(max_workers=4) as pool:
+        start = time.perf_counter()
+        list(pool.map(one, range(c4_requests)))
+        c4_s = time.perf_counter() - start
     predictor = nnunet_predictor(model_dir, folds=folds, mirroring=mirroring, device=setup.device)
 
     def predict() -> Any:

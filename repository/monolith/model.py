@@ -49,12 +49,11 @@ class TritonPythonModel:
             threads = FoldRunnerParameters.from_parameters(serving.model_parameters(args)).torch_num_threads
             if threads:
                 torch.set_num_threads(threads)
-            on_gpu = args["model_instance_kind"] == "GPU"
-            device = torch.device(f"cuda:{int(args['model_instance_device_id'])}" if on_gpu else "cpu")
+            device = serving.InstanceDevice.from_args(args)
             self._predictor = nnUNetPredictor(
                 tile_step_size=0.5, use_gaussian=True, use_mirroring=True,
-                perform_everything_on_device=on_gpu, device=device, verbose=False,
-                verbose_preprocessing=False, allow_tqdm=False,
+                perform_everything_on_device=device.gpu, device=torch.device(device.torch_device),
+                verbose=False, verbose_preprocessing=False, allow_tqdm=False,
             )
             self._predictor.initialize_from_trained_model_folder(str(here / MODEL_DIR),
                                                                  use_folds=self._config.folds)

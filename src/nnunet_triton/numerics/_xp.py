@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["get_array_module", "get_ndimage", "is_cupy_array", "is_torch_tensor", "tensor_namespace",
-           "to_numpy"]
+__all__ = ["get_array_module", "get_ndimage", "is_cupy_array", "is_torch_tensor", "is_torch_module",
+           "tensor_namespace", "to_numpy"]
 
 
 def is_cupy_array(array: Any) -> bool:
@@ -28,17 +28,19 @@ def is_torch_tensor(array: Any) -> bool:
     return torch is not None and isinstance(array, torch.Tensor)
 
 
+def is_torch_module(xp: ModuleType | None) -> bool:
+    """True if the array namespace ``xp`` is torch (``None``, NumPy and CuPy are not)."""
+    return xp is not None and xp.__name__ == "torch"
+
+
 def tensor_namespace(*arrays: Any) -> ModuleType:
     """``torch`` if any argument is a torch tensor, else :func:`get_array_module`.
 
     Only the sliding-window loop (``numerics.tiling``, ``numerics.sliding_window``) accepts torch tensors:
     it is the device-resident path of the orchestrator (CPU or CUDA tensors, nnU-Net's own arithmetic).
     """
-    for array in arrays:
-        if is_torch_tensor(array):
-            import torch
-
-            return torch
+    if any(is_torch_tensor(array) for array in arrays):
+        return sys.modules["torch"]  # is_torch_tensor saw it loaded
     return get_array_module(*arrays)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton.errors import InputValidationError, NumericalError
-from nnunet_triton.numerics._xp import tensor_namespace
+from nnunet_triton.numerics._xp import is_torch_module, tensor_namespace
 from nnunet_triton.numerics.gaussian import compute_gaussian
 from nnunet_triton.numerics.tiling import pad_to_patch, tile_slicers
 from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE
@@ -59,10 +59,6 @@ __all__ = [
 ]
 
 PredictBatch = Callable[[Any], Any]
-
-
-def _is_torch(xp: ModuleType) -> bool:
-    return xp.__name__ == "torch"
 
 
 def _torch_op(a: Any, b: Any, op: Callable[[Any, Any], Any], xp: ModuleType) -> Any:
@@ -111,7 +107,7 @@ def _sum_then_divide(arrays: Sequence[Any], xp: ModuleType) -> Any:
     returned as it is; the inputs are never modified)."""
     if len(arrays) == 1:
         return arrays[0]
-    if _is_torch(xp):  # nnU-Net's own in-place statements (no float32 temporaries)
+    if is_torch_module(xp):  # nnU-Net's own in-place statements (no float32 temporaries)
         result = arrays[0].clone()
         for a in arrays[1:]:
             result += a
@@ -161,7 +157,7 @@ class LogitAccumulator:
         self._xp = xp
         self._patch = tuple(int(p) for p in patch_size)
         shape = tuple(int(s) for s in padded_spatial_shape)
-        if _is_torch(xp):
+        if is_torch_module(xp):
             like = xp.empty(0) if like is None else like
             self._logits = like.new_zeros((int(num_heads), *shape), dtype=xp.float16)
             self._weights = like.new_zeros(shape, dtype=xp.float16)
@@ -170,8 +166,9 @@ class LogitAccumulator:
             self._weights = xp.zeros(shape, dtype=xp.float16)
         if use_gaussian and gaussian is None:
             gaussian = compute_gaussian(self._patch)
-        if gaussian is not None:  # a NumPy map shared across requests, moved to the data's device
-            gaussian = xp.as_tensor(gaussian, device=like.device) if _is_torch(xp) else xp.asarray(gaussian)
+        if gaussian is not None:  # a map shared across requests (host or device), on the data's device
+            torch_like = is_torch_module(xp)
+            gaussian = xp.as_tensor(gaussian, device=like.device) if torch_like else xp.asarray(gaussian)
         if gaussian is not None and (tuple(gaussian.shape) != self._patch or gaussian.dtype != xp.float16):
             raise InputValidationError(
                 f"gaussian must be float16 with shape patch_size {self._patch}, "
@@ -197,19 +194,17 @@ class LogitAccumulator:
             raise InputValidationError(
                 f"slicer {tuple(slicer)} selects {tuple(region.shape)}, expected {expected}."
             )
-        if _is_torch(xp):  # nnU-Net's own statements: pred *= gaussian; logits[sl] += pred; n[sl] += gaussian
-            pred = tile_logits * self._gaussian if self._gaussian is not None else tile_logits
-            region += pred
-            self._weights[tuple(slicer)] += self._gaussian if self._gaussian is not None else 1
-            self.num_tiles += 1
-            return
-        pred = tile_logits
-        with np.errstate(over="ignore"):  # fp16 overflow gives inf, reported by finalize (as nnU-Net)
-            if self._gaussian is not None:
-                pred = _torch_op(pred, self._gaussian, operator.mul, xp)
-            self._logits[index] = _torch_op(region, pred, operator.add, xp)
         weight = self._gaussian if self._gaussian is not None else 1
-        self._weights[tuple(slicer)] = _torch_op(self._weights[tuple(slicer)], weight, operator.add, xp)
+        if is_torch_module(xp):  # nnU-Net: pred *= gaussian; logits[sl] += pred; n[sl] += gaussian
+            region += (tile_logits * self._gaussian) if self._gaussian is not None else tile_logits
+            self._weights[tuple(slicer)] += weight
+        else:
+            pred = tile_logits
+            with np.errstate(over="ignore"):  # fp16 overflow gives inf, reported by finalize (as nnU-Net)
+                if self._gaussian is not None:
+                    pred = _torch_op(pred, self._gaussian, operator.mul, xp)
+                self._logits[index] = _torch_op(region, pred, operator.add, xp)
+            self._weights[tuple(slicer)] = _torch_op(self._weights[tuple(slicer)], weight, operator.add, xp)
         self.num_tiles += 1
 
     def finalize(self, unpad_slicer: Sequence[slice] | None = None) -> Any:
@@ -220,7 +215,7 @@ class LogitAccumulator:
         xp = self._xp
         logits, weights = self._logits, self._weights
         self._logits = self._weights = None
-        if _is_torch(xp):
+        if is_torch_module(xp):
             logits /= weights
         else:
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -233,7 +228,7 @@ class LogitAccumulator:
             )
         if unpad_slicer is not None:
             logits = logits[(slice(None), *unpad_slicer)]
-        return logits.contiguous() if _is_torch(xp) else xp.ascontiguousarray(logits)
+        return logits.contiguous() if is_torch_module(xp) else xp.ascontiguousarray(logits)
 
 
 @dataclass(frozen=True)
@@ -277,8 +272,8 @@ def extract_batch(
     """
     xp = tensor_namespace(padded)
     tiles = [_flip(padded[(slice(None), *slicers[item.tile])], variants[item.variant], xp) for item in batch]
-    if _is_torch(xp):
-        return xp.stack(tiles).to(xp.float32).contiguous()
+    if is_torch_module(xp):
+        return xp.stack(tiles).to(xp.float32)  # stack makes a new contiguous tensor
     return xp.ascontiguousarray(xp.stack(tiles).astype(xp.float32, copy=False))
 
 

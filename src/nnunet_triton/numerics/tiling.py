@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton.errors import InputValidationError
-from nnunet_triton.numerics._xp import tensor_namespace
+from nnunet_triton.numerics._xp import is_torch_module, tensor_namespace
 from nnunet_triton.options import check_tile_step_size
 
 __all__ = [
@@ -91,7 +91,7 @@ def pad_to_patch(data: Any, patch_size: Sequence[int]) -> tuple[Any, tuple[slice
     pad_list = [((n - o) // 2, (n - o) - (n - o) // 2) for n, o in zip(new_shape, old_shape, strict=True)]
     if all(lo == 0 and hi == 0 for lo, hi in pad_list):
         padded = data
-    elif xp.__name__ == "torch":  # torch.nn.functional.pad lists (lo, hi) from the last axis backwards
+    elif is_torch_module(xp):  # torch.nn.functional.pad lists (lo, hi) from the last axis backwards
         padded = xp.nn.functional.pad(data, [v for pair in reversed(pad_list) for v in pair], value=0)
     else:
         padded = xp.pad(data, pad_list, mode="constant", constant_values=0)

@@ -59,7 +59,7 @@ async def predict_fold_async(
     """Sliding-window logits of one fold, like ``predict_sliding_window_return_logits`` (CPU path).
 
     Args:
-        data: preprocessed case ``(C, *spatial)`` float32 (NumPy or CuPy).
+        data: preprocessed case ``(C, *spatial)`` float32 (NumPy, CuPy, or a torch tensor on any device).
         infer_batch: ``await infer_batch(x)`` with ``x`` ``(N, C, *P)`` float32 returns ``(N, K, *P)``
             (the fold network; a BLS call in the orchestrator).
         patch_size: the configuration's patch size ``P``.
@@ -70,14 +70,21 @@ async def predict_fold_async(
         max_inflight: ``infer_batch`` calls awaited at once. Results are consumed in order, so memory
             is bounded by ``max_inflight`` batches.
         use_gaussian: Gaussian importance weighting (nnU-Net's default and only CLI choice).
-        gaussian: precomputed ``compute_gaussian(patch_size, xp=xp)`` to reuse across calls.
+        gaussian: precomputed ``compute_gaussian(patch_size)`` to reuse across calls (host or device).
 
     Returns:
         float16 logits ``(K, *spatial)``, bit-identical to nnU-Net's for the same network outputs.
     """
+    splitter = TileSplitter(data, patch_size, mirror_axes=mirror_axes, tile_step_size=tile_step_size)
+    return await _predict_fold(splitter, infer_batch, num_heads=num_heads, batch_size=batch_size,
+                               max_inflight=max_inflight, use_gaussian=use_gaussian, gaussian=gaussian)
+
+
+async def _predict_fold(splitter: TileSplitter, infer_batch: InferBatch, *, num_heads: int, batch_size: int,
+                        max_inflight: int, use_gaussian: bool, gaussian: Any | None) -> Any:
+    """One fold's loop over ``splitter``'s tiles (the padded volume and tile grid can be shared by folds)."""
     if max_inflight < 1:
         raise ValueError(f"max_inflight must be >= 1, got {max_inflight}.")
-    splitter = TileSplitter(data, patch_size, mirror_axes=mirror_axes, tile_step_size=tile_step_size)
     merger = TileMerger(splitter, num_heads, use_gaussian=use_gaussian, gaussian=gaussian)
     batches = splitter.batches(batch_size)
 
@@ -129,17 +136,25 @@ async def predict_folds_async(
     data: Any,
     fold_infer: Sequence[InferBatch],
     *,
+    patch_size: Sequence[int],
+    num_heads: int,
+    mirror_axes: Sequence[int] | None,
+    tile_step_size: float = DEFAULT_TILE_STEP_SIZE,
+    batch_size: int = 1,
     max_inflight: int = 1,
-    **fold_kwargs: Any,
+    use_gaussian: bool = True,
+    gaussian: Any | None = None,
 ) -> Any:
     """Run :func:`predict_fold_async` for every fold concurrently, then average in the given fold order.
+
+    The folds share one :class:`TileSplitter` (one padded copy of ``data``, one tile grid).
 
     Args:
         data: preprocessed case ``(C, *spatial)`` float32.
         fold_infer: one ``infer_batch`` per fold, in averaging order.
         max_inflight: ``infer_batch`` calls running at once over ALL folds (one shared semaphore; also
             each fold's read-ahead window).
-        **fold_kwargs: the other keyword arguments of :func:`predict_fold_async`.
+        others: as in :func:`predict_fold_async`.
 
     Returns:
         float16 ``(K, *spatial)``: ``average_folds`` of the per-fold logits (fp16 sum, then / n).
@@ -148,10 +163,12 @@ async def predict_folds_async(
         raise ValueError("fold_infer must hold at least one fold.")
     if max_inflight < 1:
         raise ValueError(f"max_inflight must be >= 1, got {max_inflight}.")
+    splitter = TileSplitter(data, patch_size, mirror_axes=mirror_axes, tile_step_size=tile_step_size)
     semaphore = asyncio.Semaphore(max_inflight)
     logits = await gather_or_cancel(
         *(
-            predict_fold_async(data, _bounded(infer, semaphore), max_inflight=max_inflight, **fold_kwargs)
+            _predict_fold(splitter, _bounded(infer, semaphore), num_heads=num_heads, batch_size=batch_size,
+                          max_inflight=max_inflight, use_gaussian=use_gaussian, gaussian=gaussian)
             for infer in fold_infer
         )
     )

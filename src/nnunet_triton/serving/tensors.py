@@ -17,6 +17,7 @@ import numpy as np
 from nnunet_triton import io_names
 from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import InputValidationError, PlansError
+from nnunet_triton.numerics._xp import is_torch_module
 from nnunet_triton.serving._pb import pb_utils
 
 __all__ = ["tensor_to_array", "input_array", "image_array", "output_tensor", "request_parameters",
@@ -35,23 +36,19 @@ def tensor_to_array(tensor: Any, *, xp: ModuleType | None = None, copy: bool = F
     """
     if tensor.is_cpu():
         array = tensor.as_numpy()
-        if copy or (not array.flags.writeable and _is_torch(xp)):
+        if copy or (not array.flags.writeable and is_torch_module(xp)):
             array = np.array(array, copy=True)
         if xp is None or xp is np:
             return array
-        return xp.from_numpy(array) if _is_torch(xp) else xp.asarray(array)
+        return xp.from_numpy(array) if is_torch_module(xp) else xp.asarray(array)
     if xp is None or xp is np:
         import cupy
 
         xp = cupy
     array = xp.from_dlpack(tensor)
     if copy:
-        return array.clone() if _is_torch(xp) else array.copy()
+        return array.clone() if is_torch_module(xp) else array.copy()
     return array
-
-
-def _is_torch(xp: ModuleType | None) -> bool:
-    return xp is not None and xp.__name__ == "torch"
 
 
 def input_array(
