@@ -27,7 +27,7 @@ from pathlib import Path
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server import deploy
 from nnunet_triton.server.deploy import docker, k8s
-from nnunet_triton.server.deploy.repository_info import METADATA_FILE, torch_minor
+from nnunet_triton.server.deploy.repository_info import METADATA_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,10 +134,13 @@ def _deploy_embedded(args: argparse.Namespace) -> int:
 
 
 def _local_torch_fits(args: argparse.Namespace) -> bool:
+    """This environment can build the GPU repository itself: its torch loads in the image (the builder's
+    own rule) and the fp16 export has CUDA."""
     import torch
 
-    release = deploy.triton_release(args.triton_release, args.image_torch_version)
-    fits = torch_minor(torch.__version__) <= torch_minor(release.libtorch)
+    from nnunet_triton.builder.torch_compat import export_fits
+
+    fits = export_fits(torch.__version__, _build_options(args, "gpu").loading_torch)
     return fits and (args.precision == "fp32" or torch.cuda.is_available())
 
 

@@ -734,7 +734,7 @@ def _apply_overrides(plan: WorkloadPlan, args: argparse.Namespace) -> WorkloadPl
         scenarios = tuple(s for s in scenarios if s.name in args.scenarios)
     if args.concurrencies:
         levels = tuple(int(c) for c in args.concurrencies.split(","))
-        if not levels or min(levels) < 1:
+        if min(levels) < 1:
             raise SystemExit(f"--concurrencies must list levels >= 1, got {args.concurrencies!r}.")
         scenarios = tuple(replace(s, load=replace(s.load, concurrencies=levels)) for s in scenarios)
     if args.window_requests:

@@ -24,6 +24,7 @@ from nnunet_triton import __version__ as NNUNET_TRITON_VERSION
 from nnunet_triton import io_names
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
+from nnunet_triton.builder.torchscript import sha256_file
 from nnunet_triton.errors import PlansError
 from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME
 from nnunet_triton.numerics.plans import InferenceConfig
@@ -71,14 +72,6 @@ GENERATING_CODE = (
     Path("src/nnunet_triton/parameters.py"),
     Path("src/nnunet_triton/dtypes.py"),
 )
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def adapters_needed(options: BuildOptions, folds_only: bool) -> dict[str, Path]:

@@ -1,6 +1,14 @@
 """Specs of composite repositories: ensembles of configurations (``nnUNetv2_ensemble``) and cascades.
 
 Both reuse the single-configuration specs of :mod:`.model_specs` with a prefix on every model name.
+
+An ensemble of configurations (``nnUNetv2_ensemble`` behind the same endpoint) prefixes every model of
+member ``i`` with ``member<i>_`` (its stitch model always returns PROBABILITIES) and ends in
+``combine_model``::
+
+    nnunet (ensemble): IMAGE, SPACING -> member<i>_preprocess_model -> member<i>_orchestrator_model
+                       -> member<i>_stitch_model -> PROBABILITIES_<i> (all members run concurrently)
+                       -> combine_model -> SEGMENTATION, PROBABILITIES
 """
 
 from __future__ import annotations

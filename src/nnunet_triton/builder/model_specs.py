@@ -10,13 +10,7 @@ Layout of a single-configuration repository (see ``repository/build.py``)::
     fold_<k>: INPUT__0 [N, C_in, *patch] -> OUTPUT__0 [N, K, *patch], dynamic batching; either the
               ``pytorch_libtorch`` backend (target gpu) or the Python TorchScript runner (target cpu).
 
-An ensemble of configurations (``nnUNetv2_ensemble`` behind the same endpoint) prefixes every model of
-member ``i`` with ``member<i>_`` (its stitch model always returns PROBABILITIES) and ends in
-``combine_model``::
-
-    nnunet (ensemble): IMAGE, SPACING -> member<i>_preprocess_model -> member<i>_orchestrator_model
-                       -> member<i>_stitch_model -> PROBABILITIES_<i> (all members run concurrently)
-                       -> combine_model -> SEGMENTATION, PROBABILITIES
+Ensembles of configurations and cascades: :mod:`.composite_specs`.
 """
 
 from __future__ import annotations
@@ -178,7 +172,7 @@ class BuildOptions:
         if self.serving_torch is not None:
             return self.serving_torch
         if self.runner is FoldRunner.LIBTORCH:
-            return torch_compat.TRITON_RELEASES[torch_compat.DEFAULT_TRITON_RELEASE].libtorch
+            return torch_compat.DEFAULT_LIBTORCH
         return None
 
     @property
@@ -413,25 +407,3 @@ def repository_specs(config: InferenceConfig, options: BuildOptions, *, folds_on
     endpoint = ensemble_spec(config)
     return (*folds, preprocess_spec(config, options), orchestrator_spec(config, options),
             stitch_spec(config, options), endpoint, *typed_endpoint_specs(endpoint))
-
-
-# --- ensembles of configurations ----------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# --- cascades -----------------------------------------------------------------------------------------
-
-
-
-

@@ -75,7 +75,6 @@ __all__ = [
 LOGGER = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class BuildResult:
     """Outcome of :func:`build_repository`."""
@@ -84,16 +83,6 @@ class BuildResult:
     rebuilt: bool  # False when the existing repository already matched the inputs
     input_hash: str
     seconds: float
-
-
-
-
-
-
-
-
-
-
 
 
 def _write_python_model(model_dir: Path, adapter: Path, config: InferenceConfig) -> None:
@@ -176,12 +165,6 @@ def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, i
         "postprocessing": None if postprocessing is None else json.loads(postprocessing.to_json()),
         "build_seconds": round(seconds, 3),
     }
-
-
-
-
-
-
 
 
 def build_repository(

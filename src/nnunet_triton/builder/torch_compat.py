@@ -19,8 +19,10 @@ __all__ = [
     "DEFAULT_TRITON_RELEASE",
     "TRITON_RELEASES",
     "TritonRelease",
+    "DEFAULT_LIBTORCH",
     "torch_minor",
     "torch_minor_text",
+    "export_fits",
     "check_export_torch",
 ]
 
@@ -39,6 +41,7 @@ class TritonRelease:
 
 # Only releases whose versions were checked (triton.md section 8); others need an explicit libtorch version.
 TRITON_RELEASES = {"24.10": TritonRelease("24.10", "2.51.0", libtorch="2.5", python="3.10")}
+DEFAULT_LIBTORCH = TRITON_RELEASES[DEFAULT_TRITON_RELEASE].libtorch  # loads libtorch fold models by default
 
 
 def torch_minor(version: str) -> tuple[int, int]:
@@ -54,6 +57,12 @@ def torch_minor_text(version: str) -> str:
     return f"{major}.{minor}"
 
 
+def export_fits(export_torch: str, serving_torch: str | None) -> bool:
+    """True when a file exported with ``export_torch`` loads in ``serving_torch`` (None: the same torch):
+    the exporting major.minor is not newer."""
+    return serving_torch is None or torch_minor(export_torch) <= torch_minor(serving_torch)
+
+
 def check_export_torch(export_torch: str, serving_torch: str | None, *, runner: str) -> None:
     """Refuse to export fold models with ``export_torch`` when the server loads them with an older torch.
 
@@ -67,15 +76,15 @@ def check_export_torch(export_torch: str, serving_torch: str | None, *, runner: 
     Raises:
         ExportError: ``export_torch`` is newer (major.minor) than ``serving_torch``.
     """
-    if serving_torch is None or torch_minor(export_torch) <= torch_minor(serving_torch):
+    if export_fits(export_torch, serving_torch):
         return
-    default = TRITON_RELEASES[DEFAULT_TRITON_RELEASE]
     loading = torch_minor_text(serving_torch)
     raise ExportError(
-        f"the {runner} fold runner loads the fold models with torch {loading} (libtorch "
-        f"of nvcr.io/nvidia/tritonserver:{default.release}-py3 is {default.libtorch}) but this environment "
-        f"exports with torch {export_torch}, which is newer: a TorchScript file from a newer torch may not "
-        "load in an older one. Export with a matching torch: `make deploy TARGET=docker` (or `python "
-        "tools/deploy.py --target docker --execute`) builds the repository in a container with torch "
-        f"{default.libtorch}.x; or pass --serving-torch X.Y if the server's libtorch is X.Y."
+        f"the {runner} fold runner loads the fold models with torch {loading} (libtorch of "
+        f"nvcr.io/nvidia/tritonserver:{DEFAULT_TRITON_RELEASE}-py3 is {DEFAULT_LIBTORCH}) but this "
+        f"environment exports with torch {export_torch}, which is newer: a TorchScript file from a "
+        "newer torch may not load in an older one. Export with a matching torch: `make deploy "
+        "TARGET=docker` (or `python tools/deploy.py --target docker --execute`) builds the repository "
+        f"in a container with torch {DEFAULT_LIBTORCH}.x; or pass --serving-torch X.Y if the server's "
+        "libtorch is X.Y."
     )

@@ -151,18 +151,6 @@ class ExportResult:
         return asdict(self)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def _random_input(batch_size: int, sample_shape: tuple[int, ...], *, seed: int, device: str) -> Any:
     import torch
 
@@ -263,7 +251,8 @@ def _batch_vs_single(module: Any, sample_shape: tuple[int, ...], options: Export
     return _max_abs_diff(batched, singles)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -342,7 +331,7 @@ def export_fold(
         max_abs_diff=diffs,
         tolerance_abs=tolerance,
         batch_vs_single_max_abs_diff=batch_vs_single,
-        sha256=_sha256(out_path),
+        sha256=sha256_file(out_path),
         seconds=round(time.perf_counter() - start, 3),
         check_shape=check_shape,
         patch_max_abs_diff=patch_diff,
@@ -417,7 +406,7 @@ def export_fold_reusing(model_dir: str | Path, fold: int | str, out_path: str | 
     import shutil
 
     options = options or ExportOptions()
-    key = f"{_sha256(Path(model_dir) / f'fold_{fold}' / options.checkpoint_name)}:{options}"
+    key = f"{sha256_file(Path(model_dir) / f'fold_{fold}' / options.checkpoint_name)}:{options}"
     if exported is not None and key in exported:
         earlier = exported[key]
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,6 @@ SUPPORTED_NORMALIZATION_SCHEMES = (
 )
 
 
-
-
 SUPPORTED_PREPROCESSORS = ("DefaultPreprocessor",)
 
 

@@ -31,7 +31,6 @@ __all__ = [
 SUPPORTED_RESAMPLING_FUNCTIONS = ("resample_data_or_seg_to_shape",)
 
 
-
 @dataclass(frozen=True)
 class IntensityProperties:
     """Foreground intensity statistics of one input channel over the training set (plans.json)."""
@@ -282,19 +281,3 @@ class InferenceConfig:
     def load(cls, version_dir: Path) -> InferenceConfig:
         """Read what :meth:`save` wrote (a ``model.py`` passes its own folder)."""
         return cls.from_json((Path(version_dir) / io_names.INFERENCE_CONFIG_FILE).read_text())
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -59,18 +59,6 @@ DEFAULT_BACKEND_CONFIG: Mapping[str, Mapping[str, str]] = {
 _PR_SET_PDEATHSIG = 1
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host if host not in ("", "0.0.0.0") else "127.0.0.1", 0))
@@ -351,19 +339,3 @@ def _wait_ready(handle: ServerHandle, timeout_s: float) -> None:
     LOGGER.info(
         "tritonserver ready: http %s grpc %s metrics %s", handle.http_url, handle.grpc_url, handle.metrics_url
     )
-
-
-# --- command line ----------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -13,6 +13,7 @@ Pure functions of typed frozen specs; nothing here needs Docker or a cluster.
 
 from __future__ import annotations
 
+from nnunet_triton.builder.torch_compat import TritonRelease
 from nnunet_triton.server.deploy.docker import (
     DeploySpec,
     check_image_compatible,
@@ -26,7 +27,6 @@ from nnunet_triton.server.deploy.k8s import K8sSpec, ModelSource, manifest_files
 from nnunet_triton.server.deploy.repository_info import (
     ModelGeometry,
     RepositoryInfo,
-    TritonRelease,
     check_torch_compatible,
     triton_release,
 )

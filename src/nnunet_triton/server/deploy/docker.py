@@ -237,13 +237,12 @@ def builder_args(options: Any, *, folds: tuple[int | str, ...] | None = None,
     """``repository/build.py`` flags that rebuild ``options`` (a BuildOptions) on the GPU export host."""
     fold_args = ("--folds", *map(str, folds)) if folds else ()
     config_args = ("--configuration", configuration) if configuration else ()
-    if getattr(options, "serving_torch", None):
-        config_args += ("--serving-torch", options.serving_torch)
+    torch_args = ("--serving-torch", options.serving_torch) if options.serving_torch else ()
     return ("--target", str(options.target), "--precision", options.fold_precision,
             "--export-device", "cuda", "--tile-batch-size", str(options.tile_batch_size),
             "--fold-instances", str(options.fold_instances),
             "--orchestrator-instances", str(options.orchestrator_instances),
-            "--max-inflight", str(options.max_inflight), *fold_args, *config_args)
+            "--max-inflight", str(options.max_inflight), *fold_args, *config_args, *torch_args)
 
 
 def export_container_command(*, source_root: str, model_dir: str, out_dir: str, builder_args: tuple[str, ...],

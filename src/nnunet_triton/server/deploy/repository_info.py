@@ -26,18 +26,15 @@ from nnunet_triton.numerics.plans import InferenceConfig
 
 __all__ = [
     "METADATA_FILE",
-    "TRITON_RELEASES",
-    "TritonRelease",
     "ModelGeometry",
     "RepositoryInfo",
     "triton_release",
-    "torch_minor",
-    "torch_minor_text",
     "check_torch_compatible",
 ]
 
 METADATA_FILE = io_names.REPOSITORY_METADATA_FILE
-_CONFIG_DIRS = ("preprocess_model", "orchestrator_model", "stitch_model")  # each has 1/inference_config.json
+# each has 1/inference_config.json
+_CONFIG_DIRS = (io_names.PREPROCESS_MODEL, io_names.ORCHESTRATOR_MODEL, io_names.STITCH_MODEL)
 _REQUIRED_KEYS = ("models", "folds", "target", "fold_runner", "fold_precision", "tile_batch_size",
                   "build_options", "torch_version", "input_hash")
 
