@@ -68,12 +68,16 @@ class Orthanc:
     def store_destination(self) -> str:
         return f"{AE_TITLE}@127.0.0.1:{self.dicom_port}"
 
-    def request(self, method: str, path: str, body: bytes | None = None) -> Any:
+    def _open(self, method: str, path: str, body: bytes | None = None) -> bytes:
+        """The REST answer's bytes (Basic auth, no proxy: Orthanc listens on loopback)."""
         request = urllib.request.Request(self.rest + path, data=body, method=method)
         request.add_header("Authorization", "Basic " + b64encode(f"{USER}:{PASSWORD}".encode()).decode())
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         with opener.open(request, timeout=120) as response:
-            text = response.read()
+            return response.read()
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> Any:
+        text = self._open(method, path, body)
         return json.loads(text) if text.strip() else None
 
     def upload(self, paths: Iterator[Path] | list[Path]) -> list[str]:
@@ -90,23 +94,20 @@ class Orthanc:
             {"Level": "Series", "Query": {"StudyInstanceUID": study_uid}, "Expand": True}).encode())
         return found or []
 
+    def seg_series(self, study_uid: str) -> list[dict[str, Any]]:
+        """The study's DICOM-SEG series records."""
+        return [s for s in self.series_of_study(study_uid) if s["MainDicomTags"].get("Modality") == "SEG"]
+
     def wait_for_seg(self, study_uid: str, timeout_s: float = 180.0) -> list[bytes]:
         """The DICOM-SEG file(s) of the study, waiting until one arrives."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            segs = [s for s in self.series_of_study(study_uid) if s["MainDicomTags"].get("Modality") == "SEG"]
+            segs = self.seg_series(study_uid)
             if segs:
-                return [self._file(i) for s in segs for i in s["Instances"]]
+                return [self._open("GET", f"/instances/{i}/file") for s in segs for i in s["Instances"]]
             time.sleep(0.5)
         raise AssertionError(f"no DICOM-SEG arrived in study {study_uid} within {timeout_s} s; log:\n"
                              + self.log.read_text()[-3000:])
-
-    def _file(self, instance: str) -> bytes:
-        request = urllib.request.Request(f"{self.rest}/instances/{instance}/file")
-        request.add_header("Authorization", "Basic " + b64encode(f"{USER}:{PASSWORD}".encode()).decode())
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(request, timeout=120) as response:
-            return response.read()
 
 
 def start_orthanc(folder: Path, binary: str, *, node_port: int | None = None) -> Orthanc:

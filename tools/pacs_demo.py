@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             web = subprocess.run([sys.executable, "-m", "nnunet_triton", "predict", "--url", server.http_url,
                                   "-i", orthanc.dicomweb, "--study", study, "-o", orthanc.dicomweb,
                                   "--disable-tta"], env=env, check=False)
-            segs = [s for s in orthanc.series_of_study(study) if s["MainDicomTags"].get("Modality") == "SEG"]
+            segs = orthanc.seg_series(study)
             print(f"after predict over DICOMweb (exit {web.returncode}): {len(segs)} SEG series in the study")
             if args.keep:
                 print("running; Ctrl-C stops Orthanc, the node and the server")

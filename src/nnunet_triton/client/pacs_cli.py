@@ -30,12 +30,9 @@ from nnunet_triton.client.dicom.web import (
     is_dicomweb,
     store_files,
 )
-from nnunet_triton.errors import InputValidationError, NnunetTritonError, PacsError
+from nnunet_triton.errors import InputValidationError, PacsError
 
 __all__ = ["add_dicomweb_arguments", "add_listen_parser", "predict_over_dicomweb", "listen"]
-
-LOGGER = logging.getLogger("nnunet_triton.client.cli")
-
 
 def add_dicomweb_arguments(parser: argparse.ArgumentParser) -> None:
     """``--study``/``--series`` and the DICOMweb authentication flags."""
@@ -180,11 +177,3 @@ def listen(args: argparse.Namespace, url: str) -> int:
         signal.signal(signal.SIGTERM, previous)
     return 0
 
-
-def run(args: argparse.Namespace, url: str) -> int:
-    """``listen`` with errors reported like the other commands."""
-    try:
-        return listen(args, url)
-    except NnunetTritonError as exc:
-        sys.stderr.write(f"nnunet-triton: {exc}\n")
-        return 2
