@@ -53,7 +53,7 @@ def test_export_reports_exact_match_at_every_batch_size_when_cpu_fp32(exported: 
     assert (exported.precision, exported.device, exported.output_dtype) == ("fp32", "cpu", "float32")
     assert exported.tolerance_abs == 0.0
     assert exported.torch_version == torch.__version__
-    assert exported.sha256 == export._sha256(Path(exported.path))
+    assert exported.sha256 == export.sha256_file(Path(exported.path))
     assert not list(Path(exported.path).parent.glob(".*partial"))
 
 
