@@ -26,7 +26,7 @@ from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.parameters import FoldRunnerParameters
 from nnunet_triton.pipeline.fold_runner import load_runner
-from nnunet_triton.server.thread_budget import fold_threads_for_runner
+from nnunet_triton.server.thread_budget import budget_note, fold_threads_for_runner
 
 
 class TritonPythonModel:
@@ -42,6 +42,7 @@ class TritonPythonModel:
             params = FoldRunnerParameters.from_parameters(serving.model_parameters(args))
             # the config's torch_num_threads, else the launcher's thread budget, else torch's default capped
             threads = fold_threads_for_runner(params.torch_num_threads, torch_default=torch.get_num_threads())
+            self._logger.log_info(f"{args['model_name']}: {threads} torch thread(s); {budget_note()}")
             input_config = pb_utils.get_input_config_by_name(config, io_names.FOLD_INPUT)
             output_config = pb_utils.get_output_config_by_name(config, io_names.FOLD_OUTPUT)
             self._runner = load_runner(

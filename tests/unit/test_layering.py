@@ -7,7 +7,8 @@
     serving    pb_utils glue                              -> core, numerics, parameters, pipeline
     builder    config.pbtxt and repository building       -> core, numerics, parameters
     client     client, CLI, image and DICOM I/O           -> core, numerics, parameters
-    server     embedded server, health, watchdog, deploy  -> core, numerics, parameters, builder, client
+    server     embedded server, health, watchdog, deploy  -> core, numerics, parameters, pipeline, builder,
+                                                            client (the thread check runs the fold runner)
     validate   the endpoint against nnU-Net               -> core, numerics, parameters, client
 
 Lazy imports inside functions count too: a layer that imports a higher one at run time still depends on it.
@@ -30,7 +31,7 @@ ALLOWED = {
     "serving": {"core", "numerics", "parameters", "pipeline", "serving"},
     "builder": {"core", "numerics", "parameters", "builder"},
     "client": {"core", "numerics", "parameters", "client"},
-    "server": {"core", "numerics", "parameters", "builder", "client", "server"},
+    "server": {"core", "numerics", "parameters", "pipeline", "builder", "client", "server"},
     "validate": {"core", "numerics", "parameters", "client", "validate"},
 }
 # the two modules above the layers: ``python -m nnunet_triton`` runs the CLI, the CLI offers ``validate``

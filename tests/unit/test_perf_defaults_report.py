@@ -10,6 +10,7 @@ from tools.perf import defaults
 def _results(latency_ratio: float, folder_ratio: float) -> dict:
     return {
         "date": "2026-12-01T10:00:00", "cpus": 2, "loadavg_start": [0.5, 0, 0], "loadavg_end": [1.5, 0, 0],
+        "cpu_model": "Intel(R) Xeon(R) Platinum 8480+", "cpu_simd": "avx2 avx512f amx_tile",
         "build_fixture_s": 8.0,
         "first_answer_fixture": {"ready_s": 2.0, "first_request_s": 6.0, "second_request_s": 6.5},
         "latency_fixture": {"endpoint_median_s": 8.0 * latency_ratio, "predictor_median_s": 8.0,
@@ -17,7 +18,7 @@ def _results(latency_ratio: float, folder_ratio: float) -> dict:
         "throughput_fixture_c4": {"endpoint_req_s": 0.15, "predictor_back_to_back_req_s": 0.1, "ratio": 1.5},
         "folder_fixture": {"cases": 6, "cli_s": 60.0, "nnunetv2_predict_s": 60.0 * folder_ratio,
                            "throughput_ratio": folder_ratio, "label_maps_identical": True},
-        "thread_budget": {"reason": "auto: because"},
+        "thread_budget": {"reason": "auto: because", "exact": True},
     }
 
 
@@ -27,7 +28,8 @@ def test_report_judges_each_goal_from_its_ratio():
     latency = "fixture latency, concurrency 1 (2 folds, mirroring): endpoint / nnUNetPredictor"
     assert "**missed**" in lines[latency]
     assert "**met**" in lines["fixture throughput, concurrency 4 vs nnUNetPredictor back to back"]
-    assert "**1.4x**" in text and "thread budget chosen for the fixture server: auto: because" in text
+    assert "**1.4x**" in text and "thread budget chosen for the fixture server (exact): auto: because" in text
+    assert "on 2 CPUs (Intel(R) Xeon(R) Platinum 8480+; SIMD: avx2 avx512f amx_tile)" in text
     assert "realistic" not in text  # a run without the realistic workload reports none
 
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.server import embedded as embedded_server
+from nnunet_triton.server.exactness import cpu_identity
 from tools.perf.baselines import BaselineWorker, Job
 from tools.perf.workloads import ensure_realistic_model, fixture_case, fixture_model_dir, realistic_case
 
@@ -237,7 +238,9 @@ def report(results: dict[str, Any]) -> str:
                              f"{m['INT16']} s vs {m['FP32']} s: {m['saved_s']} s saved ({m['ratio']})",
                              "measured", None))
     budgets = [results.get("thread_budget"), results.get("thread_budget_realistic")]
-    lines = [f"Run {results['date']} on {results['cpus']} CPUs "
+    cpu = (f"{results['cpu_model']}; SIMD: {results['cpu_simd']}" if results.get("cpu_model")
+           else "CPU model not recorded")
+    lines = [f"Run {results['date']} on {results['cpus']} CPUs ({cpu}) "
              f"(load average {results['loadavg_start'][0]:.2f} "
              f"at the start, {results['loadavg_end'][0]:.2f} at the end); raw numbers in "
              f"`benchmarks/results/{results['date'][:10]}-defaults/results.json`. Nothing tuned: the servers "
@@ -245,7 +248,8 @@ def report(results: dict[str, Any]) -> str:
              "variable added, nnU-Net with its own defaults.", "", *rows, ""]
     for label, budget in zip(("fixture", "realistic"), budgets, strict=True):
         if budget:
-            lines.append(f"- thread budget chosen for the {label} server: {budget['reason']}")
+            verdict = {True: "exact", False: "NOT exact", None: "exactness not checked"}[budget.get("exact")]
+            lines.append(f"- thread budget chosen for the {label} server ({verdict}): {budget['reason']}")
     return "\n".join(lines) + "\n"
 
 
@@ -271,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in [k for k in os.environ if k.startswith(("OMP_", "NNUNET_TRITON_"))]:
         del os.environ[key]  # the servers get exactly the launcher's defaults
     WORK.mkdir(parents=True, exist_ok=True)
+    cpu = cpu_identity()
     results: dict[str, Any] = {"date": dt.datetime.now().isoformat(timespec="seconds"),
-                               "cpus": len(os.sched_getaffinity(0)), "loadavg_start": os.getloadavg()}
+                               "cpus": len(os.sched_getaffinity(0)), "cpu_model": cpu["model"],
+                               "cpu_simd": cpu["simd"], "loadavg_start": os.getloadavg()}
     fixture = fixture_model_dir()
     fx_case = fixture_case(fixture)
     fx_file = fx_case.save(WORK / "fixture_case.npz")

@@ -325,8 +325,8 @@ def _header(meta: dict[str, Any]) -> list[str]:
     lines = [
         f"- Date: {meta.get('started', meta['date'])} -> {meta.get('finished', '(incomplete)')}, "
         f"wall time {meta.get('wall_s', 0) / 60:.1f} min, mode {meta['mode']}, suite {meta['suite']}",
-        f"- Host: {host['host']}, {host['cpu_model']}, {host['logical_cpus']} logical CPUs, "
-        f"{host['memory_gib']} GiB RAM, GPU: {host['gpu']}",
+        f"- Host: {host['host']}, {host['cpu_model']} (SIMD: {host.get('cpu_simd') or 'not recorded'}), "
+        f"{host['logical_cpus']} logical CPUs, {host['memory_gib']} GiB RAM, GPU: {host['gpu']}",
         f"- Software: Python {host['python']}, {versions}",
         f"- Command: `{meta['command'].strip()}`",
         f"- 1-min load average: {load_start:.2f} at start, {load_end:.2f} at end "

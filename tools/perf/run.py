@@ -579,18 +579,16 @@ def _host_info() -> dict[str, Any]:
 
     import psutil
 
-    cpu_model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
+    from nnunet_triton.server.exactness import cpu_identity
+
+    cpu = cpu_identity()  # oneDNN picks kernels (and so rounding) by CPU: results name it and its SIMD
     versions = {}
     for package in ("torch", "nnunetv2", "numpy", "tritonclient", "nvidia-pytriton"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[package] = importlib.metadata.version(package)
     return {
-        "host": socket.gethostname(), "cpu_model": cpu_model, "logical_cpus": os.cpu_count(),
+        "host": socket.gethostname(), "cpu_model": cpu["model"], "cpu_simd": cpu["simd"],
+        "logical_cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
         "versions": {**versions, "tritonserver": "2.51.0 (pytriton 0.7.0)", "perf_analyzer": "2.48.0"},
         "gpu": "none (CPU only)",

@@ -23,7 +23,7 @@ from pathlib import Path
 from nnunet_triton.errors import ServerError
 from nnunet_triton.server import watchdog
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, _http_ok, _tail
-from nnunet_triton.server.thread_budget import ThreadBudget, plan_budget, repository_folds
+from nnunet_triton.server.thread_budget import ThreadBudget, decide_budget, repository_folds
 from nnunet_triton.server.triton_install import (
     DEFAULT_HOME,
     TritonInstallation,
@@ -133,7 +133,7 @@ def _spawn(launch: _Launch) -> ServerHandle:
     command = launch.command()
     LOGGER.info("starting %s", " ".join(c if launch.control_token is None else
                                         c.replace(launch.control_token, "***") for c in command))
-    LOGGER.info("thread budget: %s", launch.thread_budget.reason)
+    LOGGER.info("thread budget: %s (exact: %s)", launch.thread_budget.reason, launch.thread_budget.exact)
     with open(launch.log_file, "wb") as log:
         process = subprocess.Popen(
             command,
@@ -289,7 +289,7 @@ def start(
         "extra_args": tuple(extra_args),
         "exit_timeout_s": exit_timeout_s,
         "detach": detach,
-        "thread_budget": plan_budget(repository_folds(repo)),
+        "thread_budget": decide_budget(repository_folds(repo)),
         "control_token": watchdog.new_token() if model_control_mode == "explicit" else None,
     }
     auto_ports = (http_port, grpc_port, metrics_port) == (None, None, None)  # only then is a retry useful

@@ -1,5 +1,6 @@
 """How many CPU threads each fold model uses, and how many fold models compute at once, decided where
-the server runs so that the folds never use more threads than there are cores.
+the server runs so that the folds never use more threads than there are cores, and never other bits than
+nnU-Net's.
 
 Two fold models with torch's default thread count (one per core) plus the Python models, all on the
 same cores, spin-wait against each other: OpenMP's default ``OMP_WAIT_POLICY`` keeps idle workers
@@ -8,7 +9,7 @@ Measured on the 2-core fixture (2 folds, mirroring on): 14.5 s per request witho
 with ``OMP_WAIT_POLICY=PASSIVE`` (nnUNetPredictor 8.3 s).
 
 Every launcher of this project (the embedded server, ``make serve|deploy|demo``, the container
-entry point for docker and Kubernetes) starts the server through :func:`plan_budget`: its
+entry point for docker and Kubernetes) starts the server through :func:`decide_budget`: its
 :meth:`ThreadBudget.environment` goes into the server's environment (inherited by every stub) and its
 :meth:`ThreadBudget.server_args` onto the command line.
 
@@ -18,28 +19,36 @@ entry point for docker and Kubernetes) starts the server through :func:`plan_bud
   per fold), never ``os.cpu_count()``.
 * Fold instances: every Python fold-runner instance of the repository (the orchestrator sends each
   tile batch to all folds concurrently) and their largest input (channels x patch voxels).
+* nnU-Net's thread count R (``server.exactness.nnunet_threads``): what ``nnUNetPredictor`` sets for its
+  forwards, ``min($nnUNet_def_n_proc or 8, torch's default)``, probed in a fresh process.
 * Threads per fold execution T and fold executions at once S (Triton's rate limiter: each fold
-  execution holds one ``nnunet_fold_slot``; the server gets S of them), always T x S <= CPUs:
+  execution holds one ``nnunet_fold_slot``; the server gets S of them), T x S <= CPUs unless only
+  nnU-Net's own count is exact:
 
-  - ``exact``: T = nnU-Net's own count (torch's default, capped at the CPUs: the stubs keep it), S = 1
-    when T fills the CPUs. Logits bit-identical to nnUNetPredictor on any network. Best where one
-    forward is long enough to scale over threads (measured, default-plans 3d_fullres, 5 folds, 2 CPUs:
-    46.5 s per request vs 51.5 s with ``split``; nnUNetPredictor 47-57 s in the same day's runs).
+  - ``exact``: T = R (capped at the CPUs when that cap is proven exact), S = CPUs // T. Logits
+    bit-identical to nnUNetPredictor on any network. Best where one forward is long enough to scale over
+    threads (measured, default-plans 3d_fullres, 5 folds, 2 CPUs: 46.5 s per request vs 51.5 s with
+    ``split``; nnUNetPredictor 47-57 s in the same day's runs).
   - ``split``: T = max(1, CPUs // fold instances), S = min(fold instances, CPUs // T): the folds
     compute side by side. Best for small networks, whose short parallel regions scale badly (measured
-    on the fixture: 5.9 s vs 7.4 s with ``exact``; 0.16 vs 0.13 requests/s at concurrency 4). Logits
-    bit-identical to nnUNetPredictor on every committed fixture (the parity tests run under it); on
-    the default 3d_fullres network 1 instead of 2 threads moves logits by up to 1.2e-6 (oneDNN).
+    on the fixture: 5.9 s vs 7.4 s with ``exact``; 0.16 vs 0.13 requests/s at concurrency 4). Whether
+    its logits are nnU-Net's depends on the CPU: identical on an AMD EPYC (AVX2) for every committed
+    fixture, different on an Intel Xeon with AVX-512/AMX (1 vs 2 threads: 1.3e-5).
   - ``auto`` (default): ``exact`` when the largest fold input has at least ``AUTO_EXACT_VOXELS``
-    (2^18) values, else ``split``. The threshold lies between the two measured networks (24,576 and
-    2,293,760 values); nothing between them was measured.
+    (2^18) values, else ``split`` -- kept only where the check proves it bitwise equal.
+* **The check** (``server.exactness.check_threads``): whenever T differs from R, one tile of every fold
+  network runs at T and at R in child processes started like the stubs; ``auto`` and ``exact`` keep T
+  only when every output is bitwise equal and otherwise fall back to T = R. A ``split`` policy or a
+  thread count the user set explicitly is kept, with a warning when it is not exact on this CPU.
+  The verdict is in ``ThreadBudget.exactness`` (logged, in the server's state file, ``show``).
 * ``OMP_WAIT_POLICY=PASSIVE`` for every process of the server (idle OpenMP workers sleep).
 
 Overrides, each read from the server's environment and recorded: ``NNUNET_TRITON_THREAD_POLICY``
 (auto|exact|split), ``NNUNET_TRITON_FOLD_THREADS`` (1..CPUs), ``NNUNET_TRITON_FOLD_SLOTS`` (slots x
 threads at most the CPUs), ``OMP_WAIT_POLICY`` (PASSIVE|ACTIVE). A fold model's own
-``torch_num_threads`` config parameter (build option ``torch_threads``), when not 0, wins. A value that
-cannot be honoured is refused at start with :class:`ThreadBudgetError` naming the setting and the value.
+``torch_num_threads`` config parameter (build option ``torch_threads``), when not 0, wins (and is
+checked, with a warning when not exact). A value that cannot be honoured is refused at start with
+:class:`ThreadBudgetError` naming the setting and the value.
 
 Command line (container entry point; Python 3.10 like the image's stub)::
 
@@ -51,19 +60,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
 from nnunet_triton.errors import ThreadBudgetError
-from nnunet_triton.io_names import FOLD_SLOT_RESOURCE
+from nnunet_triton.io_names import FOLD_SLOT_RESOURCE, VERSION_DIR
 from nnunet_triton.options import parse_int
-from nnunet_triton.parameters import PARAM_TORCH_NUM_THREADS
+from nnunet_triton.parameters import PARAM_TORCH_NUM_THREADS, FoldRunnerParameters
+from nnunet_triton.server.exactness import (
+    FoldNetwork,
+    Reference,
+    ThreadCheck,
+    check_threads,
+    nnunet_threads,
+    reference_run,
+)
 
 __all__ = [
     "POLICY_ENV",
@@ -78,7 +96,9 @@ __all__ = [
     "FoldModels",
     "repository_folds",
     "plan_budget",
+    "decide_budget",
     "fold_threads_for_runner",
+    "budget_note",
     "main",
 ]
 
@@ -87,10 +107,13 @@ FOLD_THREADS_ENV = "NNUNET_TRITON_FOLD_THREADS"
 FOLD_SLOTS_ENV = "NNUNET_TRITON_FOLD_SLOTS"
 BUDGET_ENV = "NNUNET_TRITON_THREAD_BUDGET"  # the whole plan as JSON, for logs and the fold stubs
 _WAIT_ENV = "OMP_WAIT_POLICY"
+LOGGER = logging.getLogger(__name__)
 # a Python fold runner's config (model_specs.python_fold_spec)
 _FOLD_MARKER = f'key: "{PARAM_TORCH_NUM_THREADS}"'
 _INSTANCE_COUNT = re.compile(r"instance_group\s*\{[^}]*?count:\s*(\d+)", re.S)
 _INPUT_DIMS = re.compile(r"^input\s*\{(.*?)^\}", re.S | re.M)
+_NAME = re.compile(r'^name:\s*"([^"]+)"', re.M)
+_PARAMETER = re.compile(r'parameters\s*\{\s*key:\s*"([^"]+)"\s*value\s*\{\s*string_value:\s*"([^"]*)"', re.S)
 
 
 class ThreadPolicy(str, Enum):  # noqa: UP042 - StrEnum is 3.11, the image stub runs 3.10
@@ -143,11 +166,26 @@ class FoldModels:
 
     instances: int  # fold instances that can compute at once
     largest_input: int  # values of the largest per-sample fold input (C x patch voxels); 0 if unknown
+    networks: tuple[FoldNetwork, ...] = ()  # the CPU ones with their TorchScript file, for the check
+
+
+def _network(config: Path, text: str, dims: list[int]) -> FoldNetwork | None:
+    if "KIND_GPU" in text or not dims or min(dims) <= 0:
+        return None  # threads do not change a GPU forward; a variable shape has no tile to run
+    try:
+        params = FoldRunnerParameters.from_parameters(dict(_PARAMETER.findall(text)))
+    except ValueError:
+        return None  # the stub refuses it when it loads, naming the parameter
+    name = _NAME.search(text)
+    return FoldNetwork(model=name.group(1) if name else config.parent.name,
+                       path=str(config.parent / VERSION_DIR / params.model_filename),
+                       sample_shape=tuple(dims), per_sample_forward=params.per_sample_forward,
+                       configured_threads=params.torch_num_threads)
 
 
 def repository_folds(model_repository: str | Path) -> FoldModels:
-    """Python fold-runner instances in a repository and their largest input."""
-    total, largest = 0, 0
+    """Python fold-runner instances in a repository, their largest input and their CPU networks."""
+    total, largest, networks = 0, 0, []
     for config in sorted(Path(model_repository).glob("*/config.pbtxt")):
         text = config.read_text()
         if _FOLD_MARKER not in text:
@@ -155,11 +193,13 @@ def repository_folds(model_repository: str | Path) -> FoldModels:
         counts = _INSTANCE_COUNT.findall(text)
         total += sum(int(c) for c in counts) if counts else 1
         block = _INPUT_DIMS.search(text)
-        if block:
-            dims = [int(d) for d in re.findall(r"dims:\s*(-?\d+)", block.group(1))]
-            if dims and min(dims) > 0:
-                largest = max(largest, math.prod(dims))
-    return FoldModels(total, largest)
+        dims = [int(d) for d in re.findall(r"dims:\s*(-?\d+)", block.group(1))] if block else []
+        if dims and min(dims) > 0:
+            largest = max(largest, math.prod(dims))
+        network = _network(config, text, dims)
+        if network is not None:
+            networks.append(network)
+    return FoldModels(total, largest, tuple(networks))
 
 
 @dataclass(frozen=True)
@@ -175,6 +215,9 @@ class ThreadBudget:
     reason: str
     overrides: dict[str, str] = field(default_factory=dict)
     fold_slots: int = 1  # fold executions at once (Triton's rate limiter)
+    nnunet_threads: int | None = None  # nnU-Net's count here (None: not probed, no torch)
+    exact: bool | None = None  # fold logits proven bitwise nnU-Net's on this machine (None: not checked)
+    exactness: str = "not checked"  # how ``exact`` was decided
 
     def server_args(self) -> list[str]:
         """tritonserver flags that enforce ``fold_slots`` (each fold execution holds one slot)."""
@@ -266,15 +309,115 @@ def plan_budget(folds: FoldModels | int, *, env: Mapping[str, str] | None = None
                         fold_slots=slots)
 
 
+def _check_networks(reference: Reference, threads: int, env: Mapping[str, str],
+                    check: Callable[..., ThreadCheck]) -> tuple[ThreadCheck | None, list[str]]:
+    """The check of the networks that follow the budget at ``threads`` (None when that is nnU-Net's own
+    count), and warnings for networks whose own ``torch_num_threads`` is not exact."""
+    following = [n for n in reference.networks if not n.configured_threads]
+    outcome = (check(reference, threads, networks=following, env=env)
+               if following and threads != reference.threads else None)
+    warnings = []
+    for count in sorted({n.configured_threads for n in reference.networks} - {0, reference.threads}):
+        own = check(reference, count, env=env,
+                    networks=[n for n in reference.networks if n.configured_threads == count])
+        if not own.identical:
+            warnings.append(f"torch_num_threads={count} of {', '.join(own.networks)} is not exact on this "
+                            f"CPU: {own.summary()}")
+    return outcome, warnings
+
+
+def _at_threads(budget: ThreadBudget, threads: int, reference: int, env: Mapping[str, str], *,
+                exact: bool | None, exactness: str, reason: str | None = None) -> ThreadBudget:
+    """``budget`` at ``threads`` per fold execution, with as many fold executions at once as fit."""
+    slots = min(budget.fold_instances, max(1, budget.cpus // threads))
+    if FOLD_SLOTS_ENV in env:
+        slots = min(slots, _positive_int(FOLD_SLOTS_ENV, env[FOLD_SLOTS_ENV]))
+    if reason is None:
+        reason = (f"{exactness}: nnU-Net's {threads} thread(s) per fold execution, {slots} fold "
+                  f"execution(s) at once ({budget.cpus} CPU(s), {budget.fold_instances} fold instance(s))")
+    return replace(budget, policy=ThreadPolicy.EXACT if threads == reference else budget.policy,
+                   fold_threads=threads, fold_slots=slots, reason=reason, nnunet_threads=reference,
+                   exact=exact, exactness=exactness)
+
+
+def decide_budget(folds: FoldModels, *, env: Mapping[str, str] | None = None, quota: CpuQuota | None = None,
+                  run_reference: Callable[..., Reference] = reference_run,
+                  check: Callable[..., ThreadCheck] = check_threads) -> ThreadBudget:
+    """:func:`plan_budget`, then keep its thread count only where it gives nnU-Net's bits here.
+
+    ``auto`` and ``exact`` fall back to nnU-Net's own count R when the check finds a difference or
+    cannot run; a ``split`` policy or ``NNUNET_TRITON_FOLD_THREADS`` the user set is kept, with a
+    warning when it is not exact. ``run_reference``/``check`` are ``server.exactness``'s (tests pass
+    others).
+
+    Raises:
+        ThreadBudgetError: as :func:`plan_budget`.
+    """
+    env = os.environ if env is None else env
+    quota = quota or available_cpus()
+    budget = plan_budget(folds, env=env, quota=quota)
+    if not folds.networks:
+        return replace(budget, exactness="no CPU fold network in the repository")
+    explicit = FOLD_THREADS_ENV in env or (budget.policy is ThreadPolicy.SPLIT and POLICY_ENV in env)
+    child_env = {**env, **budget.environment()}
+    child_env.pop(FOLD_THREADS_ENV, None)
+    try:
+        ran = run_reference(folds.networks, env=child_env)
+    except (RuntimeError, OSError, ValueError) as exc:
+        why = f"the fold networks could not be run at nnU-Net's thread count ({exc})"
+        LOGGER.warning("thread budget: %s; fold logits are not proven exact", why)
+        if explicit or budget.policy is ThreadPolicy.EXACT:
+            return replace(budget, exactness=why)
+        return replace(budget, policy=ThreadPolicy.EXACT, fold_threads=None, fold_slots=1, exactness=why,
+                       reason=f"{why}; so the stubs keep nnU-Net's count, 1 fold execution at once")
+    reference = ran.threads
+    threads = budget.fold_threads if budget.fold_threads is not None else min(reference, quota.cpus)
+    try:
+        outcome, warnings = _check_networks(ran, threads, child_env, check)
+    except (RuntimeError, OSError, ValueError) as exc:
+        why = f"{threads} thread(s) not proven exact: the check could not run ({exc})"
+        LOGGER.warning("thread budget: %s", why)
+        if explicit:
+            return replace(budget, fold_threads=threads, nnunet_threads=reference, exactness=why)
+        return _at_threads(budget, reference, reference, env, exact=True, exactness=why)
+    for warning in warnings:
+        LOGGER.warning("thread budget: %s", warning)
+    notes = "".join(f"; {w}" for w in warnings)
+    if outcome is None:  # the budget's count is nnU-Net's own
+        if explicit:
+            return replace(budget, nnunet_threads=reference, exact=True,
+                           exactness=f"{threads} thread(s) = nnU-Net's own count{notes}")
+        return _at_threads(budget, threads, reference, env, exact=True,
+                           exactness=f"{threads} thread(s) = nnU-Net's own count{notes}")
+    summary = outcome.summary() + notes
+    if outcome.identical:
+        if budget.policy is ThreadPolicy.EXACT and not explicit:  # nnU-Net's count capped at the CPUs
+            return _at_threads(budget, threads, reference, env, exact=True, exactness=summary,
+                               reason=f"{budget.reason}; {summary}")
+        return replace(budget, nnunet_threads=reference, exact=True, exactness=summary,
+                       reason=f"{budget.reason}; {summary}")
+    if explicit:
+        LOGGER.warning("thread budget: %d thread(s) set by the user are NOT exact on this CPU (%s): fold "
+                       "logits differ from nnUNetPredictor's; unset the override for nnU-Net's bits",
+                       threads, outcome.summary())
+        return replace(budget, nnunet_threads=reference, exact=False, exactness=summary,
+                       reason=f"{budget.reason}; {summary}")
+    LOGGER.info("thread budget: %s", summary)
+    return _at_threads(budget, reference, reference, env, exact=True,
+                       exactness=f"{budget.policy.value} candidate {summary}")
+
+
 def fold_threads_for_runner(configured: int, *, env: Mapping[str, str] | None = None,
                             torch_default: int, quota: CpuQuota | None = None) -> int:
     """Threads a fold stub sets: its config parameter, else the launcher's budget, else nnU-Net's count.
 
     ``configured`` is the model's ``torch_num_threads`` (0 = follow the budget). Without a launcher
-    (a user's own ``tritonserver``), torch's default is still capped at the available CPUs.
+    (a user's own ``tritonserver``), nnU-Net's count is capped at the available CPUs. The launcher's
+    count may exceed the CPUs only when it is nnU-Net's own (the one exact count, see
+    :func:`decide_budget`).
 
     Raises:
-        ThreadBudgetError: ``configured`` or the budget asks for more threads than available CPUs.
+        ThreadBudgetError: ``configured`` or the budget asks for more threads than allowed.
     """
     env = os.environ if env is None else env
     quota = quota or available_cpus()
@@ -282,9 +425,24 @@ def fold_threads_for_runner(configured: int, *, env: Mapping[str, str] | None = 
         raise ThreadBudgetError(f"torch_num_threads must be >= 0, got {configured}.")
     if configured:
         return _checked_threads("torch_num_threads", str(configured), quota)
+    own = nnunet_threads(torch_default, env)
     if FOLD_THREADS_ENV in env:
-        return _checked_threads(FOLD_THREADS_ENV, env[FOLD_THREADS_ENV], quota)
-    return max(1, min(torch_default, quota.cpus))
+        threads = _positive_int(FOLD_THREADS_ENV, env[FOLD_THREADS_ENV])
+        return threads if threads == own else _checked_threads(FOLD_THREADS_ENV, str(threads), quota)
+    return max(1, min(own, quota.cpus))
+
+
+def budget_note(env: Mapping[str, str] | None = None) -> str:
+    """What the launcher's budget says of exactness, for a stub's log line ("" without a launcher)."""
+    env = os.environ if env is None else env
+    try:
+        budget = json.loads(env.get(BUDGET_ENV, "") or "{}")
+    except ValueError:
+        return f"{BUDGET_ENV} is not JSON"
+    if not budget:
+        return "no launcher budget (nnU-Net's count, capped at the CPUs)"
+    verdict = {True: "exact", False: "NOT exact", None: "exactness not checked"}[budget.get("exact")]
+    return f"{verdict}: {budget.get('exactness', '')}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -305,8 +463,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="thread budget: %(message)s", stream=sys.stderr)
     try:
-        budget = plan_budget(repository_folds(args.model_repository))
+        budget = decide_budget(repository_folds(args.model_repository))
     except ThreadBudgetError as exc:
         sys.stderr.write(f"thread budget: {exc}\n")
         return 2
