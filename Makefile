@@ -17,6 +17,9 @@ PIP_VERSION ?= 24.3.1
 TORCH_VERSION ?= 2.14.1
 TORCHVISION_VERSION ?= 0.29.1
 LOCK ?= requirements/constraints.txt
+# The embedded tritonserver 2.51.0 (and its Python-backend stubs) come in this wheel, installed with
+# --no-deps: its metadata asks for numpy<2, but the models never use the stub's NumPy C API (DLPack only).
+PYTRITON_VERSION ?= 0.7.0
 
 TRITON_HOST ?= 127.0.0.1
 TRITON_HTTP_PORT ?= 8000
@@ -71,6 +74,7 @@ $(SETUP_STAMP): pyproject.toml $(LOCK) | $(PY)
 	$(PIP) install pip==$(PIP_VERSION)
 	$(PIP) install -c $(LOCK) torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION)
 	$(PIP) install -c $(LOCK) -e '.[dev]'
+	$(PIP) install -c $(LOCK) --no-deps nvidia-pytriton==$(PYTRITON_VERSION)
 	touch $@
 
 $(PERF_STAMP): tools/install_perf_analyzer.py $(SETUP_STAMP)

@@ -28,9 +28,13 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRITON_TESTS = REPO_ROOT / "tests" / "triton"
 
-# The identity model echoes every input; STUB_ENV reports the stub's numpy and sys.prefix, which proves
-# the stub runs with this venv (numpy<2) and not some other Python.
+# The identity model echoes every input by DLPack (as every model of the project passes tensors,
+# serving.tensors); STUB_ENV reports the stub's numpy and sys.prefix as UINT8 JSON bytes, which proves the
+# stub runs with this venv (numpy 2) and not some other Python. ``identity_numpy_api`` echoes the same
+# inputs through the stub's NumPy C API (``as_numpy``/``Tensor(name, ndarray)``), the route the models
+# avoid: tests/triton/test_embedded_server.py shows what it does to tensors under numpy 2.
 IDENTITY_MODEL = "identity"
+NUMPY_API_MODEL = "identity_numpy_api"
 IDENTITY_TENSORS = (("INPUT_FP32", "OUTPUT_FP32", "FP32"), ("INPUT_INT16", "OUTPUT_INT16", "INT16"))
 IDENTITY_MODEL_PY = textwrap.dedent(
     """
@@ -41,18 +45,23 @@ IDENTITY_MODEL_PY = textwrap.dedent(
     import triton_python_backend_utils as pb_utils
 
     PAIRS = {pairs!r}
+    NUMPY_API = {numpy_api!r}
+
+
+    def echo(name, tensor):
+        if NUMPY_API:
+            return pb_utils.Tensor(name, tensor.as_numpy())
+        return pb_utils.Tensor.from_dlpack(name, tensor)
 
 
     class TritonPythonModel:
         def execute(self, requests):
-            env = json.dumps({{"numpy": np.__version__, "prefix": sys.prefix}})
+            env = json.dumps({{"numpy": np.__version__, "prefix": sys.prefix}}).encode()
             responses = []
             for request in requests:
-                outputs = [
-                    pb_utils.Tensor(out_name, pb_utils.get_input_tensor_by_name(request, in_name).as_numpy())
-                    for in_name, out_name in PAIRS
-                ]
-                outputs.append(pb_utils.Tensor("STUB_ENV", np.array([env.encode()], dtype=np.object_)))
+                outputs = [echo(out_name, pb_utils.get_input_tensor_by_name(request, in_name))
+                           for in_name, out_name in PAIRS]
+                outputs.append(pb_utils.Tensor.from_dlpack("STUB_ENV", np.frombuffer(env, np.uint8).copy()))
                 responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
             return responses
     """
@@ -70,26 +79,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def write_identity_repository(root: Path) -> Path:
-    """Write ``<root>/identity`` (Python backend, config.pbtxt from config_gen) and return ``root``."""
+    """Write ``<root>/identity`` and ``<root>/identity_numpy_api`` (Python backend, config.pbtxt from
+    config_gen) and return ``root``."""
     from nnunet_triton.builder import config_gen
 
     tensors = [
         (config_gen.TensorSpec(i, dt, (-1, -1, -1)), config_gen.TensorSpec(o, dt, (-1, -1, -1)))
         for i, o, dt in IDENTITY_TENSORS
     ]
-    spec = config_gen.ModelSpec(
-        name=IDENTITY_MODEL,
-        backend="python",
-        max_batch_size=0,
-        inputs=tuple(i for i, _ in tensors),
-        outputs=(*(o for _, o in tensors), config_gen.TensorSpec("STUB_ENV", "BYTES", (1,))),
-        instance_groups=(config_gen.InstanceGroup(count=1, kind="cpu"),),
-    )
-    model_dir = root / IDENTITY_MODEL
-    config_gen.write_config(spec, model_dir)
-    (model_dir / "1").mkdir(parents=True, exist_ok=True)
     pairs = tuple((i, o) for i, o, _ in IDENTITY_TENSORS)
-    (model_dir / "1" / "model.py").write_text(IDENTITY_MODEL_PY.format(pairs=pairs))
+    for name, numpy_api in ((IDENTITY_MODEL, False), (NUMPY_API_MODEL, True)):
+        spec = config_gen.ModelSpec(
+            name=name,
+            backend="python",
+            max_batch_size=0,
+            inputs=tuple(i for i, _ in tensors),
+            outputs=(*(o for _, o in tensors), config_gen.TensorSpec("STUB_ENV", "UINT8", (-1,))),
+            instance_groups=(config_gen.InstanceGroup(count=1, kind="cpu"),),
+        )
+        model_dir = root / name
+        config_gen.write_config(spec, model_dir)
+        (model_dir / "1").mkdir(parents=True, exist_ok=True)
+        (model_dir / "1" / "model.py").write_text(IDENTITY_MODEL_PY.format(pairs=pairs, numpy_api=numpy_api))
     return root
 
 
@@ -125,7 +136,7 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any
 
 @pytest.fixture(scope="session")
 def identity_model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model repository with the ``identity`` model (FP32 and INT16 echo, rank-3 variable shapes)."""
+    """A model repository with the ``identity`` models (FP32 and INT16 echo, rank-3 variable shapes)."""
     return write_identity_repository(tmp_path_factory.mktemp("identity-repo"))
 
 

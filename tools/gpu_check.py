@@ -6,8 +6,8 @@ Usage::
     python -m tools.gpu_check --device cpu --workload fixture --out build/gpu-check-dry   # the dry run
 
 Needs torch (CUDA build), CuPy, nnunetv2 + SimpleITK (the oracle and the fixture reader) and, for stages
-(b) and (c), the embedded tritonserver (``nvidia-pytriton``, ~145 MB) with numpy<2 (numpy 2 corrupts tensors
-through the Python-backend stub) and ``nnunet_triton`` importable by the Triton stubs (a venv from ``make
+(b) and (c), the embedded tritonserver (``nvidia-pytriton``, ~145 MB; the models pass tensors by DLPack, so
+numpy 2 is fine) and ``nnunet_triton`` importable by the Triton stubs (a venv from ``make
 setup``, or ``pip install --no-deps --no-build-isolation --ignore-requires-python -e .`` once); no Docker,
 no network. ``make gpu-check`` puts ``src/`` on PYTHONPATH for this process. A stage whose needs are missing
 is reported as skipped with the reason; the exit status is 1 when a stage fails or a correctness goal is

@@ -15,8 +15,33 @@ from nnunet_triton import errors, serving
 
 
 class FakeTensor:
-    def __init__(self, name: str, array: np.ndarray) -> None:
+    """A host tensor of the stub, offering only what the models may use: DLPack both ways.
+
+    ``as_numpy`` and ``Tensor(name, ndarray)`` go through the stub's NumPy C API (wrong under NumPy 2,
+    ``serving.tensors``): the fake refuses both. Tests build their input tensors with ``FakeTensor.of``.
+    """
+
+    def __init__(self, name: str, array: np.ndarray, *, _by_dlpack: bool = False) -> None:
+        if not _by_dlpack:
+            raise AssertionError("pb_utils.Tensor(name, ndarray) goes through the stub's NumPy C API; "
+                                 "use pb_utils.Tensor.from_dlpack")
         self._name, self._array = name, array
+
+    @classmethod
+    def of(cls, name: str, array: np.ndarray) -> FakeTensor:
+        return cls(name, np.require(array, requirements=("C", "W")), _by_dlpack=True)
+
+    @classmethod
+    def from_dlpack(cls, name: str, data) -> FakeTensor:
+        # np.from_dlpack raises on what DLPack cannot carry (a read-only NumPy array, for one) as the stub
+        # does; the copy stands for the stub's shared-memory copy (and is writeable, unlike the import)
+        return cls(name, np.from_dlpack(data).copy(), _by_dlpack=True)
+
+    def __dlpack__(self, stream=None):
+        return self._array.__dlpack__(stream=stream)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
 
     def name(self) -> str:
         return self._name
@@ -25,6 +50,10 @@ class FakeTensor:
         return True
 
     def as_numpy(self) -> np.ndarray:
+        raise AssertionError("Tensor.as_numpy goes through the stub's NumPy C API; use DLPack")
+
+    def data(self) -> np.ndarray:
+        """What the test reads back (not part of the stub's interface)."""
         return self._array
 
 
@@ -128,13 +157,30 @@ def test_internal_error_response_logs_traceback_and_returns_internal(caplog) -> 
 def test_ok_response_wraps_each_array_as_contiguous_tensor() -> None:
     array = np.arange(12, dtype=np.float32).reshape(3, 4).T
     response = serving.ok_response({"A": array, "B": np.uint8(3)})
-    tensors = {t.name(): t.as_numpy() for t in response.output_tensors()}
+    tensors = {t.name(): t.data() for t in response.output_tensors()}
     assert tensors["A"].flags.c_contiguous and np.array_equal(tensors["A"], array)
     assert tensors["B"] == 3
 
 
+def test_a_read_only_array_is_copied_into_a_writeable_one_for_dlpack() -> None:
+    array = np.arange(4, dtype=np.float32)
+    array.flags.writeable = False  # NumPy refuses to export such an array by DLPack (BufferError)
+    (tensor,) = serving.ok_response({"A": array}).output_tensors()
+    assert np.array_equal(tensor.data(), array)
+
+
+def test_torch_tensors_travel_by_dlpack_both_ways() -> None:
+    import torch
+
+    transposed = torch.arange(6, dtype=torch.float16).reshape(2, 3).T
+    (tensor,) = serving.ok_response({"T": transposed}).output_tensors()
+    assert tensor.data().dtype == np.float16 and tensor.data().tolist() == [[0, 3], [1, 4], [2, 5]]
+    back = serving.tensor_to_array(tensor, xp=torch)
+    assert isinstance(back, torch.Tensor) and back.tolist() == [[0, 3], [1, 4], [2, 5]]
+
+
 def test_input_array_returns_none_when_optional_and_raises_when_required() -> None:
-    request = FakeRequest(inputs=[FakeTensor("IMAGE", np.ones((2, 2), np.float32))])
+    request = FakeRequest(inputs=[FakeTensor.of("IMAGE", np.ones((2, 2), np.float32))])
     assert np.array_equal(serving.input_array(request, "IMAGE"), np.ones((2, 2), np.float32))
     assert serving.input_array(request, "FLAG", optional=True) is None
     with pytest.raises(errors.InputValidationError, match="request has no input tensor 'FLAG'"):
@@ -143,7 +189,7 @@ def test_input_array_returns_none_when_optional_and_raises_when_required() -> No
 
 def test_input_array_copies_when_asked() -> None:
     data = np.zeros(3, np.float32)
-    copied = serving.input_array(FakeRequest(inputs=[FakeTensor("X", data)]), "X", copy=True)
+    copied = serving.input_array(FakeRequest(inputs=[FakeTensor.of("X", data)]), "X", copy=True)
     copied[0] = 1
     assert data[0] == 0
 
@@ -168,7 +214,7 @@ def test_model_parameters_return_string_values() -> None:
 
 
 def test_infer_returns_requested_outputs_when_callee_succeeds() -> None:
-    FakeBlsRequest.response = FakeResponse([FakeTensor("OUTPUT__0", np.full(2, 7, np.float32))])
+    FakeBlsRequest.response = FakeResponse([FakeTensor.of("OUTPUT__0", np.full(2, 7, np.float32))])
     result = asyncio.run(serving.infer("fold_0", {"INPUT__0": np.zeros(2, np.float32)}, ["OUTPUT__0"]))
     assert list(result) == ["OUTPUT__0"] and np.array_equal(result["OUTPUT__0"], [7, 7])
 

@@ -2,9 +2,10 @@
 
 Port of ``nnunetv2/preprocessing/normalization/default_normalization_schemes.py`` (nnU-Net 2.8.1) and
 of ``DefaultPreprocessor._normalize`` (``nnunetv2/preprocessing/preprocessors/default_preprocessor.py``).
-All arithmetic is float32 and in place, exactly like nnU-Net under NumPy 1.26: a Python-float
-constant applied to a float32 array is rounded to float32 first (``x -= float32(mean)``), which is
-what the ufunc loop selection does there; here the constants are cast explicitly so that CuPy does
+All arithmetic is float32 and in place, exactly like nnU-Net: a Python-float constant applied to a
+float32 array is rounded to float32 first (``x -= float32(mean)``), which is what the ufunc loop
+selection does under NumPy 1.26 (value-based casting) and NumPy 2 (NEP 50: a Python float is a weak
+scalar) alike; here the constants are cast explicitly so that CuPy does
 the same. On NumPy the ZScore statistics are NumPy's float32 ``mean``/``std`` of the same arrays
 (and the same memory layout) nnU-Net reduces, hence bit-identical; CuPy's reductions sum in another
 order (about 1e-7 relative).

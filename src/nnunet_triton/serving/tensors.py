@@ -1,8 +1,13 @@
-"""Triton tensors <-> arrays (NumPy on the host, CuPy/torch on the GPU via DLPack).
+"""Triton tensors <-> arrays (NumPy on the host, CuPy/torch on the GPU), through DLPack only.
 
-``pb_utils.Tensor.as_numpy()`` only works for CPU tensors (server#3944); GPU tensors are wrapped
-zero-copy with ``xp.from_dlpack``. Input tensors are freed when ``execute`` returns, so callers
-that keep data beyond that must pass ``copy=True``.
+Every tensor enters and leaves a Python model by DLPack (``__dlpack__``/``pb_utils.Tensor.from_dlpack``),
+never by ``Tensor.as_numpy()`` or ``pb_utils.Tensor(name, ndarray)``: those two go through NumPy's C API
+inside the stub, and the stub of pytriton's tritonserver 2.51 is built with a pybind11 older than 2.12,
+which reads NumPy's C structures with NumPy 1's layout (with NumPy 2 it takes a dtype's size from
+another field and builds arrays with wrong strides; ``tests/triton/test_embedded_server.py`` shows the
+corruption and the DLPack round trip). DLPack hands over pointer, shape and dtype without that API, so
+the models run with NumPy 2 (which CuPy for CUDA 13 requires) as well as 1.x. Input tensors are freed
+when ``execute`` returns, so callers that keep data beyond that must pass ``copy=True``.
 """
 
 from __future__ import annotations
@@ -26,29 +31,28 @@ __all__ = ["tensor_to_array", "input_array", "image_array", "output_tensor", "re
 
 
 def tensor_to_array(tensor: Any, *, xp: ModuleType | None = None, copy: bool = False) -> Any:
-    """Return the data of a ``pb_utils.Tensor`` as an array.
+    """Return the data of a ``pb_utils.Tensor`` as an array, zero-copy through DLPack.
 
     Args:
         tensor: a ``pb_utils.Tensor`` (request input or BLS response output).
         xp: array module for the result (``numpy``, ``cupy`` or ``torch``); ``None`` means NumPy for
-            CPU tensors and CuPy for GPU tensors.
+            CPU tensors and CuPy for GPU tensors (a GPU tensor never becomes NumPy).
         copy: copy the data so it outlives the request/response that owns it.
     """
+    if is_torch_module(xp):
+        array = xp.from_dlpack(tensor)
+        return array.clone() if copy else array
     if tensor.is_cpu():
-        array = tensor.as_numpy()
-        if copy or (not array.flags.writeable and is_torch_module(xp)):
-            array = np.array(array, copy=True)
-        if xp is None or xp is np:
-            return array
-        return xp.from_numpy(array) if is_torch_module(xp) else xp.asarray(array)
+        array = np.from_dlpack(tensor)
+        if copy:
+            array = array.copy()
+        return array if xp is None or xp is np else xp.asarray(array)
     if xp is None or xp is np:
         import cupy
 
         xp = cupy
     array = xp.from_dlpack(tensor)
-    if copy:
-        return array.clone() if is_torch_module(xp) else array.copy()
-    return array
+    return array.copy() if copy else array
 
 
 def input_array(
@@ -93,23 +97,20 @@ def image_array(request: Any, *, xp: ModuleType | None = None) -> Any:
 
 
 def output_tensor(name: str, array: Any) -> Any:
-    """Wrap an array as a ``pb_utils.Tensor`` named ``name``.
+    """Wrap an array (NumPy, CuPy or torch, any device) as a ``pb_utils.Tensor`` named ``name``, by DLPack.
 
-    NumPy arrays and torch CPU tensors are passed by value (made C-contiguous); CuPy arrays and torch
-    CUDA tensors go through DLPack, which needs C-contiguous data, so they are made contiguous first.
+    DLPack needs C-contiguous data, and NumPy exports only writeable arrays, so those are made first
+    (a copy only where the array is not already so).
     """
-    pb = pb_utils()
     if isinstance(array, np.ndarray | np.generic):
-        return pb.Tensor(name, np.ascontiguousarray(array))
-    if hasattr(array, "is_contiguous"):  # torch: host tensors by value like NumPy, device tensors by DLPack
-        if array.device.type == "cpu":
-            return pb.Tensor(name, np.ascontiguousarray(array.detach().numpy()))
-        array = array.contiguous()
+        array = np.require(array, requirements=("C", "W"))
+    elif hasattr(array, "is_contiguous"):  # torch, host or device
+        array = array.detach().contiguous()
     elif hasattr(array, "flags") and not array.flags.c_contiguous:  # cupy
         import cupy
 
         array = cupy.ascontiguousarray(array)
-    return pb.Tensor.from_dlpack(name, array)
+    return pb_utils().Tensor.from_dlpack(name, array)
 
 
 def request_parameters(request: Any) -> dict[str, Any]:
