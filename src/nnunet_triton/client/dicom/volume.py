@@ -162,7 +162,7 @@ def _select(series: SeriesFiles, options: DicomOptions) -> list[_Slice]:
         if not axial:
             raise DicomError(
                 f"{series.description} ({series.uid}): no axial slices (first file "
-                f"{series.headers[0][0]}, ImageOrientationPatient {list(slices[0].orientation)})."
+                f"{series.headers[0][0]}, ImageOrientationPatient {slices[0].orientation.tolist()})."
             )
         slices = axial
     counts: dict[tuple[float, ...], int] = {}
@@ -175,7 +175,7 @@ def _select(series: SeriesFiles, options: DicomOptions) -> list[_Slice]:
         if not np.allclose(s.orientation, ref.orientation, atol=options.orientation_atol, rtol=0):
             raise DicomError(
                 f"mixed orientations in series {series.uid}: {_where(s)} has ImageOrientationPatient "
-                f"{list(s.orientation)}, {_where(ref)} has {list(ref.orientation)}."
+                f"{s.orientation.tolist()}, {_where(ref)} has {ref.orientation.tolist()}."
             )
         if not np.allclose(s.pixel_spacing, ref.pixel_spacing, rtol=1e-4, atol=1e-6):
             raise DicomError(
