@@ -270,7 +270,8 @@ def _parser(undeploy: bool) -> argparse.ArgumentParser:
     p.add_argument("--folds", nargs="+", type=lambda s: s if s == "all" else int(s), default=None)
     p.add_argument("--tile-batch-size", type=int, default=4)
     p.add_argument("--fold-instances", type=int, default=1)
-    p.add_argument("--orchestrator-instances", type=int, default=1)
+    p.add_argument("--orchestrator-instances", type=int, default=None,
+                   help="requests worked on at once (default: 1 on cpu, 2 on gpu targets)")
     p.add_argument("--host", default="127.0.0.1",
                    help="embedded: bind address; docker: host address the ports are published on "
                         "(0.0.0.0 for the network)")

@@ -58,7 +58,8 @@ DATASET = {
     "labels": {"background": 0, "a": 1, "b": 2},
     "file_ending": ".nii.gz",
 }
-GPU_OPTIONS = BuildOptions(target="gpu", fold_precision="fp16")
+# one orchestrator instance (gpu's default is 2): the sizing and rendering tests compute by hand per instance
+GPU_OPTIONS = BuildOptions(target="gpu", fold_precision="fp16", orchestrator_instances=1)
 
 
 def make_config() -> InferenceConfig:

@@ -90,7 +90,8 @@ def _io(tensors) -> list[tuple[str, str, list[int]]]:
 
 def test_libtorch_fold_config_equals_expected_message_when_target_gpu() -> None:
     message = _parse(libtorch_fold_spec(_config(), 3, BuildOptions(target=Target.GPU, tile_batch_size=6,
-                                                                     fold_queue_delay_us=500)))
+                                                                     fold_queue_delay_us=500,
+                                                                     orchestrator_instances=1)))
     expected = text_format.Parse(
         """
         name: "fold_3" platform: "pytorch_libtorch" max_batch_size: 6 default_model_filename: "model.pt"
@@ -117,8 +118,19 @@ def test_libtorch_fold_output_is_fp16_when_precision_fp16() -> None:
 
 
 def test_libtorch_fold_warmup_has_one_entry_when_tile_batch_size_is_one() -> None:
-    message = _parse(libtorch_fold_spec(_config(), 0, BuildOptions(target="gpu", tile_batch_size=1)))
+    message = _parse(libtorch_fold_spec(_config(), 0, BuildOptions(target="gpu", tile_batch_size=1,
+                                                                     orchestrator_instances=1)))
     assert [(w.name, w.batch_size) for w in message.model_warmup] == [("batch_1", 1)]
+
+
+@pytest.mark.parametrize(("target", "instances"), [("cpu", 1), ("gpu", 2)])
+def test_gpu_target_works_on_two_requests_at_once_by_default_so_their_tiles_share_forwards(target, instances):
+    options = BuildOptions(target=target, tile_batch_size=4)
+    assert options.orchestrator_instances == instances
+    assert [g.count for g in _parse(orchestrator_spec(_config(), options)).instance_group] == [instances]
+    assert _parse(fold_spec(_config(), 0, options)).max_batch_size == 4 * instances
+    if target == "gpu":  # the libtorch warm-up covers the merged batch of two requests
+        assert [w.batch_size for w in _parse(fold_spec(_config(), 0, options)).model_warmup] == [1, 4, 8]
 
 
 @pytest.mark.parametrize("runner", [FoldRunner.PYTHON, FoldRunner.LIBTORCH])

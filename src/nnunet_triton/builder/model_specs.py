@@ -65,6 +65,8 @@ __all__ = [
 # data (NaturalImage2DIO gives (C, 1, X, Y)); 2D configurations predict slice by slice.
 N_IMAGE_SPATIAL_DIMS = 3
 _VARIABLE = -1
+# target gpu: requests worked on at once by default (their tile batches share the fold forwards)
+GPU_ORCHESTRATOR_INSTANCES = 2
 
 
 class Target(StrEnum):
@@ -87,7 +89,9 @@ class BuildOptions:
         orchestrator_instances: requests the pipeline works on at once (set it to the expected
             concurrency: one orchestrator instance holds one request). The fold models'
             ``max_batch_size`` is ``tile_batch_size`` x this (:attr:`fold_max_batch_size`), so the
-            dynamic batcher can run the tile batches of concurrent requests in one forward.
+            dynamic batcher can run the tile batches of concurrent requests in one forward. Default
+            (None): 1 on cpu (two cores are busy with one request's folds), ``GPU_ORCHESTRATOR_INSTANCES``
+            (2) on gpu, so that tiles of two concurrent requests share a forward by default.
         fold_runner: defaults to ``python`` on cpu and ``libtorch`` on gpu.
         fold_precision: ``fp32``, or ``fp16`` (autocast export, FP16 OUTPUT__0; gpu only).
         fold_queue_delay_us: dynamic batcher ``max_queue_delay_microseconds`` of the fold models.
@@ -119,7 +123,7 @@ class BuildOptions:
     torch_threads: int = 0
     per_sample_forward: bool | None = None
     preprocess_instances: int = 1
-    orchestrator_instances: int = 1
+    orchestrator_instances: int | None = None
     stitch_instances: int = 1
     max_inflight: int = 4
     max_voxels: int = DEFAULT_MAX_VOXELS
@@ -130,6 +134,9 @@ class BuildOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", Target(self.target))
+        if self.orchestrator_instances is None:
+            object.__setattr__(self, "orchestrator_instances",
+                               GPU_ORCHESTRATOR_INSTANCES if self.target is Target.GPU else 1)
         if self.fold_runner is not None:
             object.__setattr__(self, "fold_runner", FoldRunner(self.fold_runner))
         counts = {name: getattr(self, name) for name in (

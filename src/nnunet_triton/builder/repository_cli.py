@@ -49,9 +49,10 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: 2.5, tritonserver 24.10's libtorch, for the libtorch runner; the serving "
                         "environment's torch for the python runner); a newer torch here refuses to export")
     p.add_argument("--fold-instances", type=int, default=1)
-    p.add_argument("--orchestrator-instances", type=int, default=1,
-                   help="requests worked on at once (the expected concurrency); the fold models take batches "
-                        "of tile-batch-size x this, so tiles of concurrent requests share forwards")
+    p.add_argument("--orchestrator-instances", type=int, default=None,
+                   help="requests worked on at once (the expected concurrency; default 1 on cpu, 2 on gpu); "
+                        "the fold models take batches of tile-batch-size x this, so tiles of concurrent "
+                        "requests share forwards")
     p.add_argument("--max-inflight", type=int, default=BuildOptions.max_inflight)
     p.add_argument("--max-voxels", type=int, default=BuildOptions.max_voxels,
                    help="most voxels an IMAGE, and the volume it resamples to, may have; larger requests get "
