@@ -63,7 +63,7 @@ class TritonPythonModel:
                     f"output {io_names.SEGMENTATION!r} is {self._seg_dtype} but the model has label "
                     f"{max_label}."
                 )
-            self._metrics = serving.StepMetrics.create(args, self._config)
+            self._metrics = serving.StepMetrics.create(args, self._config, host_tensors=(io_names.LOGITS,))
             # config parameter probabilities_output (request / always / never: parameters.StitchParameters)
             params = StitchParameters.from_parameters(serving.model_parameters(args))
             self._probabilities_output = params.probabilities_output
@@ -77,7 +77,8 @@ class TritonPythonModel:
     def _run(self, request: Any, record: serving.RequestRecord) -> Any:
         try:
             options = parse_request_options(serving.request_parameters(request), self._config)
-            logits = self._device.array(serving.input_array(request, io_names.LOGITS))
+            logits = self._device.array(
+                serving.input_array(request, io_names.LOGITS, on_host=self._device.watch(record)))
             props = CaseProperties.from_array(  # a few numbers: read on the host wherever they arrive
                 to_numpy(serving.input_array(request, io_names.CASE_PROPERTIES)))
             want_probabilities = self._probabilities_output is ProbabilitiesOutput.ALWAYS or (

@@ -24,7 +24,8 @@ Config parameters (``nnunet_triton.parameters.OrchestratorParameters``):
     tile_batch_size  network inputs per BLS call (<= the fold models' max_batch_size)
     max_inflight     BLS calls in flight per request over all folds (< python thread-pool-size, 32)
     metrics          "false" switches the custom nnunet_* metrics off (default on; ``serving.StepMetrics``:
-                     time of the fold loop, tiles, network forwards, folds, fold calls per request)
+                     time of the fold loop, tiles, network forwards, folds, fold calls per request, and on
+                     KIND_GPU the PREPROCESSED / fold outputs that arrived in host memory)
 
 I/O (``max_batch_size: 0``):
     IN  PREPROCESSED FP32 [C, *resampled]
@@ -72,7 +73,9 @@ class TritonPythonModel:
             self._tile_batch_size = params.tile_batch_size
             self._max_inflight = params.max_inflight
             self._gaussian = self._device.tensor(compute_gaussian(self._config.patch_size))
-            self._metrics = serving.StepMetrics.create(args, self._config, counts=serving.ORCHESTRATOR_COUNTS)
+            self._metrics = serving.StepMetrics.create(
+                args, self._config, counts=serving.ORCHESTRATOR_COUNTS,
+                host_tensors=(io_names.PREPROCESSED, io_names.FOLD_OUTPUT))
         except Exception:
             raise serving.initialize_exception(args["model_name"]) from None
 
@@ -82,7 +85,8 @@ class TritonPythonModel:
     async def _run(self, request: Any, record: serving.RequestRecord) -> Any:
         try:
             options = parse_request_options(serving.request_parameters(request), self._config)
-            data = self._device.tensor(serving.input_array(request, io_names.PREPROCESSED, xp=self._torch))
+            data = self._device.tensor(serving.input_array(request, io_names.PREPROCESSED, xp=self._torch,
+                                                           on_host=self._device.watch(record)))
             with record.timed():
                 logits = await self._predict(data, options, request, record)
             return serving.ok_response({io_names.LOGITS: logits})
@@ -122,6 +126,7 @@ class TritonPythonModel:
             outputs = await serving.infer(
                 model_name, {io_names.FOLD_INPUT: batch}, [io_names.FOLD_OUTPUT], xp=self._torch, copy=True,
                 output_device=device.memory, device_id=device.index, parent=request,
+                on_host=device.watch(record),
             )
             record.add(forwards=len(batch), fold_calls=1)
             return device.tensor(outputs[io_names.FOLD_OUTPUT])

@@ -117,6 +117,8 @@ def pb(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     module.InferenceResponse = FakeResponse
     module.InferenceRequest = FakeBlsRequest
     module.TritonModelException = RuntimeError
+    module.TRITONSERVER_MEMORY_CPU, module.TRITONSERVER_MEMORY_GPU = 0, 2
+    module.PreferredMemory = lambda kind, device_id: (kind, device_id)
 
     def by_name(tensors, name):
         return next((t for t in tensors if t.name() == name), None)
@@ -273,3 +275,19 @@ def test_build_request_passes_options_through() -> None:
         "model_name": "fold_0", "requested_output_names": ["OUTPUT__0"], "parameters": {"a": 1}, "timeout": 5,
     }
     assert [t.name() for t in request.kwargs["inputs"]] == ["INPUT__0"]
+
+
+def test_an_input_that_arrived_in_host_memory_is_reported_to_the_watcher() -> None:
+    seen: list[str] = []
+    request = FakeRequest(inputs=[FakeTensor.of("LOGITS", np.ones(2, np.float16))])
+    serving.input_array(request, "LOGITS", on_host=seen.append)
+    assert seen == ["LOGITS"]
+
+
+@pytest.mark.parametrize(("device", "reported"), [("gpu", ["OUTPUT__0"]), ("cpu", [])])
+def test_a_bls_output_asked_for_in_gpu_memory_but_returned_on_the_host_is_reported(device, reported) -> None:
+    FakeBlsRequest.response = FakeResponse([FakeTensor.of("OUTPUT__0", np.zeros(2, np.float32))])
+    seen: list[str] = []
+    asyncio.run(serving.infer("fold_0", {"INPUT__0": np.zeros(2, np.float32)}, ["OUTPUT__0"],
+                              output_device=device, on_host=seen.append))
+    assert seen == reported

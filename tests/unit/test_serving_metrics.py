@@ -234,3 +234,45 @@ def test_create_logs_and_disables_when_metric_family_is_missing(pb: types.Module
     assert not step.enabled
     assert step.observe(lambda request, record: "response", "request") == "response"
     assert len(FakeLogger.warnings) == 1
+
+
+def test_host_fallbacks_are_counted_per_tensor_from_zero_and_logged_once_each() -> None:
+    step = serving.StepMetrics.create(_args(), make_config(), host_tensors=("PREPROCESSED", "OUTPUT__0"))
+    family = FakeFamily.created["nnunet_host_fallbacks_total"]
+    assert family.kind == "counter"
+    assert sorted(m.labels["tensor"] for m in family.metrics) == ["OUTPUT__0", "PREPROCESSED"]  # at 0
+
+    def run(request, record):
+        record.host_fallback("OUTPUT__0")
+        record.host_fallback("OUTPUT__0")
+        return FakeResponse()
+
+    step.observe(run, object())
+    step.observe(run, object())
+    assert _values("nnunet_host_fallbacks_total", tensor="OUTPUT__0") == [("inc", 2), ("inc", 2)]
+    assert _values("nnunet_host_fallbacks_total", tensor="PREPROCESSED") == []
+    logged = [w for w in FakeLogger.warnings if "arrived in host memory" in w]
+    assert len(logged) == 1 and "OUTPUT__0" in logged[0] and "--cuda-memory-pool-byte-size" in logged[0]
+
+
+def test_a_failed_request_still_counts_its_host_fallbacks() -> None:
+    step = serving.StepMetrics.create(_args(), make_config(), host_tensors=("LOGITS",))
+
+    def run(request, record):
+        record.host_fallback("LOGITS")
+        return FakeResponse(FakeError(FakeError.INTERNAL))
+
+    step.observe(run, object())
+    assert _values("nnunet_host_fallbacks_total", tensor="LOGITS") == [("inc", 1)]
+
+
+def test_models_without_tensors_from_others_have_no_host_fallback_family() -> None:
+    serving.StepMetrics.create(_args("preprocess_model"), make_config())
+    assert "nnunet_host_fallbacks_total" not in FakeFamily.created
+
+
+def test_only_a_gpu_instance_watches_where_its_inputs_arrive() -> None:
+    record = serving.RequestRecord()
+    assert serving.InstanceDevice(gpu=False).watch(record) is None
+    serving.InstanceDevice(gpu=True).watch(record)("LOGITS")
+    assert record.host_fallbacks == {"LOGITS": 1}

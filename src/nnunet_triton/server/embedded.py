@@ -20,8 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nnunet_triton.errors import ServerError
+from nnunet_triton.errors import DeployError, ServerError
 from nnunet_triton.server import watchdog
+from nnunet_triton.server.deploy.repository_info import RepositoryInfo
+from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, _http_ok, _tail
 from nnunet_triton.server.thread_budget import ThreadBudget, decide_budget, repository_folds
 from nnunet_triton.server.triton_install import (
@@ -97,6 +99,8 @@ class _Launch:
     detach: bool
     thread_budget: ThreadBudget
     control_token: str | None  # None: no model-control API restriction (model control mode "none")
+    memory_args: tuple[str, ...] = ()  # the CUDA and pinned pools of a GPU repository (_memory_plan)
+    memory_plan: dict[str, object] | None = None
 
     def command(self) -> list[str]:
         return [
@@ -117,6 +121,7 @@ class _Launch:
             "--disable-auto-complete-config",
             *self.backend_args,
             *self.thread_budget.server_args(),
+            *self.memory_args,
             *(watchdog.restricted_api_args(self.control_token) if self.control_token else ()),
             *self.extra_args,
         ]
@@ -158,6 +163,7 @@ def _spawn(launch: _Launch) -> ServerHandle:
             state_file=str(launch.state_file),
             exit_timeout_s=launch.exit_timeout_s,
             thread_budget=launch.thread_budget.to_dict(),
+            memory_plan=launch.memory_plan,
             control_token=launch.control_token,
             _process=process,
         )
@@ -204,6 +210,38 @@ def _start_watchdog(handle: ServerHandle, launch: _Launch) -> None:
     LOGGER.info("watchdog pid %d reloads models whose process dies (log %s)", process.pid, log_path)
 
 
+def visible_gpus(env: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> int:
+    """GPUs the server will see: ``CUDA_VISIBLE_DEVICES`` when set, else the ``/dev/nvidia<N>`` devices."""
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        listed = [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",")]
+        return len([d for d in listed if d and not d.startswith("-")])
+    return len([p for p in dev.glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
+
+
+def _memory_plan(repo: Path, volume: VolumeSpec,
+                 gpus: int) -> tuple[tuple[str, ...], dict[str, object] | None]:
+    """Pool flags and their summary for a GPU repository built by this project (none otherwise).
+
+    Triton's CUDA pool (default 64 MiB) holds every tensor passed between models in device memory; when it
+    is full Triton silently copies through pinned host memory (``nnunet_host_fallbacks_total``). The pools
+    are sized by ``server.deploy.sizing.plan_memory`` from the tiles x batch x in-flight x instances of the
+    repository and the largest volume, as the docker and Kubernetes launches do.
+    """
+    try:
+        info = RepositoryInfo.from_repository(repo)
+    except DeployError:
+        return (), None  # not a full repository of this project: Triton's defaults
+    if info.target != "gpu":
+        return (), None
+    plan = plan_memory(info, volume, gpus=max(1, gpus))
+    summary = {**plan.summary(), "gpus": gpus, "volume": list(volume.shape)}
+    LOGGER.info("memory plan for a %s volume: CUDA pool %s MiB on each of %d GPU(s), pinned pool %s MiB",
+                "x".join(map(str, volume.shape)), summary["cuda_pool_mib_per_gpu"], gpus,
+                summary["pinned_pool_mib"])
+    return plan.pool_args(gpus), summary
+
+
 def _model_control(mode: str, load_models: tuple[str, ...], recovery: bool) -> tuple[tuple[str, ...], bool]:
     """(models to load, whether the watchdog runs) for a model control mode; ValueError when they clash."""
     if mode not in ("none", "explicit"):
@@ -236,6 +274,7 @@ def start(
     ready_timeout_s: float = 120.0,
     exit_timeout_s: int = EXIT_TIMEOUT_S,
     detach: bool = False,
+    volume: VolumeSpec | None = None,
 ) -> ServerHandle:
     """Start tritonserver on ``host`` and wait until ``GET /v2/health/ready`` answers 200.
 
@@ -255,6 +294,9 @@ def start(
         exit_timeout_s: ``--exit-timeout-secs``, how long a stop drains requests and connections.
         detach: keep running after this Python process exits (CLI ``start``); otherwise the server
             gets SIGTERM when the starting thread exits.
+        volume: the largest volume a GPU repository must serve (default ``VolumeSpec()``, 600x512x512):
+            sizes Triton's CUDA and pinned memory pools (``server.deploy.sizing``), recorded in the
+            handle's ``memory_plan``; ignored for CPU repositories.
 
     The server's environment carries the thread budget (``nnunet_triton.server.thread_budget``: fold threads
     from the CPUs really available and the repository's fold instances, ``OMP_WAIT_POLICY=PASSIVE``),
@@ -292,6 +334,8 @@ def start(
         "thread_budget": decide_budget(repository_folds(repo)),
         "control_token": watchdog.new_token() if model_control_mode == "explicit" else None,
     }
+    launch_args["memory_args"], launch_args["memory_plan"] = _memory_plan(repo, volume or VolumeSpec(),
+                                                                          visible_gpus())
     auto_ports = (http_port, grpc_port, metrics_port) == (None, None, None)  # only then is a retry useful
     for attempt in range(3 if auto_ports else 1):
         ports = {

@@ -75,6 +75,7 @@ class ServerHandle:
     state_file: str | None = None
     exit_timeout_s: int = EXIT_TIMEOUT_S
     thread_budget: dict[str, object] | None = None  # thread_budget: what was chosen and why
+    memory_plan: dict[str, object] | None = None  # a GPU repository's CUDA/pinned pools
     watchdog_pid: int | None = None  # nnunet_triton.server.watchdog: reloads models whose process died
     events_file: str | None = None  # the watchdog's recoveries (JSON lines)
     control_token: str | None = None  # the model-repository API needs it (watchdog.CONTROL_HEADER)

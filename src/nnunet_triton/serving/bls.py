@@ -8,7 +8,7 @@ the request with a message that says which model broke and a code the client can
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -66,6 +66,7 @@ async def infer(
     *,
     xp: ModuleType | None = None,
     copy: bool = False,
+    on_host: Callable[[str], None] | None = None,
     **request_options: Any,
 ) -> dict[str, Any]:
     """Run ``model_name`` through BLS (``async_exec``) and return ``{output name: array}``.
@@ -76,6 +77,9 @@ async def infer(
         output_names: outputs to request; all must come back.
         xp: array module for the outputs (see ``tensor_to_array``).
         copy: copy outputs out of the response's memory.
+        on_host: called with an output's name when it came back in host memory although
+            ``output_device="gpu"`` was asked for (Triton falls back to host memory when it cannot
+            allocate device memory, e.g. a full CUDA memory pool).
         **request_options: passed to :func:`build_request` (parameters, timeout_us, output_device,
             device_id, parent).
 
@@ -84,7 +88,8 @@ async def infer(
     """
     request = build_request(model_name, inputs, output_names, **request_options)
     response = await request.async_exec()
-    return _outputs(model_name, response, output_names, xp=xp, copy=copy)
+    watch = on_host if request_options.get("output_device") == "gpu" else None
+    return _outputs(model_name, response, output_names, xp=xp, copy=copy, on_host=watch)
 
 
 _CODE_NAMES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED",
@@ -104,7 +109,7 @@ def callee_code(error: Any) -> str:
 
 
 def _outputs(model_name: str, response: Any, output_names: Sequence[str], *, xp: ModuleType | None,
-             copy: bool) -> dict[str, Any]:
+             copy: bool, on_host: Callable[[str], None] | None = None) -> dict[str, Any]:
     if response.has_error():
         error = response.error()
         raise SubmodelError(f"model {model_name!r} failed: {error.message()}", triton_code=callee_code(error))
@@ -114,5 +119,7 @@ def _outputs(model_name: str, response: Any, output_names: Sequence[str], *, xp:
         tensor = pb.get_output_tensor_by_name(response, name)
         if tensor is None:
             raise SubmodelError(f"model {model_name!r} returned no output {name!r}.")
+        if on_host is not None and tensor.is_cpu():
+            on_host(name)
         result[name] = tensor_to_array(tensor, xp=xp, copy=copy)
     return result

@@ -46,6 +46,11 @@ class InstanceDevice:
         """BLS ``output_device`` for outputs this instance reads: ``"cpu"`` or ``"gpu"``."""
         return "gpu" if self.gpu else "cpu"
 
+    def watch(self, record: Any) -> Any:
+        """The ``on_host`` hook for tensors that should reach this instance in device memory:
+        ``record.host_fallback`` on a GPU instance, None (nothing to watch) on a CPU one."""
+        return record.host_fallback if self.gpu else None
+
     def activate(self) -> None:
         """Make this GPU CuPy's current device in this stub and compile one kernel (a no-op on CPU).
 

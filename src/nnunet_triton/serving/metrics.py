@@ -12,6 +12,12 @@ Every step (all three Python models):
     nnunet_compute_duration_us_total  counter    cumulative microseconds of the step's numerics
                                                  (the library call), successful requests only
     nnunet_compute_latency_us         histogram  the same time per request (``_bucket/_sum/_count``)
+Every step that reads tensors from another model (orchestrator, stitch, ensemble combine):
+    nnunet_host_fallbacks_total       counter    tensors from another model that a KIND_GPU instance
+                                                 received in host memory (label ``tensor``: PREPROCESSED,
+                                                 OUTPUT__0, LOGITS, ...): Triton falls back to host memory
+                                                 when the CUDA memory pool is full; 0 on KIND_CPU. Each
+                                                 instance also logs the first fallback of each tensor.
 ``orchestrator_model`` only (successful requests):
     nnunet_tiles_total                counter    sliding-window tile positions (once per request,
                                                  independent of folds and mirroring)
@@ -55,6 +61,7 @@ __all__ = [
     "REQUEST_FAILURE",
     "COMPUTE_DURATION",
     "COMPUTE_LATENCY",
+    "HOST_FALLBACKS",
     "LATENCY_BUCKETS_US",
     "ORCHESTRATOR_COUNTS",
     "RequestRecord",
@@ -98,6 +105,12 @@ COMPUTE_LATENCY = MetricSpec(
     "Microseconds of the model's numerics per successful request (same time as "
     "nnunet_compute_duration_us_total).",
 )
+HOST_FALLBACKS = MetricSpec(
+    "nnunet_host_fallbacks_total", "COUNTER",
+    "Tensors from another model that a KIND_GPU instance received in host memory, by tensor (label "
+    "tensor): Triton copies through host memory when it cannot allocate device memory (a full CUDA memory "
+    "pool, --cuda-memory-pool-byte-size). Always 0 on KIND_CPU instances.",
+)
 ORCHESTRATOR_COUNTS: Mapping[str, MetricSpec] = {
     "tiles": MetricSpec(
         "nnunet_tiles_total", "COUNTER",
@@ -131,11 +144,16 @@ def metric_labels(model_name: str, config: InferenceConfig) -> dict[str, str]:
 class RequestRecord:
     """What one request measured: numerics time and counts, sent when the request is answered."""
 
-    __slots__ = ("elapsed_ns", "counts")
+    __slots__ = ("elapsed_ns", "counts", "host_fallbacks")
 
     def __init__(self) -> None:
         self.elapsed_ns = 0
         self.counts: dict[str, int] = {}
+        self.host_fallbacks: dict[str, int] = {}
+
+    def host_fallback(self, tensor: str) -> None:
+        """Note that ``tensor`` (from another model) reached this GPU instance in host memory."""
+        self.host_fallbacks[tensor] = self.host_fallbacks.get(tensor, 0) + 1
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
@@ -156,10 +174,12 @@ class StepMetrics:
     """The metrics of one model instance. Create with :meth:`create` in ``initialize``."""
 
     def __init__(self, families: Mapping[str, Any], labels: Mapping[str, str],
-                 counts: Mapping[str, MetricSpec], logger: Any) -> None:
+                 counts: Mapping[str, MetricSpec], logger: Any, host_tensors: Sequence[str] = ()) -> None:
         self._families = dict(families)  # keep every MetricFamily alive as long as its Metrics
         self._labels = dict(labels)
         self._counts = dict(counts)
+        self._host_tensors = tuple(host_tensors)
+        self._fallbacks_logged: set[str] = set()
         self._logger = logger
         self._enabled = bool(families)
         self._metrics: dict[tuple[str, str], Any] = {}
@@ -169,23 +189,27 @@ class StepMetrics:
 
     @classmethod
     def create(cls, args: Mapping[str, str], config: InferenceConfig, *,
-               counts: Mapping[str, MetricSpec] | None = None) -> StepMetrics:
+               counts: Mapping[str, MetricSpec] | None = None,
+               host_tensors: Sequence[str] = ()) -> StepMetrics:
         """Metrics of the model ``args["model_name"]`` (``initialize``'s ``args``); never raises.
 
-        ``counts`` maps the names :meth:`RequestRecord.add` accepts to their counters. Returns
-        disabled metrics when config parameter ``metrics`` is off or the families cannot be created.
+        ``counts`` maps the names :meth:`RequestRecord.add` accepts to their counters; ``host_tensors``
+        names the tensors from other models whose host fallbacks are counted (created at 0). Returns
+        disabled metrics when config parameter ``metrics`` is off or the families cannot be created
+        (host fallbacks are then still logged).
         """
         counts = dict(counts or {})
         logger = _stub_logger()
         try:
             if not PipelineParameters.from_parameters(model_parameters(args)).metrics:
-                return cls({}, {}, counts, logger)
+                return cls({}, {}, counts, logger, host_tensors)
             labels = metric_labels(args["model_name"], config)
-            specs = (REQUEST_SUCCESS, REQUEST_FAILURE, COMPUTE_DURATION, COMPUTE_LATENCY, *counts.values())
-            return cls(_create_families(specs), labels, counts, logger)
+            specs = (REQUEST_SUCCESS, REQUEST_FAILURE, COMPUTE_DURATION, COMPUTE_LATENCY, *counts.values(),
+                     *((HOST_FALLBACKS,) if host_tensors else ()))
+            return cls(_create_families(specs), labels, counts, logger, host_tensors)
         except Exception as exc:
             _log_warning(logger, f"custom metrics are off for this instance: {type(exc).__name__}: {exc}")
-            return cls({}, {}, counts, logger)
+            return cls({}, {}, counts, logger, host_tensors)
 
     @property
     def enabled(self) -> bool:
@@ -213,6 +237,12 @@ class StepMetrics:
 
     def finish(self, record: RequestRecord, response: Any) -> Any:
         """Record ``response`` (``None``: an exception escaped ``run``) and return it unchanged."""
+        for tensor in sorted(set(record.host_fallbacks) - self._fallbacks_logged):
+            self._fallbacks_logged.add(tensor)
+            _log_warning(self._logger, f"{self._labels.get('model', 'this model')}: {tensor} arrived in host "
+                                       "memory on a KIND_GPU instance (Triton found no device memory for it: "
+                                       "is --cuda-memory-pool-byte-size too small?); counted in "
+                                       f"{HOST_FALLBACKS.name}, logged once per tensor")
         if self._enabled:
             self._guard(self._record, record, response)
         return response
@@ -227,13 +257,16 @@ class StepMetrics:
             self._metric(spec)
         for code in _PRECREATED_FAILURE_CODES:
             self._metric(REQUEST_FAILURE, code)
+        for tensor in self._host_tensors:
+            self._metric(HOST_FALLBACKS, tensor=tensor)
 
-    def _metric(self, spec: MetricSpec, code: str = "") -> Any:
-        key = (spec.name, code)
+    def _metric(self, spec: MetricSpec, code: str = "", tensor: str = "") -> Any:
+        key = (spec.name, code or tensor)
         metric = self._metrics.get(key)
         if metric is None:
             family = self._families[spec.name]
-            labels = {**self._labels, "code": code} if code else self._labels
+            extra = {"code": code} if code else {"tensor": tensor} if tensor else {}
+            labels = {**self._labels, **extra}
             if spec.kind == "HISTOGRAM":
                 metric = family.Metric(labels=labels, buckets=list(LATENCY_BUCKETS_US))
             else:
@@ -242,6 +275,8 @@ class StepMetrics:
         return metric
 
     def _record(self, record: RequestRecord, response: Any) -> None:
+        for tensor, value in record.host_fallbacks.items():  # whatever the answer: the copy happened
+            self._metric(HOST_FALLBACKS, tensor=tensor).increment(value)
         code = self._error_code(response)
         if code is not None:
             self._metric(REQUEST_FAILURE, code).increment(1)

@@ -13,7 +13,7 @@ when ``execute`` returns, so callers that keep data beyond that must pass ``copy
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -62,8 +62,12 @@ def input_array(
     xp: ModuleType | None = None,
     optional: bool = False,
     copy: bool = False,
+    on_host: Callable[[str], None] | None = None,
 ) -> Any:
     """Return input ``name`` of ``request`` as an array (see :func:`tensor_to_array`).
+
+    ``on_host(name)`` is called when the tensor arrived in host memory: a KIND_GPU instance passes
+    ``RequestRecord.host_fallback`` for the tensors that should reach it in device memory.
 
     Raises:
         InputValidationError: if the input is missing and not ``optional`` (then ``None`` is returned).
@@ -73,6 +77,8 @@ def input_array(
         if optional:
             return None
         raise InputValidationError(f"request has no input tensor {name!r}; it is required.")
+    if on_host is not None and tensor.is_cpu():
+        on_host(name)
     return tensor_to_array(tensor, xp=xp, copy=copy)
 
 

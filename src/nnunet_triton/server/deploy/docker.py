@@ -115,11 +115,7 @@ class DeploySpec:
 def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit_timeout_s: int = 30,
                       repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
     """``tritonserver`` argv (container side: fixed ports 8000/8001/8002, repository at ``/models``)."""
-    pools: list[str] = []
-    if plan.cuda_pool_bytes and gpus:
-        pools += [f"--cuda-memory-pool-byte-size={gpu}:{plan.cuda_pool_bytes}" for gpu in range(gpus)]
-    if plan.pinned_pool_bytes:
-        pools.append(f"--pinned-memory-pool-byte-size={plan.pinned_pool_bytes}")
+    pools = plan.pool_args(gpus)
     return (
         "tritonserver",
         f"--model-repository={repository}",

@@ -94,6 +94,25 @@ class MemoryPlan:
     shm_default_bytes: int = SHM_DEFAULT_BYTES
     shm_growth_bytes: int = SHM_GROWTH_BYTES
 
+    def pool_args(self, gpus: int) -> tuple[str, ...]:
+        """tritonserver flags that size the CUDA pool of each of ``gpus`` GPUs and the pinned pool
+        (none on a cpu target: the plan's pools are 0 there)."""
+        pools = [f"--cuda-memory-pool-byte-size={gpu}:{self.cuda_pool_bytes}"
+                 for gpu in range(gpus if self.cuda_pool_bytes else 0)]
+        if self.pinned_pool_bytes:
+            pools.append(f"--pinned-memory-pool-byte-size={self.pinned_pool_bytes}")
+        return tuple(pools)
+
+    def summary(self) -> dict[str, object]:
+        """The pools and limits in MiB, with the tensors they were sized for (for logs and state files)."""
+        t = self.tensors
+        return {"cuda_pool_mib_per_gpu": _ceil_div(self.cuda_pool_bytes, MiB),
+                "pinned_pool_mib": _ceil_div(self.pinned_pool_bytes, MiB), "shm_mib": self.shm_mib,
+                "host_memory_mib": self.host_memory_mib,
+                "tile_batch_mib": round(t.tile_batch / MiB, 1),
+                "preprocessed_mib": round(t.preprocessed / MiB, 1), "logits_mib": round(t.logits / MiB, 1),
+                "resampled_shape": list(t.resampled_shape)}
+
     @property
     def shm_mib(self) -> int:
         return _ceil_div(self.shm_bytes, MiB)
