@@ -38,6 +38,7 @@ from typing import Any
 
 from nnunet_triton.client import imageio
 from nnunet_triton.client.dicom import volume as dicom
+from nnunet_triton.client.dicom.uids import child_path
 from nnunet_triton.client.dicom.web import is_dicomweb
 from nnunet_triton.client.pacs_cli import (
     add_dicomweb_arguments,
@@ -187,10 +188,12 @@ def _url(args: argparse.Namespace) -> str:
 
 
 def _outputs(out: Path, job: Job, args: argparse.Namespace) -> list[Path]:
+    """The files of ``job`` in ``out``; a name that would leave ``out`` is refused (names of DICOM cases come
+    from the data: :func:`~nnunet_triton.client.dicom.uids.child_path`)."""
     ending = ".dcm" if args.output_format == "dicom-seg" else imageio.OUTPUT_ENDINGS[args.output_format]
-    paths = [out / f"{job.name}{ending}"]
+    paths = [child_path(out, f"{job.name}{ending}")]
     if args.save_probabilities:
-        paths.append(out / f"{job.name}.npz")
+        paths.append(child_path(out, f"{job.name}.npz"))
     return paths
 
 
@@ -234,7 +237,8 @@ def _write(done: _Inferred, description: Any, args: argparse.Namespace) -> None:
     job, case, result = done.job, done.case, done.result
     target = _outputs(args.output, job, args)[0]
     if args.save_probabilities:
-        imageio.write_probabilities(result.probabilities, args.output / job.name, case.properties())
+        imageio.write_probabilities(result.probabilities, child_path(args.output, job.name),
+                                    case.properties())
     if args.output_format == "dicom-seg":
         from nnunet_triton.client.dicom.seg import (
             generic_segment_labels,
