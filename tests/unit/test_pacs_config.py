@@ -21,7 +21,7 @@ from nnunet_triton.errors import ClientError, PacsError
 ])
 def test_dicomweb_location_maps_to_the_http_root(text, url):
     assert is_dicomweb(text)
-    assert DicomWebLocation.parse(text).url == url
+    assert DicomWebLocation.parse(text, allow_http=True).url == url  # plain http beyond loopback: opt-in
 
 
 @pytest.mark.parametrize("text", ["http://pacs/dicom-web", "dicomweb:///dicom-web", "pacs:8042"])
@@ -47,7 +47,7 @@ def test_dicomweb_auth_refuses_ambiguous_or_half_credentials_and_hides_secrets(t
 def test_destination_is_a_store_scp_or_a_dicomweb_service():
     assert parse_destination("ORTHANC@pacs:4242", calling_ae="NNUNET") == StoreDestination(
         "ORTHANC", "pacs", 4242, calling_ae="NNUNET")
-    assert isinstance(parse_destination("dicomweb://pacs:8042/dicom-web"), DicomWebDestination)
+    assert isinstance(parse_destination("dicomwebs://pacs:8042/dicom-web"), DicomWebDestination)
     for bad in ("ORTHANC@pacs", "pacs:4242", "A_TITLE_LONGER_THAN_16@pacs:4242"):
         with pytest.raises(PacsError, match="AET@HOST:PORT"):
             parse_destination(bad)

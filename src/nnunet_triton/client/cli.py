@@ -325,7 +325,12 @@ def _run_all(
 
 def predict(args: argparse.Namespace) -> int:
     if is_dicomweb(args.input) or is_dicomweb(args.output) or args.study or args.series:
-        return predict_over_dicomweb(args, _predict_folders)
+        from nnunet_triton.client.endpoint import describe_endpoint
+
+        def describe() -> Any:
+            return describe_endpoint(_url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
+
+        return predict_over_dicomweb(args, _predict_folders, describe)
     args.input, args.output = Path(args.input), Path(args.output)
     return _predict_folders(args)
 
