@@ -10,18 +10,16 @@ is refused with a message saying so); they are never logged. Plain http (``dicom
 hosts other than loopback unless ``--dicomweb-allow-http``. The study's series are chosen from their
 metadata (the model's Modality, image series only) and fetched into a temporary folder, then segmented
 as a DICOM folder; with ``-o dicomweb://`` the DICOM-SEGs are written to a local folder first and stored
-by STOW-RS; a SEG that could not be stored stays there and its path is printed. ``listen`` runs
-the DICOM node (:mod:`nnunet_triton.client.dicom.node`).
+by STOW-RS; a SEG that could not be stored stays there and its path is printed. The DICOM node
+(``nnunet-triton listen``) is :mod:`nnunet_triton.client.node_cli`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +33,7 @@ from nnunet_triton.client.dicom.web import (
 )
 from nnunet_triton.errors import InputValidationError, PacsError
 
-__all__ = ["add_dicomweb_arguments", "add_auth_arguments", "auth_from_args", "predict_over_dicomweb",
-           "add_listen_parser", "listen"]
+__all__ = ["add_dicomweb_arguments", "add_auth_arguments", "auth_from_args", "predict_over_dicomweb"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -155,68 +152,3 @@ def _store_all(location: DicomWebLocation, folder: Path) -> int:
         if not any(folder.iterdir()):
             folder.rmdir()
     return 1 if failed else 0
-
-
-def add_listen_parser(sub: Any) -> argparse.ArgumentParser:
-    listen_parser = sub.add_parser(
-        "listen", help="a DICOM node: receive series (C-STORE), segment them, send the DICOM-SEG on")
-    listen_parser.add_argument("--ae-title", default="NNUNET", help="this node's AE title (default NNUNET)")
-    listen_parser.add_argument("--port", type=int, default=11112, help="DICOM port to listen on (11112)")
-    listen_parser.add_argument("--host", default="127.0.0.1",
-                               help="address to listen on (default loopback; 0.0.0.0 for the network)")
-    listen_parser.add_argument("--spool", type=Path, required=True,
-                               help="folder for received and unsent files")
-    listen_parser.add_argument("--destination", required=True,
-                               help="where SEGs go: AET@HOST:PORT (C-STORE) or dicomweb://HOST[:PORT]/ROOT")
-    listen_parser.add_argument("--idle-timeout", type=float, default=10.0,
-                               help="seconds without a new instance after which a series is complete")
-    listen_parser.add_argument("--retries", type=int, default=3,
-                               help="attempts after the first, then failed/")
-    listen_parser.add_argument("--retry-delay", type=float, default=5.0, help="first retry delay (doubles)")
-    listen_parser.add_argument("--disable-tta", action="store_true", help="no test-time mirroring")
-    listen_parser.add_argument("--dataset-json", type=Path, default=None,
-                               help="dataset.json naming the segments (when the server does not publish "
-                                    "labels)")
-    add_auth_arguments(listen_parser)
-    return listen_parser
-
-
-def listen(args: argparse.Namespace, url: str) -> int:
-    """Run the DICOM node until SIGTERM or Ctrl-C."""
-    from nnunet_triton.client.client import NnunetClient
-    from nnunet_triton.client.dicom.node import DicomNode, NodeConfig, parse_destination
-    from nnunet_triton.client.dicom.seg import model_segment_labels
-    from nnunet_triton.client.endpoint import describe_endpoint, segment_with_retry
-
-    logging.getLogger("pynetdicom").setLevel(logging.WARNING)  # its INFO/DEBUG output dumps datasets
-    description = describe_endpoint(url, args.protocol, timeout_s=min(args.timeout, 60.0))
-    client = NnunetClient(url, protocol=args.protocol, timeout_s=args.timeout)  # for the node's one worker
-
-    def segment(volume: Any) -> Any:
-        case = volume.image_case()
-        result = segment_with_retry(client, case.data, case.spacing, mirroring=not args.disable_tta)
-        return result.segmentation
-
-    destination = parse_destination(args.destination, calling_ae=args.ae_title, auth=auth_from_args(args))
-    node = DicomNode(NodeConfig(ae_title=args.ae_title, port=args.port, host=args.host, spool=args.spool,
-                                destination=destination, segment=segment,
-                                labels=model_segment_labels(description, args.dataset_json) or None,
-                                idle_timeout_s=args.idle_timeout, retries=args.retries,
-                                retry_delay_s=args.retry_delay))
-    stopped = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    node.start()
-    sys.stderr.write(f"nnunet-triton: listening as {args.ae_title} on {args.host}:{args.port}, spool "
-                     f"{args.spool}, sending to {args.destination}\n")
-    sys.stderr.flush()
-    try:
-        while not stopped.wait(0.5):
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        node.stop()
-        client.close()
-        signal.signal(signal.SIGTERM, previous)
-    return 0
-
