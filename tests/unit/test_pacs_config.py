@@ -95,3 +95,14 @@ def test_access_policy_refuses_limits_that_cannot_work_and_tls_without_its_files
     (tmp_path / "key.pem").write_text("x")
     with pytest.raises(PacsError, match="client certificates need a CA file"):
         TlsConfig(tmp_path / "cert.pem", tmp_path / "key.pem", require_client_cert=True)
+
+
+def test_listen_beyond_loopback_without_known_senders_refuses_to_start_before_contacting_anything(
+        tmp_path, capsys):
+    from nnunet_triton.client import cli
+
+    code = cli.main(["listen", "--spool", str(tmp_path / "spool"), "--destination", "PACS@127.0.0.1:104",
+                     "--host", "0.0.0.0", "--url", "127.0.0.1:1"])
+    assert code == 2
+    assert "the node accepts only known senders: name them with --allow" in capsys.readouterr().err
+    assert not (tmp_path / "spool").exists()

@@ -179,6 +179,7 @@ def listen(args: argparse.Namespace, url: str) -> int:
 
     _redact_logs()
     access = _access(args)
+    access.check_listening(args.host)  # before anything is asked of the endpoint
     destination = parse_destination(args.destination, calling_ae=args.ae_title, auth=auth_from_args(args),
                                      allow_http=args.dicomweb_allow_http)
     description = describe_endpoint(url, args.protocol, timeout_s=min(args.timeout, 60.0))

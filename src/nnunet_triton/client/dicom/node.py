@@ -873,5 +873,6 @@ def requeue(spool: Path, series: Sequence[str] = ()) -> list[str]:
         else:
             durable_json(entry / ".state.json", state)
             store.move(entry, folder)
-        moved.append(uid)
+        if uid not in moved:
+            moved.append(uid)
     return moved
