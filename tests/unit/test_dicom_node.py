@@ -215,6 +215,20 @@ def test_late_instances_resegment_the_whole_series_as_the_next_instance_of_the_s
     assert len(dest.received) == 2 and len(model.calls) == 2
 
 
+def test_the_same_series_sent_again_after_its_instances_were_deleted_gives_no_second_seg(
+        node_factory, dest, model, tmp_path):
+    series = _series(tmp_path, n=3)
+    node = node_factory(limits=SpoolLimits(done_retention_s=0.3), sweep_s=0.2)
+    peers.send(node.config.port, series.files)
+    dest.wait(1)
+    peers.wait_for(lambda: not (tmp_path / "spool" / "done" / series.series_uid).exists(), what="retention")
+
+    peers.send(node.config.port, series.files)  # e.g. a PACS routing rule that fired twice, a day apart
+    peers.wait_for(lambda: len(node.processed) == 2, what="the second round")
+
+    assert len(dest.received) == 1 and model.calls == [series.series_uid]
+
+
 # --- 4. who may store --------------------------------------------------------------------------------
 def test_node_refuses_a_wrong_called_ae_a_spoofed_calling_ae_and_a_known_ae_from_another_host(node_factory):
     access = AccessPolicy(peers=(Peer("PACS", ("127.0.0.1",)), Peer("REMOTE", ("10.9.9.0/24",))))

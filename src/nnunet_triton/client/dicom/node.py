@@ -642,8 +642,14 @@ class DicomNode:
                 f"its earlier SEG were deleted (done_retention_s={self.config.limits.done_retention_s}); "
                 "send the whole series again.")
         seg = state.get("seg") if isinstance(state.get("seg"), dict) else None
-        if seg is not None and seg.get("covers") == names and record.get("sop_uid") == seg.get("sop_uid"):
-            LOGGER.info("series %s: the DICOM-SEG was sent already; finishing", uid)
+        sent = {"series_uid": record.get("seg_series_uid"), "sop_uid": record.get("sop_uid"),
+                "instance_number": record.get("instance_number"), "covers": record.get("covers")}
+        if record.get("sop_uid") and record.get("covers") == names and (
+                seg is None or seg.get("sop_uid") == record.get("sop_uid")):
+            # sent already (a crash before the cleanup), or the very instances of the SEG sent before
+            # arrived again after done_retention_s: nothing new to segment
+            LOGGER.info("series %s: its DICOM-SEG of these %d instance(s) was sent already", uid, len(names))
+            seg = sent
         else:
             if seg is not None and seg.get("covers") == names and _seg_sop(seg_path) == seg.get("sop_uid"):
                 LOGGER.info("series %s: sending the DICOM-SEG written before (no inference)", uid)
