@@ -220,7 +220,7 @@ def test_the_same_series_sent_again_after_its_instances_were_deleted_gives_no_se
     series = _series(tmp_path, n=3)
     node = node_factory(limits=SpoolLimits(done_retention_s=0.3), sweep_s=0.2)
     peers.send(node.config.port, series.files)
-    dest.wait(1)
+    peers.wait_for(lambda: node.processed, what="the first round")  # its instances are in done/ now
     peers.wait_for(lambda: not (tmp_path / "spool" / "done" / series.series_uid).exists(), what="retention")
 
     peers.send(node.config.port, series.files)  # e.g. a PACS routing rule that fired twice, a day apart

@@ -47,8 +47,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,97 +56,25 @@ from typing import Any
 
 import pydicom
 
-from nnunet_triton.client.dicom.access import (
-    DEFLATED,
-    REJECT_UNAVAILABLE,
-    VERIFICATION,
-    AccessPolicy,
-    Refusal,
-)
+from nnunet_triton.client.dicom.access import VERIFICATION, AccessPolicy
+from nnunet_triton.client.dicom.destination import DicomWebDestination, StoreDestination, parse_destination
 from nnunet_triton.client.dicom.modality import ModalityRule
+from nnunet_triton.client.dicom.node_admin import read_status, requeue
 from nnunet_triton.client.dicom.phi import describe
+from nnunet_triton.client.dicom.receiving import Receiving
 from nnunet_triton.client.dicom.seg import SegmentLabel, generic_segment_labels, write_dicom_seg
-from nnunet_triton.client.dicom.spool import (
-    InstanceTooLarge,
-    Spool,
-    SpoolLimits,
-    durable_json,
-    durable_output,
-    read_json,
-)
-from nnunet_triton.client.dicom.uids import UID_RULE, shown, valid_uid
+from nnunet_triton.client.dicom.spool import Spool, SpoolLimits, durable_json, durable_output
+from nnunet_triton.client.dicom.uids import valid_uid
 from nnunet_triton.client.dicom.volume import DicomOptions, read_series, scan_folder
-from nnunet_triton.client.dicom.web import DicomWebAuth, DicomWebLocation, is_dicomweb, store_files
 from nnunet_triton.client.endpoint import is_unavailable
 from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError, PacsError
 
+# the destinations and the spool commands are importable from here too (one module for the node)
 __all__ = ["StoreDestination", "DicomWebDestination", "parse_destination", "NodeConfig", "DicomNode",
            "read_status", "requeue"]
 
 LOGGER = logging.getLogger(__name__)
-# C-STORE status codes (PS3.4 Annex B.2.3, PS3.7 C.4)
-STATUS_SUCCESS, STATUS_OUT_OF_RESOURCES, STATUS_CANNOT_UNDERSTAND = 0x0000, 0xA700, 0xC000
-STATUS_SOP_CLASS_NOT_SUPPORTED = 0x0122
 PROCESSED_KEPT = 1000  # outcomes kept in memory (DicomNode.processed)
-RX_SLACK = 1 << 20  # command set and PDU headers on top of an instance's bytes
-
-
-@dataclass(frozen=True)
-class StoreDestination:
-    """C-STORE to ``ae_title`` at ``host:port``, calling as ``calling_ae``."""
-
-    ae_title: str
-    host: str
-    port: int
-    calling_ae: str = "NNUNET"
-    timeout_s: float = 30.0
-
-    def send(self, paths: Sequence[Path], what: str) -> None:
-        """Store ``paths``; raises :class:`PacsError` (naming ``what``) when refused or not stored."""
-        from pynetdicom import AE
-
-        datasets = [pydicom.dcmread(p) for p in paths]
-        ae = AE(ae_title=self.calling_ae)
-        ae.acse_timeout = ae.dimse_timeout = ae.network_timeout = self.timeout_s
-        for ds in datasets:
-            ae.add_requested_context(ds.SOPClassUID, ds.file_meta.TransferSyntaxUID)
-        peer = f"{self.ae_title}@{self.host}:{self.port}"
-        assoc = ae.associate(self.host, self.port, ae_title=self.ae_title)
-        if not assoc.is_established:
-            raise PacsError(f"C-STORE of {what} to {peer}: the association was refused, aborted or not "
-                            "answered (check the AE title, host, port and the peer's allowed callers).")
-        try:
-            for ds in datasets:
-                status = assoc.send_c_store(ds)
-                code = int(getattr(status, "Status", -1)) if status else -1
-                if code != STATUS_SUCCESS and not 0xB000 <= code <= 0xBFFF:  # warnings still store
-                    raise PacsError(f"C-STORE of {what} to {peer} failed with status "
-                                    f"{'none' if code < 0 else hex(code)}.")
-        finally:
-            if assoc.is_established:
-                assoc.release()
-        LOGGER.info("sent %s to %s", what, peer)
-
-
-@dataclass(frozen=True)
-class DicomWebDestination:
-    """STOW-RS to a DICOMweb service."""
-
-    location: DicomWebLocation
-
-    def send(self, paths: Sequence[Path], what: str) -> None:
-        store_files(self.location, paths, what=what)
-
-
-def parse_destination(text: str, *, calling_ae: str = "NNUNET", auth: DicomWebAuth | None = None,
-                      allow_http: bool = False) -> StoreDestination | DicomWebDestination:
-    """``AET@HOST:PORT`` (C-STORE) or ``dicomweb://HOST[:PORT]/ROOT`` (STOW-RS)."""
-    if is_dicomweb(text):
-        return DicomWebDestination(DicomWebLocation.parse(text, auth, allow_http=allow_http))
-    match = re.fullmatch(r"([^@]{1,16})@([^:@]+):(\d{1,5})", text)
-    if not match:
-        raise PacsError(f"destination must be AET@HOST:PORT or dicomweb://HOST[:PORT]/ROOT, got {text!r}.")
-    return StoreDestination(match.group(1), match.group(2), int(match.group(3)), calling_ae=calling_ae)
 
 
 @dataclass(frozen=True)
@@ -211,7 +137,7 @@ class _Fatal(Exception):
     """The node cannot go on (its spool is gone, its worker died)."""
 
 
-class DicomNode:
+class DicomNode(Receiving):
     """The listening AE, the worker that turns complete series into sent DICOM-SEGs, and their monitor."""
 
     def __init__(self, config: NodeConfig) -> None:
@@ -237,6 +163,10 @@ class DicomNode:
         self._degraded: dict[str, str] = {}  # what is wrong now but may pass: disk full, destination down
         self._busy: tuple[str, float] | None = None
 
+    @staticmethod
+    def _new_series(study: str, now: float, count: int) -> _Series:
+        return _Series(study, now, count=count)
+
     @property
     def processed(self) -> list[tuple[str, str]]:
         """(series UID, ``"sent"`` | ``"failed: ..."``) in order, the last ``PROCESSED_KEPT`` of them."""
@@ -256,164 +186,6 @@ class DicomNode:
             handle.close()
             raise PacsError(f"spool {spool} is in use by another node (one node per spool).") from None
         return handle
-
-    # --- associations ------------------------------------------------------------------------------
-    def _on_requested(self, event: Any) -> None:
-        """EVT_REQUESTED: decide the association before pynetdicom negotiates it."""
-        assoc = event.assoc
-        request = assoc.requestor.primitive
-        host = str(assoc.requestor.address)
-        if self._fatal is not None or self._server is None:
-            refusal: Refusal | None = Refusal(REJECT_UNAVAILABLE, "the node is not working (see its status)")
-        else:
-            from_host = sum(1 for a in self._server.active_associations if str(a.requestor.address) == host)
-            refusal = self.config.access.refusal(
-                own_ae=self.config.ae_title, called_ae=str(request.called_ae_title),
-                calling_ae=str(request.calling_ae_title), host=host, listening_host=self.config.host,
-                from_host=from_host)
-        if refusal is None:
-            return
-        LOGGER.warning("refused an association from %s: %s", host, refusal.reason)
-        assoc.acse.send_reject(*refusal.rsd)
-        assoc.is_rejected = True
-        assoc.kill()
-
-    def _on_data(self, event: Any) -> None:
-        """EVT_DATA_RECV: abort an association whose instance grows past ``max_instance_bytes``."""
-        key = id(event.assoc)
-        received = self._rx_bytes.get(key, 0) + len(event.data)
-        self._rx_bytes[key] = received
-        limit = self.config.limits.max_instance_bytes
-        if received > limit + RX_SLACK:
-            self._rx_bytes[key] = -(1 << 62)  # abort once
-            LOGGER.warning("aborted the association from %s: an instance exceeded max_instance_bytes=%d",
-                           event.assoc.requestor.address, limit)
-            event.assoc.abort()
-
-    def _on_closed(self, event: Any) -> None:
-        """EVT_CONN_CLOSE: forget the association; remove the dataset it was sending when it ended."""
-        key = id(event.assoc)
-        self._rx_bytes.pop(key, None)
-        with self._lock:
-            self._carrying.pop(key, None)
-        message = getattr(getattr(event.assoc, "dimse", None), "message", None)
-        partial = getattr(message, "_data_set_file", None)
-        if partial is not None:  # pynetdicom keeps a half-received dataset in a temporary file
-            with contextlib.suppress(OSError):
-                partial.close()
-                os.unlink(partial.name)
-
-    # --- receiving ---------------------------------------------------------------------------------
-    def _on_store(self, event: Any) -> int:
-        self._rx_bytes[id(event.assoc)] = 0
-        try:
-            return self._receive(event)
-        except Exception as exc:  # noqa: BLE001 - one bad instance is refused, the node goes on
-            LOGGER.error("refused an instance from %s: %s", event.assoc.requestor.address, describe(exc))
-            return STATUS_CANNOT_UNDERSTAND
-
-    def _receive(self, event: Any) -> int:
-        if self._fatal is not None:
-            return STATUS_OUT_OF_RESOURCES
-        source = Path(event.dataset_path)  # STORE_RECV_CHUNKED_DATASET: the dataset as it arrived
-        limits = self.spool.limits
-        if source.stat().st_size > limits.max_instance_bytes + RX_SLACK:
-            LOGGER.warning("refused an instance of %d bytes: more than max_instance_bytes=%d",
-                           source.stat().st_size, limits.max_instance_bytes)
-            return STATUS_OUT_OF_RESOURCES
-        staged = self.spool.staging()
-        try:
-            try:
-                self._stage(event, source, staged)
-            except InstanceTooLarge as exc:
-                LOGGER.warning("refused an instance from %s: %s", event.assoc.requestor.address, exc)
-                return STATUS_OUT_OF_RESOURCES
-            except OSError as exc:
-                return self._spool_error("staging a received instance", exc)
-            ids = self._identify(staged, event)
-            if isinstance(ids, int):
-                return ids
-            return self._keep(staged, *ids, assoc_key=id(event.assoc))
-        finally:
-            staged.unlink(missing_ok=True)
-
-    def _stage(self, event: Any, source: Path, staged: Path) -> None:
-        from pydicom.filereader import read_file_meta_info
-
-        if str(event.context.transfer_syntax) == DEFLATED:
-            from nnunet_triton.client.dicom.spool import inflate_deflated
-
-            inflate_deflated(source, staged, limit=self.spool.limits.max_instance_bytes,
-                             file_meta=read_file_meta_info(source))
-        else:
-            shutil.copyfile(source, staged)
-
-    def _identify(self, staged: Path, event: Any) -> tuple[str, str, str] | int:
-        """(study, series, SOP instance UID) of a staged instance, or the status refusing it."""
-        header = pydicom.dcmread(staged, stop_before_pixels=True, defer_size=1 << 16)
-        request = event.request
-        sop, sop_class = valid_uid(header.get("SOPInstanceUID")), valid_uid(header.get("SOPClassUID"))
-        series, study = valid_uid(header.get("SeriesInstanceUID")), valid_uid(header.get("StudyInstanceUID"))
-        broken = [name for name, value in (("SOPInstanceUID", sop), ("SOPClassUID", sop_class),
-                                           ("SeriesInstanceUID", series), ("StudyInstanceUID", study))
-                  if value is None]
-        if broken:
-            LOGGER.warning("refused an instance from %s: %s not %s", event.assoc.requestor.address,
-                           "/".join(broken), UID_RULE)
-            return STATUS_CANNOT_UNDERSTAND
-        if sop != str(request.AffectedSOPInstanceUID) or sop_class != str(request.AffectedSOPClassUID):
-            LOGGER.warning("refused instance %s of series %s: its UIDs differ from the C-STORE request's",
-                           sop, series)
-            return STATUS_CANNOT_UNDERSTAND
-        if sop_class not in self.config.access.storage_classes:
-            LOGGER.warning("refused instance %s of series %s: SOP class %s is not accepted", sop, series,
-                           sop_class)
-            return STATUS_SOP_CLASS_NOT_SUPPORTED
-        return str(study), str(series), str(sop)
-
-    def _keep(self, staged: Path, study: str, series: str, sop: str, *, assoc_key: int) -> int:
-        """Check duplicates, limits and quota, then move the instance into ``incoming/`` durably."""
-        limits = self.spool.limits
-        size = staged.stat().st_size
-        with self._lock:
-            if self.spool.known(series, sop):
-                LOGGER.info("series %s: instance %s is spooled already; not stored again", series, sop)
-                return STATUS_SUCCESS
-            pending = self._pending.get(series)
-            count = pending.count if pending is not None else self.spool.count(series)
-            if count >= limits.max_instances_per_series:
-                LOGGER.warning("refused instance %s of series %s: the series has %d instances, the limit "
-                               "max_instances_per_series", sop, series, count)
-                return STATUS_OUT_OF_RESOURCES
-            if not self.spool.reserve(size):  # the move happens outside the lock
-                self._degraded["quota"] = f"spool quota max_spool_bytes={limits.max_spool_bytes} reached"
-                LOGGER.warning("refused instance %s of series %s: the spool quota of %d bytes is reached",
-                               sop, series, limits.max_spool_bytes)
-                return STATUS_OUT_OF_RESOURCES
-        try:
-            with open(staged, "rb") as handle:
-                os.fsync(handle.fileno())
-            with self._series_lock(series):  # the worker does not clear the folder meanwhile
-                self.spool.move(staged, self.spool.instance(series, sop))
-        except OSError as exc:
-            self.spool.release(size)
-            return self._spool_error(f"spooling instance {sop} of series {series}", exc)
-        now = time.monotonic()
-        with self._lock:
-            self._degraded.pop("disk", None)
-            self._degraded.pop("quota", None)
-            entry = self._pending.setdefault(series, _Series(study, now, count=count))
-            entry.count += 1
-            entry.last_seen = now
-            self._study_seen[study] = now
-            self._carrying.setdefault(assoc_key, set()).add(study)
-        return STATUS_SUCCESS
-
-    def _spool_error(self, what: str, exc: OSError) -> int:
-        reason = f"{what} failed: {os.strerror(exc.errno) if exc.errno else type(exc).__name__}"
-        self._set_degraded("disk", reason)
-        LOGGER.error("could not keep a received instance: %s", reason)
-        return STATUS_OUT_OF_RESOURCES
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -824,61 +596,3 @@ def _seg_sop(path: Path) -> str | None:
         return None
 
 
-def read_status(spool: Path, *, max_age_s: float | None = None) -> tuple[bool, dict[str, Any]]:
-    """(healthy, status) of the node on ``spool``: unhealthy when it says so, when its process is gone, or
-    when the status is older than ``max_age_s`` (default: 3 heartbeats plus 10 s), i.e. the node hangs."""
-    status = read_json(Path(spool) / "status.json")
-    if not status:
-        return False, {"state": "unhealthy", "reason": f"no node status in {spool} (not started?)"}
-    age = time.time() - float(status.get("updated", 0))
-    limit = max_age_s if max_age_s is not None else 3 * float(status.get("heartbeat_s", 2.0)) + 10.0
-    pid = int(status.get("pid", 0))
-    alive = pid > 0 and _pid_alive(pid)
-    if status.get("state") == "unhealthy":
-        return False, status
-    if not alive:
-        return False, {**status, "state": "unhealthy", "reason": f"the node (pid {pid}) is not running"}
-    if age > limit:
-        return False, {**status, "state": "unhealthy", "reason": f"no heartbeat for {age:.0f} s (hung?)"}
-    return True, status
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def requeue(spool: Path, series: Sequence[str] = ()) -> list[str]:
-    """Move series from ``failed/`` back to ``incoming/`` (all, or those of ``series``); a running node picks
-    them up within its rescan interval. The unsent SEG goes back to ``outgoing/`` and the series' state is
-    kept (its SEG UIDs), with the attempts reset: a SEG that covers the same instances is sent as it is."""
-    store = Spool(Path(spool), SpoolLimits())
-    wanted = {valid_uid(s) or shown(s) for s in series}
-    moved = []
-    for entry in sorted(p for p in store.failed.iterdir() if p.is_dir()):
-        uid = valid_uid(entry.name.split("_")[0])
-        if uid is None or (wanted and uid not in wanted):
-            continue
-        state = read_json(entry / ".state.json")
-        for key in ("attempts", "first_failure", "last_error"):
-            state.pop(key, None)
-        unsent = entry / "nnunet_seg.dcm.unsent"
-        folder = store.series_dir(uid)
-        if unsent.exists() and not folder.exists():
-            store.move(unsent, store.seg_file(uid))  # before the series appears to the node
-        (entry / "error.txt").unlink(missing_ok=True)
-        unsent.unlink(missing_ok=True)
-        if folder.exists():  # a new round is waiting there: the instances join it, its state stays
-            store.merge_into(entry, folder)
-            store.remove_tree(entry)
-        else:
-            durable_json(entry / ".state.json", state)
-            store.move(entry, folder)
-        if uid not in moved:
-            moved.append(uid)
-    return moved
