@@ -3,7 +3,8 @@
 Used by the PACS tests (``tests/triton/pacs_support.py``) and ``make pacs-demo``. Orthanc runs as a plain
 process from a JSON config in a folder of its own (no service manager): HTTP (REST, the explorer and
 DICOMweb under ``/dicom-web/``) with basic authentication, DICOM with AE title ``ORTHANC`` (called AE
-titles are checked), and one modality ``nnunet`` (AE ``NNUNET``) that studies are routed to.
+titles are checked), and one modality ``nnunet`` (AE ``NNUNET`` on loopback) that studies are routed to and
+that alone may store by C-STORE (``DicomAlwaysAllowStore`` false, ``DicomCheckModalityHost`` true).
 :func:`ensure_orthanc` installs the packages with apt when they are missing and this runs as root.
 """
 
@@ -123,7 +124,9 @@ def start_orthanc(folder: Path, binary: str, *, node_port: int | None = None) ->
         "AuthenticationEnabled": True, "RegisteredUsers": {USER: PASSWORD},
         "Plugins": [str(PLUGIN)], "DicomWeb": {"Enable": True, "Root": "/dicom-web/"},
         "DicomModalities": {"nnunet": [NODE_AE, "127.0.0.1", node_port]},
-        "DicomAlwaysAllowStore": True, "DicomAlwaysAllowEcho": True, "StableAge": 1, "HttpThreadsCount": 8,
+        # only the node, calling as NNUNET from its host, may store (the SEG it sends back)
+        "DicomAlwaysAllowStore": False, "DicomCheckModalityHost": True, "DicomAlwaysAllowEcho": True,
+        "StableAge": 1, "HttpThreadsCount": 8,
     }
     (folder / "orthanc.json").write_text(json.dumps(config, indent=2))
     log = folder / "orthanc.log"

@@ -5,9 +5,10 @@
 Steps: build the fixture model's repository and start the embedded server (as ``make demo``); start Orthanc
 (installed with apt when missing) from a config in ``<out>/orthanc``; write a fixture test case as a CT
 series in a new study and upload it to Orthanc (REST); start the DICOM node (``nnunet-triton listen``,
-AE ``NNUNET``) and ask Orthanc to route the series to it (C-STORE); wait until the node has sent the
-DICOM-SEG back (C-STORE to ``ORTHANC``) and print what arrived; then segment the same study over DICOMweb
-(``predict -i dicomweb://... -o dicomweb://...``). ``--keep`` leaves everything running (Orthanc's
+AE ``NNUNET``, storing only for Orthanc's AE title ``ORTHANC`` from loopback) and ask Orthanc to route
+the series to it (C-STORE); wait until the node has sent the DICOM-SEG back (C-STORE to ``ORTHANC``)
+and print what arrived; then segment the same study over DICOMweb (``predict -i dicomweb://... -o
+dicomweb://...``, loopback). ``--keep`` leaves everything running (Orthanc's
 explorer URL is printed) until Ctrl-C. The series writer comes from the test helpers
 (``tests/unit/dicom_support.py``): the demo runs from a checkout.
 """
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
             node = subprocess.Popen(
                 [sys.executable, "-m", "nnunet_triton", "listen", "--url", server.http_url,
                  "--ae-title", NODE_AE, "--port", str(orthanc.node_port), "--spool", str(out / "spool"),
-                 "--destination", orthanc.store_destination, "--idle-timeout", "2", "--disable-tta", "-v"],
+                 "--allow", "ORTHANC@127.0.0.1", "--destination", orthanc.store_destination,
+                 "--idle-timeout", "2", "--disable-tta", "-v"],
                 env=env)
             time.sleep(3)
             orthanc.request("POST", "/modalities/nnunet/store",

@@ -10,13 +10,21 @@ each problem is reported with the study or series UID and that nothing is droppe
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import select
+import shutil
+import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import highdicom as hd
 import numpy as np
@@ -59,6 +67,34 @@ def _env() -> dict[str, str]:
 def _cli(server, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "nnunet_triton", *args[:1], "--url", server.http_url, *args[1:]]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(), check=False)
+
+
+def _cli_plain(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "nnunet_triton", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=_env(), check=False)
+
+
+def _listen(server, spool: Path, port: int, destination: str, *extra: str) -> subprocess.Popen:
+    """``nnunet-triton listen`` started and listening (its stderr is the pipe the test reads at the end)."""
+    command = [sys.executable, "-m", "nnunet_triton", "listen", "--url", server.http_url, "--ae-title",
+               NODE_AE, "--port", str(port), "--spool", str(spool), "--destination", destination,
+               "--idle-timeout", "1", "--disable-tta", "-v", *extra]
+    node = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = time.monotonic() + 60
+    while "listening as" not in (line := node.stderr.readline()):
+        assert node.poll() is None and time.monotonic() < deadline, line
+    return node
+
+
+def _associate(port: int, *, calling: str) -> Any:
+    from pynetdicom import AE
+
+    ae = AE(ae_title=calling)
+    ae.add_requested_context("1.2.840.10008.5.1.4.1.1.2")
+    assoc = ae.associate("127.0.0.1", port, ae_title=NODE_AE)
+    if assoc.is_established:
+        assoc.release()
+    return assoc
 
 
 def _study(folder: Path) -> tuple[dicom_support.BuiltSeries, str]:
@@ -110,21 +146,20 @@ def test_listen_segments_a_series_routed_by_c_store_and_sends_the_seg_to_the_pac
     series, study = _study(tmp_path / "dicom")
     orthanc_series = orthanc.upload(sorted((tmp_path / "dicom").iterdir()))
     spool = tmp_path / "spool"
-    command = [sys.executable, "-m", "nnunet_triton", "listen", "--url", server.http_url,
-               "--ae-title", NODE_AE, "--port", str(orthanc.node_port), "--spool", str(spool),
-               "--destination", orthanc.store_destination, "--idle-timeout", "1", "--disable-tta", "-v"]
-    node = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=_env())
+    node = _listen(server, spool, orthanc.node_port, orthanc.store_destination,
+                   "--allow", "ORTHANC@127.0.0.1")
     try:
-        deadline = time.monotonic() + 60
-        while "listening as" not in (line := node.stderr.readline()):
-            assert node.poll() is None and time.monotonic() < deadline, line
+        spoofed = _associate(orthanc.node_port, calling="EVIL")  # only Orthanc's AE title may store
         orthanc.request("POST", "/modalities/nnunet/store",
                         json.dumps({"Resources": orthanc_series, "Synchronous": True}).encode())
         (seg,) = orthanc.wait_for_seg(study)
+        probe = _cli_plain("node-status", "--spool", str(spool))
     finally:
         node.terminate()
         _, log = node.communicate(timeout=120)
     assert node.returncode == 0, log
+    assert spoofed.is_rejected and "calling AE title 'EVIL' is not an allowed sender" in log
+    assert probe.returncode == 0 and json.loads(probe.stdout)["state"] == "ok", probe.stdout
     np.testing.assert_array_equal(_decoded(seg, series), _expected(server, tmp_path / "dicom"))
     assert f"series {series.series_uid}: DICOM-SEG sent" in log
     assert PATIENT_NAME not in log
@@ -260,3 +295,139 @@ def test_predict_reports_a_study_without_an_eligible_series_and_a_rejected_stow(
     assert f"STOW-RS of the DICOM-SEG of series {series.series_uid} was rejected (HTTP 404" in rejected.stderr
     kept = Path(rejected.stderr.split("The SEG is kept in ")[1].split()[0].rstrip("."))
     assert kept.is_file() and pydicom.dcmread(kept).Modality == "SEG"
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
+class HoldingProxy:
+    """Between the node and Orthanc: forwards all the node sends, and Orthanc's A-ASSOCIATE-AC; then holds
+    back what Orthanc answers. Orthanc stores the SEG and answers; the node never hears it (``held``)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.target_port = target_port
+        self.held = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._forward, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._answers, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _forward(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+
+    def _answers(self, source: socket.socket, sink: socket.socket) -> None:
+        accepted = False
+        with contextlib.suppress(OSError):
+            while header := _read_exactly(source, 6):  # one PDU: type, reserved, length
+                body = _read_exactly(source, struct.unpack(">L", header[2:6])[0])
+                if not accepted:
+                    sink.sendall(header + body)
+                    accepted = header[0] == 0x02  # A-ASSOCIATE-AC
+                else:
+                    self.held.set()  # the C-STORE-RSP: swallowed
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _wait_for_line(node: subprocess.Popen, text: str, timeout_s: float = 180.0) -> list[str]:
+    """The node's stderr lines up to the one containing ``text``."""
+    lines, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([node.stderr], [], [], 1.0)
+        if ready:
+            line = node.stderr.readline()
+            lines.append(line)
+            if text in line:
+                return lines
+            if not line and node.poll() is not None:
+                break
+    raise AssertionError(f"no line with {text!r} from the node:\n{''.join(lines)[-3000:]}")
+
+
+def test_listen_killed_after_the_pacs_stored_the_seg_but_before_it_answered_sends_that_seg_once_more(
+        server, orthanc, tmp_path):
+    series, study = _study(tmp_path / "dicom")
+    orthanc_series = orthanc.upload(sorted((tmp_path / "dicom").iterdir()))
+    proxy = HoldingProxy(orthanc.dicom_port)
+    spool = tmp_path / "spool"
+    node = _listen(server, spool, orthanc.node_port, f"ORTHANC@127.0.0.1:{proxy.port}")
+    try:
+        orthanc.request("POST", "/modalities/nnunet/store",
+                        json.dumps({"Resources": orthanc_series, "Synchronous": True}).encode())
+        assert proxy.held.wait(180), "Orthanc never answered the node's C-STORE"
+        (stored,) = orthanc.wait_for_seg(study, timeout_s=30)  # Orthanc has it; the node does not know
+    finally:
+        node.kill()  # SIGKILL: no cleanup, no goodbye
+        _, first_log = node.communicate(timeout=60)
+        proxy.close()
+
+    restarted = _listen(server, spool, orthanc.node_port, orthanc.store_destination)
+    try:
+        second_log = "".join(_wait_for_line(restarted, f"series {series.series_uid}: DICOM-SEG sent"))
+    finally:
+        restarted.terminate()
+        _, rest = restarted.communicate(timeout=120)
+    second_log += rest
+
+    segs = orthanc.seg_series(study)
+    assert [len(s["Instances"]) for s in segs] == [1], segs  # one SEG in the PACS, not two
+    resent = pydicom.dcmread(io.BytesIO(orthanc.wait_for_seg(study)[0]))
+    assert resent.SOPInstanceUID == pydicom.dcmread(io.BytesIO(stored)).SOPInstanceUID
+    assert node.returncode == -signal.SIGKILL and "segmenting" in first_log
+    assert "sending the DICOM-SEG written before (no inference)" in second_log
+    assert "segmenting" not in second_log and restarted.returncode == 0, second_log
+    assert PATIENT_NAME not in first_log + second_log
+
+
+def test_listen_that_loses_its_spool_exits_3_and_its_status_says_unhealthy(server, orthanc, tmp_path):
+    spool = tmp_path / "spool"
+    node = _listen(server, spool, free_port(), orthanc.store_destination)
+    shutil.rmtree(spool / "incoming")
+    try:
+        code = node.wait(timeout=60)
+    finally:
+        if node.poll() is None:
+            node.kill()
+    log = node.stderr.read()
+    probe = _cli_plain("node-status", "--spool", str(spool))
+
+    assert code == 3 and "the DICOM node stopped: spool folders missing" in log
+    assert probe.returncode == 1 and json.loads(probe.stdout)["state"] == "unhealthy"
+
+
+def test_predict_never_writes_outside_its_output_folder_for_a_traversal_series_uid(server, tmp_path):
+    case = cases(SYNTHCT)[0]
+    good = dicom_support.write_volume_as_ct(tmp_path / "in" / "good", np.round(case.image[0]), case.spacing)
+    evil = dicom_support.write_volume_as_ct(tmp_path / "in" / "evil", np.round(case.image[0]), case.spacing,
+                                            seed=1)
+    for path in evil.files:
+        ds = pydicom.dcmread(path)
+        ds.SeriesInstanceUID = "../../x"
+        ds.save_as(path, enforce_file_format=True)
+    out = tmp_path / "a" / "b" / "out"
+
+    run = _cli(server, "predict", "-i", str(tmp_path / "in"), "-o", str(out), "--disable-tta")
+
+    assert run.returncode == 0, run.stderr
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.nii.gz"))
+    assert written == [f"a/b/out/{good.series_uid}.nii.gz"]

@@ -176,3 +176,35 @@ def test_model_segment_labels_understand_the_regions_a_server_publishes():
     labels = dicom_seg.model_segment_labels(_description(published))
     assert [(s.name, s.members) for s in labels] == [("whole", (1, 2)), ("core", (2,))]
     assert dicom_seg.model_segment_labels(_description({})) == ()  # unknown: label_<v> per value instead
+
+
+def _rewrite(files, **values):
+    for path in files:
+        ds = pydicom.dcmread(path)
+        for keyword, value in values.items():
+            if value is None:
+                delattr(ds, keyword)
+            else:
+                ds.add_new(keyword, pydicom.datadict.dictionary_VR(keyword), value)
+        ds.save_as(path, enforce_file_format=True)
+
+
+@pytest.mark.parametrize("values", [
+    {"PatientBirthDate": "1975-03-01", "PatientSex": "female", "StudyTime": "25:61"},  # break their VRs
+    dict.fromkeys(["PatientName", "PatientID", "PatientBirthDate", "PatientSex", "StudyDate", "StudyTime",
+                   "ReferringPhysicianName", "StudyID", "AccessionNumber"]),  # missing Type 2 attributes
+], ids=["nonconformant", "missing"])
+def test_write_dicom_seg_copes_with_source_patient_data_that_breaks_its_rules(values, tmp_path):
+    built = support.write_ct_series(tmp_path / "ct", n_slices=3)
+    _rewrite(built.files, **values)
+    volume = dicom.read_dicom_folder(built.folder)
+
+    path = dicom_seg.write_dicom_seg(_label_map(volume.data.shape), volume, dicom_seg.segment_labels(LABELS),
+                                     tmp_path / "seg.dcm", series_instance_uid="1.2.3.4",
+                                     sop_instance_uid="1.2.3.5", instance_number=2)
+
+    ds = pydicom.dcmread(path)
+    assert (ds.SeriesInstanceUID, ds.SOPInstanceUID, ds.InstanceNumber) == ("1.2.3.4", "1.2.3.5", 2)
+    for keyword in values:
+        assert ds.get(keyword) in ("", None), keyword  # Type 2: present and empty
+    assert pydicom.dcmread(built.files[0]).get("PatientBirthDate") == values.get("PatientBirthDate")

@@ -5,7 +5,8 @@
         [--output-format nifti|nrrd|mha|dicom-seg] [--concurrency N]
     nnunet-triton predict -i dicomweb://HOST/ROOT --study UID [--series UID] -o dicomweb://HOST/ROOT|OUT ...
     nnunet-triton listen --ae-title NNUNET --port 11112 --spool DIR --destination AET@HOST:PORT|dicomweb://...
-        (DICOMweb and the DICOM node: see nnunet_triton.client.pacs_cli)
+    nnunet-triton requeue --spool DIR [SERIES_UID ...] | node-status --spool DIR
+        (DICOMweb: nnunet_triton.client.pacs_cli; the DICOM node: nnunet_triton.client.node_cli)
     nnunet-triton info [--url HOST:PORT] [--protocol http|grpc] [--json]
     nnunet-triton validate (--model RESULTS_FOLDER | --against REFERENCE_SET) -i IN [--record DIR]
         [--min-dice 0.999 | --exact] [--probabilities] [--report DIR]   (see nnunet_triton.validate)
@@ -38,13 +39,10 @@ from typing import Any
 
 from nnunet_triton.client import imageio
 from nnunet_triton.client.dicom import volume as dicom
+from nnunet_triton.client.dicom.uids import child_path
 from nnunet_triton.client.dicom.web import is_dicomweb
-from nnunet_triton.client.pacs_cli import (
-    add_dicomweb_arguments,
-    add_listen_parser,
-    listen,
-    predict_over_dicomweb,
-)
+from nnunet_triton.client.node_cli import add_node_parsers, listen, run_spool_command
+from nnunet_triton.client.pacs_cli import add_dicomweb_arguments, predict_over_dicomweb
 from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError
 from nnunet_triton.options import parse_int
 
@@ -170,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print the description as JSON")
     from nnunet_triton.validate.cli import add_parser as add_validate
 
-    for p in (predict, info, add_validate(sub), add_listen_parser(sub)):
+    for p in (predict, info, add_validate(sub), add_node_parsers(sub)):
         p.add_argument(
             "--url",
             default=os.environ.get("NNUNET_TRITON_URL"),
@@ -187,10 +185,12 @@ def _url(args: argparse.Namespace) -> str:
 
 
 def _outputs(out: Path, job: Job, args: argparse.Namespace) -> list[Path]:
+    """The files of ``job`` in ``out``; a name that would leave ``out`` is refused (names of DICOM cases come
+    from the data: :func:`~nnunet_triton.client.dicom.uids.child_path`)."""
     ending = ".dcm" if args.output_format == "dicom-seg" else imageio.OUTPUT_ENDINGS[args.output_format]
-    paths = [out / f"{job.name}{ending}"]
+    paths = [child_path(out, f"{job.name}{ending}")]
     if args.save_probabilities:
-        paths.append(out / f"{job.name}.npz")
+        paths.append(child_path(out, f"{job.name}.npz"))
     return paths
 
 
@@ -234,7 +234,8 @@ def _write(done: _Inferred, description: Any, args: argparse.Namespace) -> None:
     job, case, result = done.job, done.case, done.result
     target = _outputs(args.output, job, args)[0]
     if args.save_probabilities:
-        imageio.write_probabilities(result.probabilities, args.output / job.name, case.properties())
+        imageio.write_probabilities(result.probabilities, child_path(args.output, job.name),
+                                    case.properties())
     if args.output_format == "dicom-seg":
         from nnunet_triton.client.dicom.seg import (
             generic_segment_labels,
@@ -321,7 +322,12 @@ def _run_all(
 
 def predict(args: argparse.Namespace) -> int:
     if is_dicomweb(args.input) or is_dicomweb(args.output) or args.study or args.series:
-        return predict_over_dicomweb(args, _predict_folders)
+        from nnunet_triton.client.endpoint import describe_endpoint
+
+        def describe() -> Any:
+            return describe_endpoint(_url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
+
+        return predict_over_dicomweb(args, _predict_folders, describe)
     args.input, args.output = Path(args.input), Path(args.output)
     return _predict_folders(args)
 
@@ -379,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nnunet-triton`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
     )
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -389,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             return validate(args, _url(args))
         if args.command == "listen":
             return listen(args, _url(args))
+        if args.command in ("requeue", "node-status"):
+            return run_spool_command(args)
         return predict(args) if args.command == "predict" else info(args)
     except ClientError as exc:
         _say(f"nnunet-triton: server error: {exc}")

@@ -1,28 +1,29 @@
-"""The PACS side of ``nnunet-triton``: DICOMweb input and output for ``predict``, and ``listen``.
+"""The DICOMweb side of ``nnunet-triton predict``: a study from a PACS in, DICOM-SEGs back by STOW-RS.
 
-    nnunet-triton predict -i dicomweb://HOST[:PORT]/ROOT --study UID [--series UID]
-        -o dicomweb://HOST[:PORT]/ROOT | OUT_FOLDER [--dicomweb-user U] [--dicomweb-ca FILE] ...
-    nnunet-triton listen --ae-title NNUNET --port 11112 --spool DIR --destination AET@HOST:PORT|dicomweb://...
-        [--host 127.0.0.1] [--idle-timeout 10] [--retries 3] [--retry-delay 5] [--url HOST:PORT] ...
+    nnunet-triton predict -i dicomweb://HOST[:PORT]/ROOT --study UID [--series UID] [--modality CT]
+        -o dicomweb://HOST[:PORT]/ROOT | OUT_FOLDER [--dicomweb-user U] [--dicomweb-password-file F]
+        [--dicomweb-token-file F] [--dicomweb-ca FILE] [--dicomweb-allow-http] ...
 
-Secrets: ``--dicomweb-password`` and ``--dicomweb-token`` are read from the environment
-(``NNUNET_TRITON_DICOMWEB_PASSWORD`` / ``_TOKEN``) when not given, so they need not be on a command line;
-they are never logged. A study is fetched into a temporary folder and segmented as a DICOM folder; with
-``-o dicomweb://`` the DICOM-SEGs are written to a local folder first and stored by STOW-RS; a SEG that
-could not be stored stays there and its path is printed.
+Secrets come from files (``--dicomweb-password-file``, ``--dicomweb-token-file``) or the environment
+(``NNUNET_TRITON_DICOMWEB_PASSWORD`` / ``_TOKEN``), never from the command line (``--dicomweb-password``
+is refused with a message saying so); they are never logged. Plain http (``dicomweb://``) is refused for
+hosts other than loopback unless ``--dicomweb-allow-http``. The study's series are chosen from their
+metadata (the model's Modality, image series only) and fetched into a temporary folder, then segmented
+as a DICOM folder; with ``-o dicomweb://`` the DICOM-SEGs are written to a local folder first and stored
+by STOW-RS; a SEG that could not be stored stays there and its path is printed. The DICOM node
+(``nnunet-triton listen``) is :mod:`nnunet_triton.client.node_cli`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton.client.dicom.uids import require_uid
 from nnunet_triton.client.dicom.web import (
     DicomWebAuth,
     DicomWebLocation,
@@ -32,30 +33,62 @@ from nnunet_triton.client.dicom.web import (
 )
 from nnunet_triton.errors import InputValidationError, PacsError
 
-__all__ = ["add_dicomweb_arguments", "add_listen_parser", "predict_over_dicomweb", "listen"]
+__all__ = ["add_dicomweb_arguments", "add_auth_arguments", "auth_from_args", "predict_over_dicomweb"]
 
-def add_dicomweb_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--study``/``--series`` and the DICOMweb authentication flags."""
-    parser.add_argument("--study", default=None, help="StudyInstanceUID to fetch with -i dicomweb://...")
-    parser.add_argument("--series", default=None, help="only this SeriesInstanceUID of --study")
+LOGGER = logging.getLogger(__name__)
+
+def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dicomweb-user", default=None,
                         help="HTTP basic user ($NNUNET_TRITON_DICOMWEB_USER)")
-    parser.add_argument("--dicomweb-password", default=None,
-                        help="HTTP basic password (better: $NNUNET_TRITON_DICOMWEB_PASSWORD)")
-    parser.add_argument("--dicomweb-token", default=None,
-                        help="bearer token (better: $NNUNET_TRITON_DICOMWEB_TOKEN)")
+    parser.add_argument("--dicomweb-password-file", default=None, type=Path,
+                        help="file holding the HTTP basic password (else $NNUNET_TRITON_DICOMWEB_PASSWORD)")
+    parser.add_argument("--dicomweb-token-file", default=None, type=Path,
+                        help="file holding a bearer token (else $NNUNET_TRITON_DICOMWEB_TOKEN)")
     parser.add_argument("--dicomweb-ca", default=None, type=Path,
                         help="CA bundle for https (dicomwebs://) ($NNUNET_TRITON_DICOMWEB_CA)")
+    parser.add_argument("--dicomweb-allow-http", action="store_true",
+                        help="allow plain http (dicomweb://) to a host other than loopback (unencrypted)")
+    # secrets on a command line are visible to every user (ps) and kept in shell histories: refused
+    for flag in ("--dicomweb-password", "--dicomweb-token"):
+        parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
 
-def _auth(args: argparse.Namespace) -> DicomWebAuth:
-    return DicomWebAuth.from_env(user=args.dicomweb_user, password=args.dicomweb_password,
-                                 token=args.dicomweb_token, ca_file=args.dicomweb_ca)
+def add_dicomweb_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--study``/``--series``, ``--modality`` and the DICOMweb authentication flags."""
+    parser.add_argument("--study", default=None, help="StudyInstanceUID to fetch with -i dicomweb://...")
+    parser.add_argument("--series", default=None, help="only this SeriesInstanceUID of --study")
+    add_modality_argument(parser)
+    add_auth_arguments(parser)
 
 
-def predict_over_dicomweb(args: argparse.Namespace, run_predict: Any) -> int:
-    """``predict`` with a DICOMweb source and/or destination around the folder-based ``run_predict``."""
-    auth = _auth(args)
+def add_modality_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--modality", nargs="+", default=None,
+                        help="DICOM Modality values the model takes (default: from the model's channel "
+                             "names, e.g. CT for a CT channel)")
+
+
+def auth_from_args(args: argparse.Namespace) -> DicomWebAuth:
+    """The DICOMweb credentials of the flags and the environment; a secret on the command line is refused."""
+    for flag in ("dicomweb_password", "dicomweb_token"):
+        if getattr(args, flag, None):
+            name = flag.split("_", 1)[1]
+            raise InputValidationError(
+                f"--dicomweb-{name} on the command line is visible to every user of this machine and kept "
+                f"in shell histories; use $NNUNET_TRITON_DICOMWEB_{name.upper()} or --dicomweb-{name}-file.")
+    return DicomWebAuth.from_env(user=args.dicomweb_user, password_file=args.dicomweb_password_file,
+                                 token_file=args.dicomweb_token_file, ca_file=args.dicomweb_ca)
+
+
+def _location(text: str, args: argparse.Namespace, auth: DicomWebAuth) -> DicomWebLocation:
+    return DicomWebLocation.parse(text, auth, allow_http=args.dicomweb_allow_http)
+
+
+def predict_over_dicomweb(args: argparse.Namespace, run_predict: Any, describe: Any = None) -> int:
+    """``predict`` with a DICOMweb source and/or destination around the folder-based ``run_predict``;
+    ``describe()`` returns the endpoint's description (the model's channels choose the series to fetch)."""
+    from nnunet_triton.client.dicom.modality import modality_rule
+
+    auth = auth_from_args(args)
     source = str(args.input)
     destination = str(args.output)
     if is_dicomweb(destination):
@@ -63,25 +96,34 @@ def predict_over_dicomweb(args: argparse.Namespace, run_predict: Any) -> int:
             raise InputValidationError(
                 "-o dicomweb://... stores DICOM-SEG; --output-format must be dicom-seg.")
         args.output_format = "dicom-seg"
+    # both locations are checked (scheme, plain http, UIDs) before anything is asked of a server
+    target = _location(destination, args, auth) if is_dicomweb(destination) else None
+    origin = _location(source, args, auth) if is_dicomweb(source) else None
+    if origin is not None:
+        if not args.study:
+            raise InputValidationError("-i dicomweb://... needs --study StudyInstanceUID.")
+        require_uid(args.study, what="--study (StudyInstanceUID)")
+        if args.series is not None:
+            require_uid(args.series, what="--series (SeriesInstanceUID)")
     with tempfile.TemporaryDirectory(prefix="nnunet-triton-dicomweb-") as work:
-        if is_dicomweb(source):
-            if not args.study:
-                raise InputValidationError("-i dicomweb://... needs --study StudyInstanceUID.")
-            fetch_study(DicomWebLocation.parse(source, auth), args.study, Path(work) / "study",
-                        series_uid=args.series)
+        if origin is not None:
+            rule = modality_rule(describe() if describe is not None else None, args.modality)
+            if rule.allowed is None:
+                LOGGER.warning("the model's channel names do not say which Modality it takes; every image "
+                               "series of the study is fetched (--modality CT restricts it)")
+            fetch_study(origin, args.study, Path(work) / "study", series_uid=args.series, rule=rule)
             _check_eligible(Path(work) / "study", args.study)
             args.input = Path(work) / "study"
         elif args.study or args.series:
             raise InputValidationError("--study/--series select what to fetch from a dicomweb:// input.")
         else:
             args.input = Path(source)
-        if not is_dicomweb(destination):
+        if target is None:
             args.output = Path(destination)
             return run_predict(args)
-        location = DicomWebLocation.parse(destination, auth)
         args.output = Path(tempfile.mkdtemp(prefix="nnunet-triton-seg-"))
         code = run_predict(args)
-        return max(code, _store_all(location, args.output))
+        return max(code, _store_all(target, args.output))
 
 
 def _check_eligible(folder: Path, study_uid: str) -> None:
@@ -110,70 +152,3 @@ def _store_all(location: DicomWebLocation, folder: Path) -> int:
         if not any(folder.iterdir()):
             folder.rmdir()
     return 1 if failed else 0
-
-
-def add_listen_parser(sub: Any) -> argparse.ArgumentParser:
-    listen_parser = sub.add_parser(
-        "listen", help="a DICOM node: receive series (C-STORE), segment them, send the DICOM-SEG on")
-    listen_parser.add_argument("--ae-title", default="NNUNET", help="this node's AE title (default NNUNET)")
-    listen_parser.add_argument("--port", type=int, default=11112, help="DICOM port to listen on (11112)")
-    listen_parser.add_argument("--host", default="127.0.0.1",
-                               help="address to listen on (default loopback; 0.0.0.0 for the network)")
-    listen_parser.add_argument("--spool", type=Path, required=True,
-                               help="folder for received and unsent files")
-    listen_parser.add_argument("--destination", required=True,
-                               help="where SEGs go: AET@HOST:PORT (C-STORE) or dicomweb://HOST[:PORT]/ROOT")
-    listen_parser.add_argument("--idle-timeout", type=float, default=10.0,
-                               help="seconds without a new instance after which a series is complete")
-    listen_parser.add_argument("--retries", type=int, default=3,
-                               help="attempts after the first, then failed/")
-    listen_parser.add_argument("--retry-delay", type=float, default=5.0, help="first retry delay (doubles)")
-    listen_parser.add_argument("--disable-tta", action="store_true", help="no test-time mirroring")
-    listen_parser.add_argument("--dataset-json", type=Path, default=None,
-                               help="dataset.json naming the segments (when the server does not publish "
-                                    "labels)")
-    for flag in ("--dicomweb-user", "--dicomweb-password", "--dicomweb-token"):
-        listen_parser.add_argument(flag, default=None, help="for a dicomweb:// destination (see predict)")
-    listen_parser.add_argument("--dicomweb-ca", default=None, type=Path, help="CA bundle for dicomwebs://")
-    return listen_parser
-
-
-def listen(args: argparse.Namespace, url: str) -> int:
-    """Run the DICOM node until SIGTERM or Ctrl-C."""
-    from nnunet_triton.client.client import NnunetClient
-    from nnunet_triton.client.dicom.node import DicomNode, NodeConfig, parse_destination
-    from nnunet_triton.client.dicom.seg import model_segment_labels
-    from nnunet_triton.client.endpoint import describe_endpoint, segment_with_retry
-
-    logging.getLogger("pynetdicom").setLevel(logging.WARNING)  # its INFO/DEBUG output dumps datasets
-    description = describe_endpoint(url, args.protocol, timeout_s=min(args.timeout, 60.0))
-    client = NnunetClient(url, protocol=args.protocol, timeout_s=args.timeout)  # for the node's one worker
-
-    def segment(volume: Any) -> Any:
-        case = volume.image_case()
-        result = segment_with_retry(client, case.data, case.spacing, mirroring=not args.disable_tta)
-        return result.segmentation
-
-    destination = parse_destination(args.destination, calling_ae=args.ae_title, auth=_auth(args))
-    node = DicomNode(NodeConfig(ae_title=args.ae_title, port=args.port, host=args.host, spool=args.spool,
-                                destination=destination, segment=segment,
-                                labels=model_segment_labels(description, args.dataset_json) or None,
-                                idle_timeout_s=args.idle_timeout, retries=args.retries,
-                                retry_delay_s=args.retry_delay))
-    stopped = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    node.start()
-    sys.stderr.write(f"nnunet-triton: listening as {args.ae_title} on {args.host}:{args.port}, spool "
-                     f"{args.spool}, sending to {args.destination}\n")
-    sys.stderr.flush()
-    try:
-        while not stopped.wait(0.5):
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        node.stop()
-        client.close()
-        signal.signal(signal.SIGTERM, previous)
-    return 0
-

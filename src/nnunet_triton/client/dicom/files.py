@@ -18,6 +18,7 @@ import pydicom.misc
 from pydicom.dataset import Dataset
 from pydicom.errors import InvalidDicomError
 
+from nnunet_triton.client.dicom.uids import UID_RULE, require_uid, valid_uid
 from nnunet_triton.errors import InputValidationError
 
 __all__ = [
@@ -107,7 +108,7 @@ def scan_folder(folder: str | Path, options: DicomOptions = DEFAULT_OPTIONS) -> 
         if reason:
             skipped.append((path, reason))
         else:
-            series.setdefault(str(ds.SeriesInstanceUID), []).append((path, ds))
+            series.setdefault(str(valid_uid(ds.SeriesInstanceUID)), []).append((path, ds))
     for path, reason in skipped:
         LOGGER.info("skipping %s: %s", path, reason)
     return DicomScan(tuple(SeriesFiles(uid, tuple(h)) for uid, h in series.items()), tuple(skipped))
@@ -119,6 +120,9 @@ def _not_a_volume_image(ds: Dataset) -> str:
         return f"modality {modality} is not an image volume"
     if "SeriesInstanceUID" not in ds or "Rows" not in ds:
         return "no SeriesInstanceUID/Rows: not an image"
+    for keyword in ("SeriesInstanceUID", "SOPInstanceUID"):  # they name outputs and reference the source
+        if valid_uid(ds.get(keyword)) is None:
+            return f"{keyword} is not {UID_RULE}"
     if "LOCALIZER" in [str(v).upper() for v in ds.get("ImageType", [])]:
         return "localizer (ImageType LOCALIZER)"
     if "ImagePositionPatient" not in ds and "PerFrameFunctionalGroupsSequence" not in ds:
@@ -127,8 +131,9 @@ def _not_a_volume_image(ds: Dataset) -> str:
 
 
 def case_name(series: SeriesFiles) -> str:
-    """Output name of a series: its SeriesInstanceUID (unique and stable across runs)."""
-    return series.uid
+    """Output name of a series: its SeriesInstanceUID (unique and stable across runs), checked against the
+    UID rule (:mod:`.uids`) once more, since it becomes a file name."""
+    return require_uid(series.uid, what=f"SeriesInstanceUID of {series.headers[0][0]}")
 
 
 def is_dicom_file(path: str | Path) -> bool:

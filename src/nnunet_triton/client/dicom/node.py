@@ -1,25 +1,52 @@
 """A DICOM node (``nnunet-triton listen``): receive series by C-STORE, segment them, send the DICOM-SEG on.
 
-A PACS routes studies to the node's AE title. Every received instance is written atomically to the spool
-folder before the C-STORE is answered (``incoming/<SeriesInstanceUID>/<SOPInstanceUID>.dcm``), so nothing
-that was acknowledged is lost when the process or the endpoint fails. A series counts as complete when no
-instance arrived for ``idle_timeout_s``; it is then read like a DICOM folder (the same series selection and
-geometry checks), segmented through the ``nnunet`` endpoint, written as DICOM-SEG (``outgoing/``) and sent to
-the destination (C-STORE to an AE, or STOW-RS). A failure the next attempt may not repeat (endpoint or
-destination unreachable, association refused, STOW-RS rejected) is retried with exponential backoff; after
-``retries`` attempts, or at once for a series that cannot be segmented (no image volume, missing slices,
-mixed geometry), the series moves to ``failed/<SeriesInstanceUID>/`` with ``error.txt``. On start the spool
-is resumed: series still in ``incoming/`` are processed, SEGs still in ``outgoing/`` are sent again.
+A PACS routes studies to the node's AE title. What happens, in order:
 
-Logs name series by UID only: no patient names, IDs or dates.
+1. **Association.** Only the senders of the :class:`~.access.AccessPolicy` are accepted (called AE title,
+   calling AE title and host, TLS, a limit per host); the others get an A-ASSOCIATE-RJ. Only image storage
+   SOP classes in uncompressed transfer syntaxes are accepted by default.
+2. **C-STORE.** pynetdicom writes the dataset to a temporary file as it arrives (never whole in memory); an
+   association that sends more than ``max_instance_bytes`` for one instance is aborted. The instance is
+   copied (a Deflate one inflated in chunks, with the same limit) into the spool's ``tmp/``, its header read
+   without pixel data, its UIDs checked against the UID rule (:mod:`.uids`) and the C-STORE request, the
+   quota and the per-series limit checked, and it is renamed to ``incoming/<series>/<sop>.dcm`` with file
+   and folder ``fsync``: only then is the C-STORE answered with success. An instance the node has already
+   is acknowledged and not stored again (a sender cannot replace a slice).
+3. **Completeness.** A series is complete when no instance of its *study* arrived for ``idle_timeout_s``
+   and no association that delivered instances of the study is still open (it is held back at most
+   ``max_open_wait_s``), the rule of Orthanc's stable studies plus the sender's own end of transfer.
+4. **Segmenting.** The series is read like a DICOM folder; a series whose Modality does not fit the model
+   (:mod:`.modality`) is refused. The SEG's UIDs are minted once and stored in the series' state before the
+   SEG is written (durably) to ``outgoing/``; its SeriesInstanceUID stays the same for every round of
+   the same source series.
+5. **Sending.** The SEG goes to the destination (C-STORE or STOW-RS). A retry sends the same file, without
+   inference: killed after the PACS stored the SEG but before it answered, the node sends the same SOP
+   instance again and the PACS keeps one. Failures that may pass (PACS or endpoint unreachable, refused,
+   busy, a full disk) are retried with exponential backoff (``retry_delay_s`` doubling up to
+   ``max_retry_delay_s``) for ``retry_window_s`` (an hour by default; ``retries`` may cap the attempts);
+   then, or at once for a series that cannot be segmented, the series moves to ``failed/`` with
+   ``error.txt``. :func:`requeue` (``nnunet-triton requeue``) puts it back.
+6. **Late instances.** A sent series' instances are kept in ``done/`` for ``done_retention_s``. An instance
+   that arrives later brings them back: the whole series is segmented again and the new SEG is a new
+   instance (next InstanceNumber) of the same SEG series, which replaces the earlier one for a viewer
+   that shows a series' latest instance. Sending the same instances again changes nothing.
+7. **Health.** A monitor thread writes ``status.json`` every ``heartbeat_s`` (:func:`read_status`,
+   ``nnunet-triton node-status``). Every error of a series is caught and recorded; if the node cannot go
+   on (its spool gone, its worker dead), it refuses new associations, says so in the status and
+   :attr:`DicomNode.fatal`, and ``listen`` exits non-zero.
+
+Logs and error files name series by UID only; exception texts of other libraries are redacted
+(:mod:`.phi`). The spool is locked: one node per spool.
 """
 
 from __future__ import annotations
 
-import json
+import collections
+import contextlib
+import errno
+import fcntl
 import logging
-import re
-import shutil
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,89 +56,33 @@ from typing import Any
 
 import pydicom
 
+from nnunet_triton.client.dicom.access import VERIFICATION, AccessPolicy
+from nnunet_triton.client.dicom.destination import DicomWebDestination, StoreDestination, parse_destination
+from nnunet_triton.client.dicom.modality import ModalityRule
+from nnunet_triton.client.dicom.node_admin import read_status, requeue
+from nnunet_triton.client.dicom.phi import describe
+from nnunet_triton.client.dicom.receiving import Receiving
 from nnunet_triton.client.dicom.seg import SegmentLabel, generic_segment_labels, write_dicom_seg
+from nnunet_triton.client.dicom.spool import Spool, SpoolLimits, durable_json, durable_output
+from nnunet_triton.client.dicom.uids import valid_uid
 from nnunet_triton.client.dicom.volume import DicomOptions, read_series, scan_folder
-from nnunet_triton.client.dicom.web import DicomWebAuth, DicomWebLocation, is_dicomweb, store_files
 from nnunet_triton.client.endpoint import is_unavailable
-from nnunet_triton.client.imageio import atomic_output, remove_stale_partials
 from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError, PacsError
 
-__all__ = ["StoreDestination", "DicomWebDestination", "parse_destination", "NodeConfig", "DicomNode"]
+# the destinations and the spool commands are importable from here too (one module for the node)
+__all__ = ["StoreDestination", "DicomWebDestination", "parse_destination", "NodeConfig", "DicomNode",
+           "read_status", "requeue"]
 
 LOGGER = logging.getLogger(__name__)
-_UID = re.compile(r"^[0-9]+(\.[0-9]+)*$")
-_STATE = ".state.json"  # attempts and last error of a series in incoming/ (dot files are not DICOM input)
-MAX_DELAY_S = 300.0
-# C-STORE status codes (PS3.4 Annex B.2.3)
-STATUS_SUCCESS, STATUS_OUT_OF_RESOURCES, STATUS_CANNOT_UNDERSTAND = 0x0000, 0xA700, 0xC000
-
-
-def _sop_uid(ds: pydicom.Dataset, keyword: str) -> str | None:
-    value = str(ds.get(keyword, ""))
-    return value if len(value) <= 64 and _UID.match(value) else None
-
-
-@dataclass(frozen=True)
-class StoreDestination:
-    """C-STORE to ``ae_title`` at ``host:port``, calling as ``calling_ae``."""
-
-    ae_title: str
-    host: str
-    port: int
-    calling_ae: str = "NNUNET"
-
-    def send(self, paths: Sequence[Path], what: str) -> None:
-        """Store ``paths``; raises :class:`PacsError` (naming ``what``) when refused or not stored."""
-        from pynetdicom import AE
-
-        datasets = [pydicom.dcmread(p) for p in paths]
-        ae = AE(ae_title=self.calling_ae)
-        for ds in datasets:
-            ae.add_requested_context(ds.SOPClassUID, ds.file_meta.TransferSyntaxUID)
-        peer = f"{self.ae_title}@{self.host}:{self.port}"
-        assoc = ae.associate(self.host, self.port, ae_title=self.ae_title)
-        if not assoc.is_established:
-            raise PacsError(f"C-STORE of {what} to {peer}: the association was refused, aborted or not "
-                            "answered (check the AE title, host, port and the peer's allowed callers).")
-        try:
-            for ds in datasets:
-                status = assoc.send_c_store(ds)
-                code = int(getattr(status, "Status", -1)) if status else -1
-                if code != STATUS_SUCCESS and not 0xB000 <= code <= 0xBFFF:  # warnings still store
-                    raise PacsError(f"C-STORE of {what} to {peer} failed with status "
-                                    f"{'none' if code < 0 else hex(code)}.")
-        finally:
-            assoc.release()
-        LOGGER.info("sent %s to %s", what, peer)
-
-
-@dataclass(frozen=True)
-class DicomWebDestination:
-    """STOW-RS to a DICOMweb service."""
-
-    location: DicomWebLocation
-
-    def send(self, paths: Sequence[Path], what: str) -> None:
-        store_files(self.location, paths, what=what)
-
-
-def parse_destination(text: str, *, calling_ae: str = "NNUNET", auth: DicomWebAuth | None = None
-                      ) -> StoreDestination | DicomWebDestination:
-    """``AET@HOST:PORT`` (C-STORE) or ``dicomweb://HOST[:PORT]/ROOT`` (STOW-RS)."""
-    if is_dicomweb(text):
-        return DicomWebDestination(DicomWebLocation.parse(text, auth))
-    match = re.fullmatch(r"([^@]{1,16})@([^:@]+):(\d{1,5})", text)
-    if not match:
-        raise PacsError(f"destination must be AET@HOST:PORT or dicomweb://HOST[:PORT]/ROOT, got {text!r}.")
-    return StoreDestination(match.group(1), match.group(2), int(match.group(3)), calling_ae=calling_ae)
+PROCESSED_KEPT = 1000  # outcomes kept in memory (DicomNode.processed)
 
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """What the node listens on, where it spools and sends, and how it retries.
+    """What the node listens on, who may store, where it spools and sends, how it retries and its limits.
 
     ``segment(volume)`` returns the label map for a :class:`~.volume.DicomVolume`; ``labels`` names the
-    DICOM-SEG segments (None: ``label_<v>`` for the values present).
+    DICOM-SEG segments (None: ``label_<v>`` for the values present). Times are seconds.
     """
 
     ae_title: str
@@ -122,196 +93,506 @@ class NodeConfig:
     labels: Sequence[SegmentLabel] | None = None
     host: str = "127.0.0.1"
     idle_timeout_s: float = 10.0
-    retries: int = 3
+    max_open_wait_s: float = 120.0
+    retries: int | None = None
     retry_delay_s: float = 5.0
+    max_retry_delay_s: float = 300.0
+    retry_window_s: float = 3600.0
+    access: AccessPolicy = field(default_factory=AccessPolicy)
+    limits: SpoolLimits = field(default_factory=SpoolLimits)
+    modalities: ModalityRule = field(default_factory=lambda: ModalityRule(None))
     dicom_options: DicomOptions = field(default_factory=DicomOptions)
+    network_timeout_s: float = 60.0
+    poll_s: float = 0.2
+    heartbeat_s: float = 2.0
+    rescan_s: float = 5.0
+    sweep_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.ae_title) <= 16:
             raise PacsError(f"AE title must have 1 to 16 characters, got {self.ae_title!r}.")
-        if self.idle_timeout_s <= 0 or self.retries < 0 or self.retry_delay_s < 0:
+        bad_retries = self.retries is not None and self.retries < 0
+        if self.idle_timeout_s <= 0 or bad_retries or self.retry_delay_s < 0:
             raise PacsError("idle timeout must be > 0, retries and retry delay >= 0, got "
                             f"{self.idle_timeout_s}, {self.retries}, {self.retry_delay_s}.")
+        if min(self.retry_window_s, self.max_retry_delay_s, self.max_open_wait_s) < 0 or min(
+                self.network_timeout_s, self.poll_s, self.heartbeat_s, self.rescan_s, self.sweep_s) <= 0:
+            raise PacsError("retry window, delays and waits must be >= 0 and the node's intervals > 0.")
+        self.access.check_listening(self.host)
 
 
 @dataclass
-class _Pending:
+class _Series:
+    """A series in ``incoming/``: its study, when it last grew, its instances and its attempts."""
+
+    study: str
     last_seen: float
+    count: int = 0
     attempts: int = 0
     next_attempt: float = 0.0
+    first_failure: float | None = None
 
 
-class DicomNode:
-    """The listening AE plus the worker that turns complete series into sent DICOM-SEGs."""
+class _Fatal(Exception):
+    """The node cannot go on (its spool is gone, its worker died)."""
+
+
+class DicomNode(Receiving):
+    """The listening AE, the worker that turns complete series into sent DICOM-SEGs, and their monitor."""
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        spool = config.spool
-        self.incoming, self.outgoing, self.failed = spool / "incoming", spool / "outgoing", spool / "failed"
-        for folder in (self.incoming, self.outgoing, self.failed):
-            folder.mkdir(parents=True, exist_ok=True)
-        self._pending: dict[str, _Pending] = {}
+        config.spool.mkdir(parents=True, exist_ok=True)
+        self._lock_file = self._lock_spool(config.spool)
+        self.spool = Spool(config.spool, config.limits)
+        self.incoming, self.outgoing = self.spool.incoming, self.spool.outgoing
+        self.failed = self.spool.failed
+        self._pending: dict[str, _Series] = {}
+        self._study_seen: dict[str, float] = {}
+        self._carrying: dict[int, set[str]] = {}  # association -> studies it delivered
+        self._rx_bytes: dict[int, int] = {}  # association -> bytes received since its last C-STORE
+        self._series_locks: dict[str, threading.Lock] = {}  # a series' folder: filled vs. cleared
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._server: Any = None
-        self._worker: threading.Thread | None = None
-        self.processed: list[tuple[str, str]] = []  # (series UID, "sent" | "failed: ...") in order
+        self._server_closed = False
+        self._threads: list[threading.Thread] = []
+        self._processed: collections.deque[tuple[str, str]] = collections.deque(maxlen=PROCESSED_KEPT)
+        self._fatal: str | None = None
+        self._dead = threading.Event()  # set once a fatal error is handled: status written, server closed
+        self._degraded: dict[str, str] = {}  # what is wrong now but may pass: disk full, destination down
+        self._busy: tuple[str, float] | None = None
 
-    # --- receiving ---------------------------------------------------------------------------------
-    def _on_store(self, event: Any) -> int:
+    @staticmethod
+    def _new_series(study: str, now: float, count: int) -> _Series:
+        return _Series(study, now, count=count)
+
+    @property
+    def processed(self) -> list[tuple[str, str]]:
+        """(series UID, ``"sent"`` | ``"failed: ..."``) in order, the last ``PROCESSED_KEPT`` of them."""
+        return list(self._processed)
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the node stopped working (it refuses associations then), or None while it works."""
+        return self._fatal
+
+    @staticmethod
+    def _lock_spool(spool: Path) -> Any:
+        handle = (spool / ".lock").open("a+")
         try:
-            ds = event.dataset
-            ds.file_meta = event.file_meta
-        except Exception:  # noqa: BLE001 - an undecodable dataset is refused, not fatal to the node
-            return STATUS_CANNOT_UNDERSTAND
-        series, sop = _sop_uid(ds, "SeriesInstanceUID"), _sop_uid(ds, "SOPInstanceUID")
-        if series is None or sop is None:
-            LOGGER.warning("refused an instance without valid SeriesInstanceUID/SOPInstanceUID")
-            return STATUS_CANNOT_UNDERSTAND
-        try:  # atomic: a crash leaves the old file or none, never half a file (and no .dcm temporary)
-            with atomic_output(self.incoming / series / f"{sop}.dcm") as temp:
-                ds.save_as(temp, enforce_file_format=True)
-        except OSError as exc:
-            LOGGER.error("could not spool instance %s of series %s: %s", sop, series, exc.strerror)
-            return STATUS_OUT_OF_RESOURCES
-        with self._lock:
-            pending = self._pending.setdefault(series, _Pending(time.monotonic()))
-            pending.last_seen = time.monotonic()
-        return STATUS_SUCCESS
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise PacsError(f"spool {spool} is in use by another node (one node per spool).") from None
+        return handle
 
+    # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Resume the spool, start listening and start the worker thread."""
-        from pynetdicom import AE, AllStoragePresentationContexts, VerificationPresentationContexts, evt
+        """Resume the spool, start listening, the worker and the monitor.
 
-        now = time.monotonic()
-        for folder in sorted(p for p in self.incoming.iterdir() if p.is_dir()):
-            remove_stale_partials(folder)  # instances a dead run was still writing (never acknowledged)
-            self._pending[folder.name] = _Pending(now, attempts=self._state(folder).get("attempts", 0))
-        if self._pending:
-            LOGGER.info("resuming %d spooled series", len(self._pending))
+        Sets pynetdicom's process-wide ``STORE_RECV_CHUNKED_DATASET`` (datasets are received to a file).
+        """
+        from pynetdicom import AE, _config, evt
+
+        self._resume()
+        _config.STORE_RECV_CHUNKED_DATASET = True
+        access = self.config.access
         ae = AE(ae_title=self.config.ae_title)
-        ae.supported_contexts = [*AllStoragePresentationContexts, *VerificationPresentationContexts]
-        self._server = ae.start_server((self.config.host, self.config.port), block=False,
-                                       evt_handlers=[(evt.EVT_C_STORE, self._on_store)])
-        self._worker = threading.Thread(target=self._run, name="nnunet-triton-node", daemon=True)
-        self._worker.start()
-        LOGGER.info("listening as %s on %s:%d, spool %s", self.config.ae_title, self.config.host,
-                    self.config.port, self.config.spool)
+        ae.require_called_aet = False  # decided in _on_requested, with a reason in the log
+        ae.maximum_associations = access.max_associations
+        ae.network_timeout = ae.acse_timeout = ae.dimse_timeout = self.config.network_timeout_s
+        for uid in access.storage_classes:
+            ae.add_supported_context(uid, list(access.transfer_syntaxes))
+        ae.add_supported_context(VERIFICATION)
+        handlers = [(evt.EVT_C_STORE, self._on_store), (evt.EVT_REQUESTED, self._on_requested),
+                    (evt.EVT_DATA_RECV, self._on_data), (evt.EVT_CONN_CLOSE, self._on_closed)]
+        self._server = ae.start_server(
+            (self.config.host, self.config.port), block=False, evt_handlers=handlers,
+            ssl_context=access.tls.server_context() if access.tls is not None else None)
+        self._write_status()
+        for target, name in ((self._run, "nnunet-triton-node"), (self._monitor, "nnunet-triton-monitor")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        LOGGER.info("listening as %s on %s:%d%s, spool %s", self.config.ae_title, self.config.host,
+                    self.config.port, " (TLS)" if access.tls else "", self.config.spool)
 
     def stop(self) -> None:
         """Stop listening; the series being processed finishes first, nothing spooled is removed."""
+        if self._stop.is_set():
+            return
         self._stop.set()
-        if self._server is not None:
-            self._server.shutdown()
-        if self._worker is not None:
-            self._worker.join(timeout=600)
+        self._close_server()
+        for thread in self._threads:
+            thread.join(timeout=600)
+        self._write_status()
+        self._lock_file.close()
 
-    # --- processing --------------------------------------------------------------------------------
+    def _close_server(self) -> None:
+        """Stop accepting associations (once; the worker and ``stop`` may both ask)."""
+        with self._lock:
+            server = None if self._server_closed else self._server
+            self._server_closed = True
+        if server is not None:
+            with contextlib.suppress(Exception):
+                server.shutdown()
+
+    def wait_fatal(self, timeout_s: float | None = None) -> str | None:
+        """Wait until the node cannot go on and has said so (returns why) or ``timeout_s`` passed (None)."""
+        self._dead.wait(timeout_s)
+        return self._fatal
+
+    def _die(self, reason: str) -> None:
+        if self._fatal is None:
+            self._fatal = reason
+            LOGGER.critical("the DICOM node cannot go on: %s; it refuses new associations", reason)
+        self._close_server()
+        self._write_status()
+        self._dead.set()
+
+    # --- resume and spool scans --------------------------------------------------------------------
+    def _resume(self) -> None:
+        self.spool.clear_tmp()
+        for folder in (self.spool.incoming, self.spool.outgoing, self.spool.done):
+            for leftover in folder.rglob(".*.partial-*"):  # one node per spool: nothing is being written
+                leftover.unlink(missing_ok=True)
+        self._scan_incoming()
+        for seg in sorted(self.spool.outgoing.glob("*.dcm")):
+            self._adopt_outgoing(seg)
+        if self._pending:
+            LOGGER.info("resuming %d spooled series", len(self._pending))
+
+    def _scan_incoming(self) -> None:
+        """Pick up series in ``incoming/`` the node does not know yet (a restart, ``requeue``)."""
+        now = time.monotonic()
+        for uid in self.spool.incoming_series():
+            with self._lock:
+                if uid in self._pending:
+                    continue
+            state = self.spool.state(uid)
+            study = str(valid_uid(state.get("study")) or uid)
+            entry = _Series(study, now, count=self.spool.count(uid), attempts=int(state.get("attempts", 0)),
+                            first_failure=state.get("first_failure"))
+            with self._lock:
+                self._pending.setdefault(uid, entry)
+                self._study_seen.setdefault(study, now)
+
+    def _adopt_outgoing(self, seg: Path) -> None:
+        """A SEG in ``outgoing/``: part of a series in incoming/ (handled with it), sent already (removed),
+        or on its own: sent when it is a readable DICOM-SEG, set aside when it is not."""
+        uid = valid_uid(seg.stem)
+        if uid is None or uid in self._pending:
+            return
+        record = self.spool.record(uid)
+        sop = _seg_sop(seg)
+        if sop is not None and sop == record.get("sop_uid"):
+            self.spool.remove_tree(seg)  # stored by the PACS and recorded; only the cleanup was missing
+        elif sop is None:
+            self._set_aside_outgoing(uid, seg)
+        else:
+            self._pending[uid] = _Series(uid, time.monotonic() - self.config.idle_timeout_s)
+
+    def _set_aside_outgoing(self, uid: str, seg: Path) -> None:
+        target = self.spool.unique_failed(uid)
+        try:
+            self.spool.move(seg, target / "nnunet_seg.dcm.unsent")
+            with durable_output(target / "error.txt") as temp:
+                temp.write_text(f"series {uid}: the DICOM-SEG in outgoing/ is not a readable DICOM file "
+                                "(empty or damaged); it was not sent. Requeue the series' instances to "
+                                "segment it again.\n")
+        except OSError as exc:
+            LOGGER.error("series %s: could not set aside an unreadable SEG: %s", uid, describe(exc))
+            return
+        self._processed.append((uid, "failed: unreadable DICOM-SEG in outgoing/"))
+        LOGGER.error("series %s: the DICOM-SEG in outgoing/ is unreadable; moved to %s", uid, target)
+
+    # --- the worker --------------------------------------------------------------------------------
     def _run(self) -> None:
-        self._resend_outgoing()
-        while not self._stop.wait(0.2):
-            due = self._due()
-            if due is not None:
-                self._attempt(due)
+        last_scan = last_sweep = time.monotonic()
+        try:
+            while not self._stop.wait(self.config.poll_s):
+                problem = self.spool.check()
+                if problem:
+                    raise _Fatal(problem)
+                now = time.monotonic()
+                if now - last_scan >= self.config.rescan_s:
+                    self._scan_incoming()
+                    last_scan = now
+                if now - last_sweep >= self.config.sweep_s:
+                    self._sweep()
+                    last_sweep = now
+                uid = self._due()
+                if uid is not None:
+                    self._attempt(uid)
+        except BaseException as exc:  # noqa: BLE001 - recorded, then the node stops accepting
+            self._die(str(exc) if isinstance(exc, _Fatal) else f"worker failed: {describe(exc)}")
 
     def _due(self) -> str | None:
         now = time.monotonic()
+        wait = self.config.idle_timeout_s
         with self._lock:
-            for uid, p in sorted(self._pending.items(), key=lambda item: item[1].last_seen):
-                if now - p.last_seen >= self.config.idle_timeout_s and now >= p.next_attempt:
+            open_studies = set().union(*self._carrying.values()) if self._carrying else set()
+            for uid, entry in sorted(self._pending.items(), key=lambda item: item[1].last_seen):
+                idle = now - max(entry.last_seen, self._study_seen.get(entry.study, 0.0))
+                held = entry.study in open_studies and idle < self.config.max_open_wait_s
+                if idle >= wait and not held and now >= entry.next_attempt:
                     return uid
         return None
 
-    def _state(self, folder: Path) -> dict[str, Any]:
+    def _sweep(self) -> None:
         try:
-            return json.loads((folder / _STATE).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
+            removed = self.spool.sweep()
+        except OSError as exc:
+            LOGGER.error("retention sweep failed: %s", describe(exc))
+            return
+        for path in removed:
+            LOGGER.info("retention: removed %s/%s", path.parent.name, path.name)
+        now = time.monotonic()
+        with self._lock:  # studies no series waits for are forgotten, and the locks of finished series
+            for uid in [u for u in self._series_locks if u not in self._pending]:
+                del self._series_locks[uid]
+            waiting = {entry.study for entry in self._pending.values()}
+            forget_after = self.config.idle_timeout_s + self.config.max_open_wait_s
+            for study, seen in list(self._study_seen.items()):
+                if study not in waiting and now - seen > forget_after:
+                    del self._study_seen[study]
 
     def _attempt(self, uid: str) -> None:
-        folder = self.incoming / uid
         with self._lock:
-            pending = self._pending[uid]
-            pending.attempts += 1
-            attempt = pending.attempts
+            entry = self._pending[uid]
+            entry.attempts += 1
+            attempt = entry.attempts
+        self._busy = (uid, time.time())
         try:
-            self._process(uid, folder)
+            self._process(uid, entry)
         except ClientError as exc:  # a PACS or the endpoint unreachable or busy may answer later
             if isinstance(exc, PacsError) or exc.status is None or is_unavailable(exc):
-                self._retry_or_fail(uid, folder, attempt, exc)
+                self._set_degraded("destination", f"series {uid}: {self._describe(uid, exc)}")
+                self._retry_or_fail(uid, attempt, self._describe(uid, exc))
             else:  # the endpoint refused this series (e.g. INVALID_ARG): it would refuse it again
-                self._fail(uid, folder, f"{type(exc).__name__}: {exc}")
-        except OSError as exc:
-            self._retry_or_fail(uid, folder, attempt, exc)
+                self._fail(uid, self._describe(uid, exc))
+        except OSError as exc:  # a full disk, a spool folder in trouble: may pass
+            self._set_degraded("disk", f"series {uid}: {self._describe(uid, exc)}")
+            self._retry_or_fail(uid, attempt, self._describe(uid, exc))
         except NnunetTritonError as exc:  # the series itself cannot be segmented: no retry helps
-            self._fail(uid, folder, f"{type(exc).__name__}: {exc}")
+            self._fail(uid, self._describe(uid, exc))
         except Exception as exc:  # noqa: BLE001 - a bug must not stop the node; the series is kept aside
-            LOGGER.exception("series %s: unexpected error", uid)
-            self._fail(uid, folder, f"{type(exc).__name__}: {exc}")
+            LOGGER.error("series %s: unexpected error %s", uid, self._describe(uid, exc))
+            self._fail(uid, self._describe(uid, exc))
+        finally:
+            self._busy = None
 
-    def _process(self, uid: str, folder: Path) -> None:
-        received = [p for p in folder.iterdir() if p.suffix == ".dcm"]  # what this attempt segments
+    def _describe(self, uid: str, exc: BaseException) -> str:
+        """``describe(exc)`` with the patient/study values of the series' first instance redacted too."""
+        headers = []
+        for folder in (self.spool.series_dir(uid), self.spool.done_dir(uid)):
+            for path in self.spool.instances(folder)[:1]:
+                with contextlib.suppress(Exception):
+                    headers.append(pydicom.dcmread(path, stop_before_pixels=True, defer_size=1 << 16))
+        return describe(exc, headers)
+
+    def _process(self, uid: str, entry: _Series) -> None:
+        folder = self.spool.series_dir(uid)
+        seg_path = self.spool.seg_file(uid)
+        if not folder.is_dir():  # a SEG on its own in outgoing/ (left by an earlier run)
+            self._send(uid, seg_path)
+            self._forget(uid)
+            self.spool.remove_tree(seg_path)
+            return
+        state, record = self.spool.state(uid), self.spool.record(uid)
+        done_dir = self.spool.done_dir(uid)
+        if done_dir.is_dir():  # a late instance: the earlier ones come back, the SEG covers the whole series
+            self.spool.merge_into(done_dir, folder)
+            with contextlib.suppress(OSError):
+                done_dir.rmdir()
+        names = [p.name for p in self.spool.instances(folder)]
+        missing = set(record.get("covers", [])) - set(names)
+        if missing:
+            raise InputValidationError(
+                f"series {uid}: {len(names)} late instance(s) arrived after the {len(missing)} instances of "
+                f"its earlier SEG were deleted (done_retention_s={self.config.limits.done_retention_s}); "
+                "send the whole series again.")
+        seg = state.get("seg") if isinstance(state.get("seg"), dict) else None
+        sent = {"series_uid": record.get("seg_series_uid"), "sop_uid": record.get("sop_uid"),
+                "instance_number": record.get("instance_number"), "covers": record.get("covers")}
+        if record.get("sop_uid") and record.get("covers") == names and (
+                seg is None or seg.get("sop_uid") == record.get("sop_uid")):
+            # sent already (a crash before the cleanup), or the very instances of the SEG sent before
+            # arrived again after done_retention_s: nothing new to segment
+            LOGGER.info("series %s: its DICOM-SEG of these %d instance(s) was sent already", uid, len(names))
+            seg = sent
+        else:
+            if seg is not None and seg.get("covers") == names and _seg_sop(seg_path) == seg.get("sop_uid"):
+                LOGGER.info("series %s: sending the DICOM-SEG written before (no inference)", uid)
+            else:
+                seg = self._segment(uid, entry, folder, state, record, names, seg)
+            self._send(uid, seg_path)
+        self._finish(uid, seg, names)
+
+    def _segment(self, uid: str, entry: _Series, folder: Path, state: dict[str, Any], record: dict[str, Any],
+                 names: list[str], seg: dict[str, Any] | None) -> dict[str, Any]:
+        from pydicom.uid import generate_uid
+
         scan = scan_folder(folder, self.config.dicom_options)
         eligible = [s for s in scan.series if s.uid == uid]
         if not eligible:
             reasons = sorted({reason for _, reason in scan.skipped}) or ["no instances"]
             raise InputValidationError(f"series {uid}: no image volume to segment ({'; '.join(reasons)}).")
+        refusal = self.config.modalities.refusal(str(eligible[0].first.get("Modality", "")))
+        if refusal:
+            raise InputValidationError(f"series {uid}: {refusal}; it is not segmented.")
+        LOGGER.info("series %s: segmenting %d instance(s)", uid, len(names))
         volume = read_series(eligible[0], self.config.dicom_options)
+        if seg is None or seg.get("covers") != names:  # a new round: new SOP instance, same SEG series
+            series_uid = state.get("seg_series_uid") or record.get("seg_series_uid") or generate_uid()
+            seg = {"series_uid": series_uid, "sop_uid": generate_uid(),
+                   "instance_number": int(record.get("instance_number", 0)) + 1, "covers": names}
+        state.update(seg=seg, seg_series_uid=seg["series_uid"], study=entry.study)
+        self.spool.write_state(uid, state)  # the UIDs exist before the file does
         segmentation = self.config.segment(volume)
         labels = self.config.labels or generic_segment_labels(segmentation)
-        seg_path = write_dicom_seg(segmentation, volume, labels, self.outgoing / f"{uid}.dcm")
-        self._send(uid, seg_path)
-        for path in received:
-            path.unlink(missing_ok=True)
-        with self._lock:
-            if any(folder.glob("*.dcm")):  # instances arrived while segmenting: another round for them
-                self._pending[uid].attempts = 0
-                return
-            self._pending.pop(uid, None)
-        shutil.rmtree(folder, ignore_errors=True)
+        path = write_dicom_seg(segmentation, volume, labels, self.spool.seg_file(uid),
+                               series_instance_uid=seg["series_uid"], sop_instance_uid=seg["sop_uid"],
+                               instance_number=int(seg["instance_number"]), durable=True)
+        self.spool.add(path.stat().st_size)
+        return seg
 
     def _send(self, uid: str, seg_path: Path) -> None:
         self.config.destination.send([seg_path], what=f"the DICOM-SEG of series {uid}")
-        seg_path.unlink()
-        self.processed.append((uid, "sent"))
+        self._set_degraded("destination", None)
+
+    def _finish(self, uid: str, seg: dict[str, Any], names: list[str]) -> None:
+        """Record what was sent, keep the instances for late ones, clear the round."""
+        record = {"seg_series_uid": seg["series_uid"], "sop_uid": seg["sop_uid"],
+                  "instance_number": seg["instance_number"], "covers": names, "sent_at": time.time()}
+        durable_json(self.spool.record_file(uid), record)
+        folder = self.spool.series_dir(uid)
+        self.spool.merge_into(folder, self.spool.done_dir(uid), names=set(names))
+        self.spool.remove_tree(self.spool.seg_file(uid))
+        with self._series_lock(uid):  # no instance lands in the folder while it is found empty and removed
+            with self._lock:
+                remaining = self.spool.instances(folder)
+                entry = self._pending[uid]
+                if remaining:  # instances arrived while segmenting: another round, for the whole series
+                    entry.attempts, entry.first_failure, entry.count = 0, None, len(remaining) + len(names)
+                else:
+                    self._pending.pop(uid, None)
+            if not remaining:
+                self.spool.remove_tree(folder)
+        if remaining:
+            self.spool.write_state(uid, {"seg_series_uid": seg["series_uid"], "study": entry.study})
+        self._processed.append((uid, "sent"))
         LOGGER.info("series %s: DICOM-SEG sent", uid)
 
-    def _resend_outgoing(self) -> None:
-        """Send the SEGs a previous run wrote but did not send; a series still in incoming/ is segmented
-        again instead (its SEG may predate instances received since)."""
-        for seg_path in sorted(self.outgoing.glob("*.dcm")):
-            uid = seg_path.stem
-            if (self.incoming / uid).is_dir():
-                continue
-            try:
-                self._send(uid, seg_path)
-            except (ClientError, OSError) as exc:
-                LOGGER.error("series %s: sending the spooled DICOM-SEG failed: %s", uid, exc)
-
-    def _retry_or_fail(self, uid: str, folder: Path, attempt: int, exc: BaseException) -> None:
-        message = f"{type(exc).__name__}: {exc}"
-        if attempt > self.config.retries:
-            self._fail(uid, folder, f"{message} (after {attempt} attempts)")
-            return
-        delay = min(MAX_DELAY_S, self.config.retry_delay_s * 2 ** (attempt - 1))
-        (folder / _STATE).write_text(json.dumps({"attempts": attempt, "last_error": message}))
+    def _series_lock(self, uid: str) -> threading.Lock:
         with self._lock:
-            self._pending[uid].next_attempt = time.monotonic() + delay
-        LOGGER.warning("series %s: attempt %d failed (%s); retrying in %.1f s", uid, attempt, message, delay)
+            return self._series_locks.setdefault(uid, threading.Lock())
 
-    def _fail(self, uid: str, folder: Path, message: str) -> None:
-        target = self.failed / uid
-        if target.exists():
-            target = self.failed / f"{uid}.{time.strftime('%Y%m%dT%H%M%S')}"
-        if folder.exists():
-            folder.rename(target)
-        else:
-            target.mkdir(parents=True)
-        seg = self.outgoing / f"{uid}.dcm"
-        if seg.exists():
-            seg.rename(target / "nnunet_seg.dcm.unsent")
-        (target / "error.txt").write_text(message + "\n")
+    def _forget(self, uid: str) -> None:
         with self._lock:
             self._pending.pop(uid, None)
-        self.processed.append((uid, f"failed: {message}"))
+        self._processed.append((uid, "sent"))
+        LOGGER.info("series %s: DICOM-SEG sent", uid)
+
+    def _retry_or_fail(self, uid: str, attempt: int, message: str) -> None:
+        config = self.config
+        with self._lock:
+            entry = self._pending[uid]
+            entry.first_failure = entry.first_failure or time.time()
+            first = entry.first_failure
+        over_window = time.time() - first >= config.retry_window_s
+        if over_window or (config.retries is not None and attempt > config.retries):
+            window = f", {time.time() - first:.0f} s after the first failure" if over_window else ""
+            self._fail(uid, f"{message} (after {attempt} attempts{window})")
+            return
+        delay = min(config.max_retry_delay_s, config.retry_delay_s * 2 ** (attempt - 1))
+        with self._lock:
+            entry.next_attempt = time.monotonic() + delay
+        folder = self.spool.series_dir(uid)
+        if folder.is_dir():
+            try:
+                state = self.spool.state(uid)
+                state.update(attempts=attempt, first_failure=first, last_error=message)
+                self.spool.write_state(uid, state)
+            except OSError as exc:  # a full disk: the attempts are kept in memory meanwhile
+                LOGGER.error("series %s: could not record the attempt: %s", uid, describe(exc))
+        LOGGER.warning("series %s: attempt %d failed (%s); retrying in %.1f s", uid, attempt, message, delay)
+
+    def _fail(self, uid: str, message: str) -> None:
+        """Move the series (instances, state, unsent SEG) to ``failed/`` with ``error.txt``."""
+        target = self.spool.unique_failed(uid)
+        folder = self.spool.series_dir(uid)
+        seg = self.spool.seg_file(uid)
+        try:
+            with self._series_lock(uid):
+                if folder.is_dir():
+                    self.spool.move(folder, target)
+                else:
+                    target.mkdir(parents=True)
+            if seg.exists():
+                self.spool.move(seg, target / "nnunet_seg.dcm.unsent")
+            with durable_output(target / "error.txt") as temp:
+                temp.write_text(message + "\n")
+        except OSError as exc:  # a full disk: keep the series where it is and try again later
+            LOGGER.error("series %s: could not move it to failed/ (%s); trying again later", uid,
+                         describe(exc))
+            with self._lock:
+                entry = self._pending.get(uid)
+                if entry is not None:
+                    entry.next_attempt = time.monotonic() + max(self.config.retry_delay_s, 1.0)
+            return
+        with self._lock:
+            self._pending.pop(uid, None)
+        self._processed.append((uid, f"failed: {message}"))
         LOGGER.error("series %s: moved to %s: %s", uid, target, message)
+
+    # --- health ------------------------------------------------------------------------------------
+    def _monitor(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_s):
+            worker = self._threads[0] if self._threads else None
+            if worker is not None and not worker.is_alive() and not self._stop.is_set():
+                self._die("the worker thread ended")
+            self._write_status()
+
+    def _set_degraded(self, key: str, reason: str | None) -> None:
+        with self._lock:
+            if reason is None:
+                self._degraded.pop(key, None)
+            else:
+                self._degraded[key] = reason
+
+    def status(self) -> dict[str, Any]:
+        """What ``status.json`` holds: state ``ok`` | ``degraded`` | ``unhealthy``, the reasons, counts."""
+        with self._lock:
+            pending = len(self._pending)
+            degraded = sorted(self._degraded.values())
+        state = "unhealthy" if self._fatal else ("degraded" if degraded else "ok")
+        busy = self._busy
+        return {"state": state, "reason": self._fatal or "; ".join(degraded), "pid": os.getpid(),
+                "updated": time.time(), "heartbeat_s": self.config.heartbeat_s, "pending_series": pending,
+                "busy_series": busy[0] if busy else None, "busy_since": busy[1] if busy else None,
+                "spool_bytes": self.spool.used, "max_spool_bytes": self.config.limits.max_spool_bytes,
+                "listening": f"{self.config.ae_title}@{self.config.host}:{self.config.port}"}
+
+    def _write_status(self) -> None:
+        try:
+            durable_json(self.spool.status_file, self.status())
+        except OSError as exc:  # a full disk: the status goes stale, which read_status reports
+            if exc.errno == errno.ENOSPC:
+                self._set_degraded("disk", "the spool's disk is full")
+            LOGGER.debug("could not write the node status: %s", describe(exc))
+        except Exception as exc:  # noqa: BLE001 - the monitor must outlive a bug in the status
+            LOGGER.error("could not write the node status: %s", describe(exc))
+
+
+def _seg_sop(path: Path) -> str | None:
+    """The SOPInstanceUID of a readable DICOM file at ``path``, else None (missing, empty, damaged)."""
+    try:
+        if path.stat().st_size == 0:
+            return None
+        return valid_uid(pydicom.dcmread(path, stop_before_pixels=True).get("SOPInstanceUID"))
+    except Exception:  # noqa: BLE001 - any reason it cannot be read means it cannot be sent
+        return None
+
+

@@ -7,12 +7,22 @@ region covers the label-map values dataset.json lists for it (``"whole": [1, 2]`
 BINARY (the most widely supported SEG type; any number of segments, also more than 255 labels); frames
 follow the source images (one per single-frame file, or the source's frame order for an enhanced
 multi-frame image), so each frame references its source SOP instance.
+
+The SEG copies the patient and study of its source. Sources in the wild miss Type 2 attributes or hold
+values that break their VR (a PatientBirthDate of ``1975-03-01``); highdicom then raises, and its message
+carries the value. So the source headers are made conformant first, on copies: a missing Type 2 attribute
+of the patient and study modules becomes empty, as is allowed, and so does a date, time or sex that is not
+valid (the source files are not changed). highdicom's own warnings echo the patient's name: its logger is
+held at ERROR.
 """
 
 from __future__ import annotations
 
+import copy
+import datetime
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +32,7 @@ import numpy as np
 from pydicom.uid import generate_uid
 
 from nnunet_triton import __version__
+from nnunet_triton.client.dicom.phi import PHI_KEYWORDS, raw_text
 from nnunet_triton.client.dicom.volume import DicomVolume
 from nnunet_triton.client.imageio import atomic_output
 from nnunet_triton.errors import InputValidationError
@@ -30,6 +41,7 @@ __all__ = ["SegmentLabel", "segment_labels", "model_segment_labels", "generic_se
            "write_dicom_seg", "PRIVATE_SCHEME"]
 
 LOGGER = logging.getLogger(__name__)
+logging.getLogger("highdicom").setLevel(logging.ERROR)  # its warnings quote patient names
 PRIVATE_SCHEME = "99NNUNET"  # private coding scheme for label names that have no standard code
 MANUFACTURER = "nnunet_triton"
 
@@ -124,6 +136,59 @@ def _frames_in_source_order(segmentation: np.ndarray, volume: DicomVolume) -> np
     )
 
 
+# Type 2 attributes of the patient and study modules that highdicom's Segmentation reads from its source
+SOURCE_TYPE2 = {"PatientName": "PN", "PatientID": "LO", "PatientBirthDate": "DA", "PatientSex": "CS",
+                "AccessionNumber": "SH", "StudyID": "SH", "StudyDate": "DA", "StudyTime": "TM",
+                "ReferringPhysicianName": "PN"}
+
+
+_TM = re.compile(r"([01][0-9]|2[0-3])([0-5][0-9]([0-5][0-9]|60)?)?(\.[0-9]{1,6})?")
+
+
+def _conforms(vr: str, text: str) -> bool:
+    """Whether ``text`` (one value, as stored) is valid for ``vr``; checked without pydicom's conversion,
+    which would log the value."""
+    from pydicom.config import RAISE
+    from pydicom.valuerep import validate_value
+
+    if text == "":
+        return True
+    if vr == "DA":
+        try:
+            datetime.datetime.strptime(text, "%Y%m%d")
+        except ValueError:
+            return False
+        return len(text) == 8
+    if vr == "TM":
+        return _TM.fullmatch(text) is not None
+    if vr == "CS" and text not in ("M", "F", "O"):
+        return False
+    try:
+        validate_value(vr, text, RAISE)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def conformant_source(ds: Any) -> Any:
+    """A copy of a source header whose patient/study attributes hold valid values: a Type 2 one that is
+    missing or breaks its VR becomes empty, another one that breaks its VR is left out of the copy. Values
+    are read as stored, so no library logs them while they are checked."""
+    from pydicom.datadict import dictionary_VR
+
+    fixed = copy.deepcopy(ds)
+    for keyword in dict.fromkeys([*SOURCE_TYPE2, *PHI_KEYWORDS]):
+        text = raw_text(fixed, keyword)
+        ok = text is not None and all(_conforms(dictionary_VR(keyword), v) for v in text.split("\\"))
+        if ok:
+            continue
+        if keyword in SOURCE_TYPE2:
+            setattr(fixed, keyword, "")
+        elif keyword in fixed:
+            del fixed[keyword]
+    return fixed
+
+
 def write_dicom_seg(
     segmentation: np.ndarray,
     volume: DicomVolume,
@@ -133,8 +198,16 @@ def write_dicom_seg(
     series_number: int = 901,
     algorithm_name: str = "nnU-Net",
     algorithm_version: str = __version__,
+    series_instance_uid: str | None = None,
+    sop_instance_uid: str | None = None,
+    instance_number: int = 1,
+    durable: bool = False,
 ) -> Path:
-    """Write ``segmentation`` (``(z, y, x)``, label values, shaped like ``volume.data``) as DICOM-SEG."""
+    """Write ``segmentation`` (``(z, y, x)``, label values, shaped like ``volume.data``) as DICOM-SEG.
+
+    ``series_instance_uid``/``sop_instance_uid``: the SEG's UIDs (new ones by default); the node keeps
+    them per series, so a retry sends the same instance. ``durable``: fsync before the file appears.
+    """
     import highdicom as hd
     from pydicom.sr.codedict import codes
 
@@ -163,14 +236,14 @@ def write_dicom_seg(
         for s in labels
     ]
     document = hd.seg.Segmentation(
-        source_images=list(volume.datasets),
+        source_images=[conformant_source(volume.datasets[0]), *volume.datasets[1:]],  # patient/study: 1st
         pixel_array=_frames_in_source_order(numbers, volume),
         segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
         segment_descriptions=descriptions,
-        series_instance_uid=generate_uid(),
+        series_instance_uid=series_instance_uid or generate_uid(),
         series_number=series_number,
-        sop_instance_uid=generate_uid(),
-        instance_number=1,
+        sop_instance_uid=sop_instance_uid or generate_uid(),
+        instance_number=instance_number,
         manufacturer=MANUFACTURER,
         manufacturer_model_name=algorithm_name,
         software_versions=algorithm_version,
@@ -179,7 +252,13 @@ def write_dicom_seg(
         content_description=f"{algorithm_name} segmentation",
         omit_empty_frames=bool(numbers.any()),
     )
-    with atomic_output(path, ".dcm") as temp:
-        document.save_as(temp)
+    if durable:
+        from nnunet_triton.client.dicom.spool import durable_output
+
+        with durable_output(Path(path)) as temp:
+            document.save_as(temp)
+    else:
+        with atomic_output(path, ".dcm") as temp:
+            document.save_as(temp)
     LOGGER.debug("wrote DICOM-SEG %s (%d segments, %d frames)", path, len(labels), document.NumberOfFrames)
     return Path(path)

@@ -1,0 +1,199 @@
+"""The receiving side of the DICOM node: pynetdicom's event handlers (association request, data, C-STORE,
+connection closed), as a mixin of :class:`~.node.DicomNode` (it uses the node's config, spool, lock and
+series bookkeeping; see :mod:`.node` for the whole story)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pydicom
+
+from nnunet_triton.client.dicom.access import DEFLATED, REJECT_UNAVAILABLE, Refusal
+from nnunet_triton.client.dicom.phi import describe
+from nnunet_triton.client.dicom.spool import InstanceTooLarge, inflate_deflated
+from nnunet_triton.client.dicom.uids import UID_RULE, valid_uid
+
+__all__ = ["Receiving", "STATUS_SUCCESS", "STATUS_OUT_OF_RESOURCES", "STATUS_CANNOT_UNDERSTAND",
+           "STATUS_SOP_CLASS_NOT_SUPPORTED", "RX_SLACK"]
+
+LOGGER = logging.getLogger("nnunet_triton.client.dicom.node")  # one logger for the node's story
+# C-STORE status codes (PS3.4 Annex B.2.3, PS3.7 C.4)
+STATUS_SUCCESS, STATUS_OUT_OF_RESOURCES, STATUS_CANNOT_UNDERSTAND = 0x0000, 0xA700, 0xC000
+STATUS_SOP_CLASS_NOT_SUPPORTED = 0x0122
+RX_SLACK = 1 << 20  # command set and PDU headers on top of an instance's bytes
+
+
+class Receiving:
+    """pynetdicom handlers of :class:`~.node.DicomNode`; every instance is checked, then kept durably."""
+
+    config: Any
+    spool: Any
+    _lock: Any
+    _pending: dict[str, Any]
+    _study_seen: dict[str, float]
+    _carrying: dict[int, set[str]]
+    _rx_bytes: dict[int, int]
+    _fatal: str | None
+    _server: Any
+
+    # --- associations ------------------------------------------------------------------------------
+    def _on_requested(self, event: Any) -> None:
+        """EVT_REQUESTED: decide the association before pynetdicom negotiates it."""
+        assoc = event.assoc
+        request = assoc.requestor.primitive
+        host = str(assoc.requestor.address)
+        if self._fatal is not None or self._server is None:
+            refusal: Refusal | None = Refusal(REJECT_UNAVAILABLE, "the node is not working (see its status)")
+        else:
+            from_host = sum(1 for a in self._server.active_associations if str(a.requestor.address) == host)
+            refusal = self.config.access.refusal(
+                own_ae=self.config.ae_title, called_ae=str(request.called_ae_title),
+                calling_ae=str(request.calling_ae_title), host=host, listening_host=self.config.host,
+                from_host=from_host)
+        if refusal is None:
+            return
+        LOGGER.warning("refused an association from %s: %s", host, refusal.reason)
+        assoc.acse.send_reject(*refusal.rsd)
+        assoc.is_rejected = True
+        assoc.kill()
+
+    def _on_data(self, event: Any) -> None:
+        """EVT_DATA_RECV: abort an association whose instance grows past ``max_instance_bytes``."""
+        key = id(event.assoc)
+        received = self._rx_bytes.get(key, 0) + len(event.data)
+        self._rx_bytes[key] = received
+        limit = self.config.limits.max_instance_bytes
+        if received > limit + RX_SLACK:
+            self._rx_bytes[key] = -(1 << 62)  # abort once
+            LOGGER.warning("aborted the association from %s: an instance exceeded max_instance_bytes=%d",
+                           event.assoc.requestor.address, limit)
+            event.assoc.abort()
+
+    def _on_closed(self, event: Any) -> None:
+        """EVT_CONN_CLOSE: forget the association; remove the dataset it was sending when it ended."""
+        key = id(event.assoc)
+        self._rx_bytes.pop(key, None)
+        with self._lock:
+            self._carrying.pop(key, None)
+        message = getattr(getattr(event.assoc, "dimse", None), "message", None)
+        partial = getattr(message, "_data_set_file", None)
+        if partial is not None:  # pynetdicom keeps a half-received dataset in a temporary file
+            with contextlib.suppress(OSError):
+                partial.close()
+                os.unlink(partial.name)
+
+    # --- receiving ---------------------------------------------------------------------------------
+    def _on_store(self, event: Any) -> int:
+        self._rx_bytes[id(event.assoc)] = 0
+        try:
+            return self._receive(event)
+        except Exception as exc:  # noqa: BLE001 - one bad instance is refused, the node goes on
+            LOGGER.error("refused an instance from %s: %s", event.assoc.requestor.address, describe(exc))
+            return STATUS_CANNOT_UNDERSTAND
+
+    def _receive(self, event: Any) -> int:
+        if self._fatal is not None:
+            return STATUS_OUT_OF_RESOURCES
+        source = Path(event.dataset_path)  # STORE_RECV_CHUNKED_DATASET: the dataset as it arrived
+        limits = self.spool.limits
+        if source.stat().st_size > limits.max_instance_bytes + RX_SLACK:
+            LOGGER.warning("refused an instance of %d bytes: more than max_instance_bytes=%d",
+                           source.stat().st_size, limits.max_instance_bytes)
+            return STATUS_OUT_OF_RESOURCES
+        staged = self.spool.staging()
+        try:
+            try:
+                self._stage(event, source, staged)
+            except InstanceTooLarge as exc:
+                LOGGER.warning("refused an instance from %s: %s", event.assoc.requestor.address, exc)
+                return STATUS_OUT_OF_RESOURCES
+            except OSError as exc:
+                return self._spool_error("staging a received instance", exc)
+            ids = self._identify(staged, event)
+            if isinstance(ids, int):
+                return ids
+            return self._keep(staged, *ids, assoc_key=id(event.assoc))
+        finally:
+            staged.unlink(missing_ok=True)
+
+    def _stage(self, event: Any, source: Path, staged: Path) -> None:
+        from pydicom.filereader import read_file_meta_info
+
+        if str(event.context.transfer_syntax) == DEFLATED:
+            inflate_deflated(source, staged, limit=self.spool.limits.max_instance_bytes,
+                             file_meta=read_file_meta_info(source))
+        else:
+            shutil.copyfile(source, staged)
+
+    def _identify(self, staged: Path, event: Any) -> tuple[str, str, str] | int:
+        """(study, series, SOP instance UID) of a staged instance, or the status refusing it."""
+        header = pydicom.dcmread(staged, stop_before_pixels=True, defer_size=1 << 16)
+        request = event.request
+        sop, sop_class = valid_uid(header.get("SOPInstanceUID")), valid_uid(header.get("SOPClassUID"))
+        series, study = valid_uid(header.get("SeriesInstanceUID")), valid_uid(header.get("StudyInstanceUID"))
+        broken = [name for name, value in (("SOPInstanceUID", sop), ("SOPClassUID", sop_class),
+                                           ("SeriesInstanceUID", series), ("StudyInstanceUID", study))
+                  if value is None]
+        if broken:
+            LOGGER.warning("refused an instance from %s: %s not %s", event.assoc.requestor.address,
+                           "/".join(broken), UID_RULE)
+            return STATUS_CANNOT_UNDERSTAND
+        if sop != str(request.AffectedSOPInstanceUID) or sop_class != str(request.AffectedSOPClassUID):
+            LOGGER.warning("refused instance %s of series %s: its UIDs differ from the C-STORE request's",
+                           sop, series)
+            return STATUS_CANNOT_UNDERSTAND
+        if sop_class not in self.config.access.storage_classes:
+            LOGGER.warning("refused instance %s of series %s: SOP class %s is not accepted", sop, series,
+                           sop_class)
+            return STATUS_SOP_CLASS_NOT_SUPPORTED
+        return str(study), str(series), str(sop)
+
+    def _keep(self, staged: Path, study: str, series: str, sop: str, *, assoc_key: int) -> int:
+        """Check duplicates, limits and quota, then move the instance into ``incoming/`` durably."""
+        limits = self.spool.limits
+        size = staged.stat().st_size
+        with self._lock:
+            if self.spool.known(series, sop):
+                LOGGER.info("series %s: instance %s is spooled already; not stored again", series, sop)
+                return STATUS_SUCCESS
+            pending = self._pending.get(series)
+            count = pending.count if pending is not None else self.spool.count(series)
+            if count >= limits.max_instances_per_series:
+                LOGGER.warning("refused instance %s of series %s: the series has %d instances, the limit "
+                               "max_instances_per_series", sop, series, count)
+                return STATUS_OUT_OF_RESOURCES
+            if not self.spool.reserve(size):  # the move happens outside the lock
+                self._degraded["quota"] = f"spool quota max_spool_bytes={limits.max_spool_bytes} reached"
+                LOGGER.warning("refused instance %s of series %s: the spool quota of %d bytes is reached",
+                               sop, series, limits.max_spool_bytes)
+                return STATUS_OUT_OF_RESOURCES
+        try:
+            with open(staged, "rb") as handle:
+                os.fsync(handle.fileno())
+            with self._series_lock(series):  # the worker does not clear the folder meanwhile
+                self.spool.move(staged, self.spool.instance(series, sop))
+        except OSError as exc:
+            self.spool.release(size)
+            return self._spool_error(f"spooling instance {sop} of series {series}", exc)
+        now = time.monotonic()
+        with self._lock:
+            self._degraded.pop("disk", None)
+            self._degraded.pop("quota", None)
+            entry = self._pending.setdefault(series, self._new_series(study, now, count))
+            entry.count += 1
+            entry.last_seen = now
+            self._study_seen[study] = now
+            self._carrying.setdefault(assoc_key, set()).add(study)
+        return STATUS_SUCCESS
+
+    def _spool_error(self, what: str, exc: OSError) -> int:
+        reason = f"{what} failed: {os.strerror(exc.errno) if exc.errno else type(exc).__name__}"
+        self._set_degraded("disk", reason)
+        LOGGER.error("could not keep a received instance: %s", reason)
+        return STATUS_OUT_OF_RESOURCES

@@ -1,0 +1,224 @@
+"""``nnunet-triton listen`` (the DICOM node), ``requeue`` and ``node-status``.
+
+    nnunet-triton listen --ae-title NNUNET --port 11112 --spool DIR --destination AET@HOST:PORT|dicomweb://...
+        [--host 127.0.0.1] [--allow AET[@HOST[,HOST]] ...] [--accept-unknown-callers]
+        [--tls-cert F --tls-key F [--tls-ca F] [--tls-require-client-cert]]
+        [--idle-timeout 10] [--retry-window 3600] [--retries N] [--retry-delay 5] [--max-retry-delay 300]
+        [--max-spool-bytes 50G] [--max-instance-bytes 1G] [--max-instances-per-series 5000]
+        [--done-retention 24h] [--failed-retention 7d] [--modality CT] [--url HOST:PORT] ...
+    nnunet-triton requeue --spool DIR [SERIES_UID ...]
+    nnunet-triton node-status --spool DIR [--strict] [--max-age S]
+
+``listen`` exits 0 on SIGTERM/Ctrl-C and 3 when the node cannot go on (its spool gone, its worker dead);
+``node-status`` prints the node's status as JSON and exits 0 when it is healthy (``ok``, or ``degraded``
+without ``--strict``), 1 otherwise: a probe for systemd or Kubernetes (``exec: nnunet-triton
+node-status --spool /var/spool/nnunet``). See docs/clients.md, "Security of the DICOM node".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from nnunet_triton.client.pacs_cli import add_auth_arguments, add_modality_argument, auth_from_args
+from nnunet_triton.errors import InputValidationError
+
+__all__ = ["add_node_parsers", "listen", "run_spool_command", "parse_bytes", "parse_duration"]
+
+LOGGER = logging.getLogger(__name__)
+EXIT_FATAL = 3
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_bytes(text: str) -> int:
+    """``1048576``, ``512M``, ``50G`` (binary units) -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"a size such as 1048576, 512M or 50G, got {text!r}")
+    return int(float(match[1]) * _UNITS[match[2].upper()])
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``24h``, ``7d`` -> seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"a duration such as 90, 30m, 24h or 7d, got {text!r}")
+    return float(match[1]) * _SECONDS[match[2]]
+
+
+def add_node_parsers(sub: Any) -> argparse.ArgumentParser:
+    """``listen`` (returned: the caller adds the endpoint flags), ``requeue`` and ``node-status``."""
+    p = sub.add_parser("listen", help="a DICOM node: receive series (C-STORE), segment them, send the SEG on")
+    p.add_argument("--ae-title", default="NNUNET", help="this node's AE title (default NNUNET)")
+    p.add_argument("--port", type=int, default=11112, help="DICOM port to listen on (11112)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default loopback; 0.0.0.0 for the network, with --allow)")
+    p.add_argument("--spool", type=Path, required=True, help="folder for received and unsent files")
+    p.add_argument("--destination", required=True,
+                   help="where SEGs go: AET@HOST:PORT (C-STORE) or dicomweb://HOST[:PORT]/ROOT")
+    who = p.add_argument_group("who may store")
+    who.add_argument("--allow", action="append", default=[], metavar="AET[@HOST[,HOST]]",
+                     help="a sender: its AE title, optionally the hosts/networks it calls from (repeatable)")
+    who.add_argument("--accept-unknown-callers", action="store_true",
+                     help="accept calling AE titles not given with --allow (the default on loopback only)")
+    who.add_argument("--max-associations", type=int, default=10, help="associations at once (10)")
+    who.add_argument("--max-associations-per-host", type=int, default=4, help="of them from one host (4)")
+    who.add_argument("--accept-all-storage", action="store_true",
+                     help="accept every storage SOP class (default: image storage only)")
+    who.add_argument("--accept-deflate", action="store_true",
+                     help="accept Deflated Explicit VR Little Endian (inflated with --max-instance-bytes)")
+    who.add_argument("--tls-cert", type=Path, default=None, help="DICOM TLS: the node's certificate (PEM)")
+    who.add_argument("--tls-key", type=Path, default=None, help="DICOM TLS: its private key (PEM)")
+    who.add_argument("--tls-ca", type=Path, default=None, help="DICOM TLS: CA bundle for client certificates")
+    who.add_argument("--tls-require-client-cert", action="store_true",
+                     help="DICOM TLS: refuse clients without a certificate signed by --tls-ca")
+    limits = p.add_argument_group("limits and retention")
+    limits.add_argument("--max-spool-bytes", type=parse_bytes, default=parse_bytes("50G"))
+    limits.add_argument("--max-instance-bytes", type=parse_bytes, default=parse_bytes("1G"))
+    limits.add_argument("--max-instances-per-series", type=int, default=5000)
+    limits.add_argument("--done-retention", type=parse_duration, default=parse_duration("24h"),
+                        help="keep a sent series' instances this long, for late instances (24h)")
+    limits.add_argument("--failed-retention", type=parse_duration, default=parse_duration("7d"),
+                        help="keep failed series this long, then delete them (7d)")
+    timing = p.add_argument_group("completeness and retries")
+    timing.add_argument("--idle-timeout", type=parse_duration, default=10.0,
+                        help="seconds without a new instance of the study after which a series is complete")
+    timing.add_argument("--retry-window", type=parse_duration, default=3600.0,
+                        help="keep retrying a series this long after its first failure (1h)")
+    timing.add_argument("--retries", type=int, default=None, help="at most this many retries (default: none)")
+    timing.add_argument("--retry-delay", type=float, default=5.0, help="first retry delay (doubles)")
+    timing.add_argument("--max-retry-delay", type=float, default=300.0, help="longest retry delay (300)")
+    p.add_argument("--disable-tta", action="store_true", help="no test-time mirroring")
+    p.add_argument("--dataset-json", type=Path, default=None,
+                   help="dataset.json naming the segments (when the server does not publish labels)")
+    add_modality_argument(p)
+    add_auth_arguments(p)
+    requeue = sub.add_parser("requeue", help="move failed series of a node's spool back to incoming/")
+    requeue.add_argument("--spool", type=Path, required=True)
+    requeue.add_argument("series", nargs="*", help="SeriesInstanceUIDs (default: every failed series)")
+    status = sub.add_parser("node-status", help="the DICOM node's health (exit 0 healthy, 1 not)")
+    status.add_argument("--spool", type=Path, required=True)
+    status.add_argument("--strict", action="store_true", help="'degraded' counts as unhealthy (readiness)")
+    status.add_argument("--max-age", type=float, default=None, help="seconds a status may be old")
+    return p
+
+
+def run_spool_command(args: argparse.Namespace) -> int:
+    """``requeue`` and ``node-status``."""
+    from nnunet_triton.client.dicom.node import read_status, requeue
+
+    if args.command == "requeue":
+        if not (args.spool / "failed").is_dir():
+            raise InputValidationError(f"{args.spool} is not a node spool (no failed/ folder).")
+        moved = requeue(args.spool, args.series)
+        sys.stderr.write(f"nnunet-triton: requeued {len(moved)} series\n")
+        for uid in moved:
+            sys.stdout.write(uid + "\n")
+        return 0
+    healthy, status = read_status(args.spool, max_age_s=args.max_age)
+    if args.strict and status.get("state") == "degraded":
+        healthy = False
+    sys.stdout.write(json.dumps(status, indent=1, sort_keys=True) + "\n")
+    return 0 if healthy else 1
+
+
+def _redact_logs() -> None:
+    """Route warnings through logging and mask patient data in every record of pydicom and friends."""
+    from nnunet_triton.client.dicom.phi import RedactingFilter
+
+    logging.captureWarnings(True)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
+    logging.getLogger("pynetdicom").setLevel(logging.WARNING)  # its INFO/DEBUG output dumps datasets
+
+
+def _access(args: argparse.Namespace) -> Any:
+    from nnunet_triton.client.dicom.access import (
+        DEFLATED,
+        UNCOMPRESSED,
+        AccessPolicy,
+        TlsConfig,
+        parse_peer,
+    )
+
+    storage: tuple[str, ...] | None = None
+    if args.accept_all_storage:
+        from pynetdicom.sop_class import _STORAGE_CLASSES
+
+        storage = tuple(_STORAGE_CLASSES.values())
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise InputValidationError("DICOM TLS needs both --tls-cert and --tls-key.")
+        tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_require_client_cert)
+    extra = {"storage_classes": storage} if storage else {}
+    return AccessPolicy(
+        peers=tuple(parse_peer(p) for p in args.allow),
+        accept_unknown=True if args.accept_unknown_callers else None, tls=tls,
+        transfer_syntaxes=(*UNCOMPRESSED, DEFLATED) if args.accept_deflate else UNCOMPRESSED,
+        max_associations=args.max_associations, max_associations_per_host=args.max_associations_per_host,
+        **extra)
+
+
+def listen(args: argparse.Namespace, url: str) -> int:
+    """Run the DICOM node until SIGTERM or Ctrl-C (0), or until it cannot go on (3)."""
+    from nnunet_triton.client.client import NnunetClient
+    from nnunet_triton.client.dicom.modality import modality_rule
+    from nnunet_triton.client.dicom.node import DicomNode, NodeConfig, parse_destination
+    from nnunet_triton.client.dicom.seg import model_segment_labels
+    from nnunet_triton.client.dicom.spool import SpoolLimits
+    from nnunet_triton.client.endpoint import describe_endpoint, segment_with_retry
+
+    _redact_logs()
+    access = _access(args)
+    access.check_listening(args.host)  # before anything is asked of the endpoint
+    destination = parse_destination(args.destination, calling_ae=args.ae_title, auth=auth_from_args(args),
+                                     allow_http=args.dicomweb_allow_http)
+    description = describe_endpoint(url, args.protocol, timeout_s=min(args.timeout, 60.0))
+    rule = modality_rule(description, args.modality)
+    if rule.allowed is None:
+        LOGGER.warning("the model's channel names do not say which Modality it takes: every image series is "
+                       "segmented (--modality CT restricts it)")
+    client = NnunetClient(url, protocol=args.protocol, timeout_s=args.timeout)  # for the node's one worker
+
+    def segment(volume: Any) -> Any:
+        case = volume.image_case()
+        result = segment_with_retry(client, case.data, case.spacing, mirroring=not args.disable_tta)
+        return result.segmentation
+
+    limits = SpoolLimits(max_spool_bytes=args.max_spool_bytes, max_instance_bytes=args.max_instance_bytes,
+                         max_instances_per_series=args.max_instances_per_series,
+                         done_retention_s=args.done_retention, failed_retention_s=args.failed_retention)
+    node = DicomNode(NodeConfig(
+        ae_title=args.ae_title, port=args.port, host=args.host, spool=args.spool, destination=destination,
+        segment=segment, labels=model_segment_labels(description, args.dataset_json) or None,
+        idle_timeout_s=args.idle_timeout, retries=args.retries, retry_delay_s=args.retry_delay,
+        max_retry_delay_s=args.max_retry_delay, retry_window_s=args.retry_window, access=access,
+        limits=limits, modalities=rule))
+    stopped = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    node.start()
+    sys.stderr.write(f"nnunet-triton: listening as {args.ae_title} on {args.host}:{args.port}"
+                     f"{' (TLS)' if access.tls else ''}, spool {args.spool}, sending to {args.destination}\n")
+    sys.stderr.flush()
+    try:
+        while not stopped.wait(0.5) and node.fatal is None:
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        node.stop()
+        client.close()
+        signal.signal(signal.SIGTERM, previous)
+    if node.fatal is not None:
+        sys.stderr.write(f"nnunet-triton: the DICOM node stopped: {node.fatal}\n")
+        return EXIT_FATAL
+    return 0
