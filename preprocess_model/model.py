@@ -41,7 +41,7 @@ from nnunet_triton.numerics._xp import to_numpy
 from nnunet_triton.numerics.limits import check_voxel_limit
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.preprocess import preprocess_case
-from nnunet_triton.options import parse_request_options
+from nnunet_triton.options import RequestOptions
 from nnunet_triton.parameters import PreprocessParameters
 
 
@@ -67,7 +67,7 @@ class TritonPythonModel:
 
     def _run(self, request: object, record: serving.RequestRecord) -> object:
         try:
-            parse_request_options(serving.request_parameters(request), self._config)
+            RequestOptions.from_parameters(serving.request_parameters(request), self._config)
             image = serving.image_array(request)  # IMAGE or IMAGE_<dtype>; preprocess_case casts to float32
             check_voxel_limit(io_names.IMAGE, image.shape, self._limits["max_voxels"])
             spacing = to_numpy(serving.input_array(request, io_names.SPACING))  # on the host

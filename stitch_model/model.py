@@ -41,7 +41,7 @@ from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.postprocessing import apply_postprocessing, load_deployed_postprocessing
 from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
 from nnunet_triton.numerics.preprocess import CaseProperties
-from nnunet_triton.options import ProbabilitiesOutput, parse_request_options
+from nnunet_triton.options import ProbabilitiesOutput, RequestOptions
 from nnunet_triton.parameters import StitchParameters
 
 
@@ -76,7 +76,7 @@ class TritonPythonModel:
 
     def _run(self, request: Any, record: serving.RequestRecord) -> Any:
         try:
-            options = parse_request_options(serving.request_parameters(request), self._config)
+            options = RequestOptions.from_parameters(serving.request_parameters(request), self._config)
             logits = self._device.array(
                 serving.input_array(request, io_names.LOGITS, on_host=self._device.watch(record)))
             props = CaseProperties.from_array(  # a few numbers: read on the host wherever they arrive

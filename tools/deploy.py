@@ -243,7 +243,7 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
 
 def _undeploy(args: argparse.Namespace) -> int:
     if args.target == "embedded":
-        from nnunet_triton.server import embedded_cli
+        from nnunet_triton.cli import serve as embedded_cli
         from nnunet_triton.server.triton_install import resolve_home
 
         (resolve_home(None) / "run" / DEPLOYED_FILE).unlink(missing_ok=True)

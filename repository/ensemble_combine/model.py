@@ -26,7 +26,7 @@ from nnunet_triton.errors import NnunetTritonError, PlansError
 from nnunet_triton.numerics.ensembling import average_probabilities, segmentation_from_probabilities
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.postprocessing import apply_postprocessing, load_deployed_postprocessing
-from nnunet_triton.options import parse_request_options
+from nnunet_triton.options import RequestOptions
 
 
 def _member_inputs(model_config: dict[str, Any]) -> list[str]:
@@ -61,7 +61,7 @@ class TritonPythonModel:
 
     def _run(self, request: Any, record: serving.RequestRecord) -> Any:
         try:
-            options = parse_request_options(serving.request_parameters(request), self._config)
+            options = RequestOptions.from_parameters(serving.request_parameters(request), self._config)
             members = [serving.input_array(request, n) for n in self._inputs]
             with record.timed():
                 probabilities = average_probabilities(members)

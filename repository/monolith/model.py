@@ -5,7 +5,7 @@ What a user would write without this project: one Python model whose ``execute``
 request, on CPU. It exists to be benchmarked against the ``nnunet`` ensemble (tools/perf), so it has
 the endpoint's I/O (IMAGE FP32 [C, z, y, x], SPACING FP64 [3] -> SEGMENTATION, PROBABILITIES only when
 asked) and reads the same request parameters (``mirroring``, ``tile_step_size``, ``folds``,
-``probabilities``, validated by ``nnunet_triton.pipeline.orchestration.parse_request_options``). Requests run
+``probabilities``, validated by ``nnunet_triton.options.RequestOptions.from_parameters``). Requests run
 one after another per instance: preprocessing, every fold's sliding window and the export share one
 thread of control, as in nnU-Net.
 
@@ -28,7 +28,7 @@ import numpy as np
 from nnunet_triton import io_names, serving
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.numerics.plans import InferenceConfig
-from nnunet_triton.options import parse_request_options
+from nnunet_triton.options import RequestOptions
 from nnunet_triton.parameters import FoldRunnerParameters
 
 MODEL_DIR = "nnunet_model"
@@ -76,7 +76,7 @@ class TritonPythonModel:
         return responses
 
     def _segment(self, request: Any) -> Any:
-        options = parse_request_options(serving.request_parameters(request), self._config)
+        options = RequestOptions.from_parameters(serving.request_parameters(request), self._config)
         image = serving.input_array(request, io_names.IMAGE)  # nnU-Net's preprocessing copies it
         spacing = serving.input_array(request, io_names.SPACING)
         predictor = self._predictor

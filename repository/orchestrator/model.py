@@ -43,7 +43,7 @@ from nnunet_triton.errors import NnunetTritonError, PlansError, RequestCancelled
 from nnunet_triton.numerics.gaussian import compute_gaussian
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.sliding_window import mirror_combinations
-from nnunet_triton.options import RequestOptions, parse_request_options
+from nnunet_triton.options import RequestOptions
 from nnunet_triton.parameters import PARAM_FOLD_MODELS, OrchestratorParameters
 from nnunet_triton.pipeline.orchestration import predict_folds_async
 
@@ -84,7 +84,7 @@ class TritonPythonModel:
 
     async def _run(self, request: Any, record: serving.RequestRecord) -> Any:
         try:
-            options = parse_request_options(serving.request_parameters(request), self._config)
+            options = RequestOptions.from_parameters(serving.request_parameters(request), self._config)
             data = self._device.tensor(serving.input_array(request, io_names.PREPROCESSED, xp=self._torch,
                                                            on_host=self._device.watch(record)))
             with record.timed():

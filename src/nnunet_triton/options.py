@@ -1,4 +1,4 @@
-"""The per-request options of the ``nnunet`` endpoint: their names, defaults and one parser.
+"""The per-request options of the ``nnunet`` endpoint: one type, their names, defaults and parser.
 
 They travel as Triton *request parameters*: Triton 2.51 ensembles forward a request's parameters
 unchanged to every composing model (checked on the embedded server over HTTP and gRPC), so the client
@@ -33,7 +33,6 @@ __all__ = [
     "check_tile_step_size",
     "parse_bool",
     "parse_int",
-    "parse_request_options",
     "parse_fold_ids",
 ]
 
@@ -112,23 +111,96 @@ def check_tile_step_size(tile_step_size: Any) -> float:
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """Per-request options after validation.
+    """The per-request options of the ``nnunet`` endpoint: one name and one default each, one type for
+    the client, the CLI, validate and every server step.
+
+    The client sends :meth:`to_parameters` as Triton request parameters; every step of the pipeline
+    reads them back with :meth:`from_parameters`, which validates the wire values and resolves ``folds``
+    against the deployed model.
 
     Attributes:
-        mirroring: test-time mirroring over the checkpoint's allowed axes (no-op if there are none).
+        mirroring: test-time mirroring over the checkpoint's allowed axes (no-op if there are none);
+            nnU-Net's ``use_mirroring``.
         tile_step_size: sliding-window step as a fraction of the patch size, in (0, 1].
-        folds: fold ids to run, in averaging order (a subset of the deployed folds).
+        folds: fold ids to run, in averaging order (a subset of the deployed folds); None = every
+            deployed fold (resolved by :meth:`from_parameters`).
         probabilities: return PROBABILITIES (softmax/sigmoid, float32) next to SEGMENTATION.
         postprocessing: apply the repository's postprocessing (nnU-Net's ``postprocessing.pkl``) to
             SEGMENTATION; no effect when none was deployed. PROBABILITIES are never postprocessed (as in
             nnU-Net).
+
+    Raises:
+        InputValidationError: a value breaking its rule (named with the value).
     """
 
-    mirroring: bool
-    tile_step_size: float
-    folds: tuple[Fold, ...]
-    probabilities: bool
+    mirroring: bool = True
+    tile_step_size: float = DEFAULT_TILE_STEP_SIZE
+    folds: tuple[Fold, ...] | None = None
+    probabilities: bool = False
     postprocessing: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (OPTION_MIRRORING, OPTION_PROBABILITIES, OPTION_POSTPROCESSING):
+            object.__setattr__(self, name, parse_bool(name, getattr(self, name), what="option"))
+        object.__setattr__(self, OPTION_TILE_STEP_SIZE, check_tile_step_size(self.tile_step_size))
+        if self.folds is not None:
+            object.__setattr__(self, OPTION_FOLDS, _fold_selection(self.folds))
+
+    def to_parameters(self) -> dict[str, Any]:
+        """The Triton request parameters that carry these options (``folds`` as ``"0,1"``, or absent)."""
+        params: dict[str, Any] = {OPTION_MIRRORING: self.mirroring,
+                                  OPTION_TILE_STEP_SIZE: self.tile_step_size,
+                                  OPTION_PROBABILITIES: self.probabilities,
+                                  OPTION_POSTPROCESSING: self.postprocessing}
+        if self.folds is not None:
+            params[OPTION_FOLDS] = ",".join(str(f) for f in self.folds)
+        return params
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plain JSON values (reports, recorded reference sets)."""
+        return {OPTION_FOLDS: [str(f) for f in self.folds] if self.folds is not None else None,
+                OPTION_MIRRORING: self.mirroring, OPTION_TILE_STEP_SIZE: self.tile_step_size,
+                OPTION_PROBABILITIES: self.probabilities, OPTION_POSTPROCESSING: self.postprocessing}
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, Any], config: InferenceConfig) -> RequestOptions:
+        """Validate the request parameters of one ``nnunet`` request against the deployed model.
+
+        Args:
+            params: ``json.loads(request.parameters())``; every key must be one of :data:`KNOWN_OPTIONS`
+                (an unknown key is almost always a typo that would otherwise be ignored silently).
+            config: the deployed model; its ``folds`` are the selectable folds (and the default).
+
+        Raises:
+            InputValidationError: unknown option or a value breaking its rule (the message names both).
+        """
+        unknown = sorted(set(params) - set(KNOWN_OPTIONS))
+        if unknown:
+            raise InputValidationError(
+                f"unknown request parameters {unknown}; supported: {list(KNOWN_OPTIONS)}."
+            )
+        step: Any = params.get(OPTION_TILE_STEP_SIZE, DEFAULT_TILE_STEP_SIZE)
+        if isinstance(step, bool) or not isinstance(step, int | float | str):
+            raise InputValidationError(f"request parameter {OPTION_TILE_STEP_SIZE!r} must be a number in "
+                                       f"(0, 1], got {step!r}.")
+        try:
+            step = check_tile_step_size(step)
+        except InputValidationError:
+            raise InputValidationError(
+                f"request parameter {OPTION_TILE_STEP_SIZE!r} must be a number in (0, 1], got {step!r}."
+            ) from None
+        folds = (parse_fold_ids(params[OPTION_FOLDS], config.folds) if OPTION_FOLDS in params
+                 else tuple(config.folds))
+        defaults = cls()
+        return cls(
+            mirroring=parse_bool(OPTION_MIRRORING, params.get(OPTION_MIRRORING, defaults.mirroring)),
+            tile_step_size=step,
+            folds=folds,
+            probabilities=parse_bool(OPTION_PROBABILITIES, params.get(OPTION_PROBABILITIES,
+                                                                      defaults.probabilities)),
+            postprocessing=parse_bool(OPTION_POSTPROCESSING, params.get(OPTION_POSTPROCESSING,
+                                                                        defaults.postprocessing)),
+        )
 
 
 def _fold_id(token: Any) -> Fold:
@@ -144,11 +216,11 @@ def _fold_id(token: Any) -> Fold:
     raise ValueError(token)
 
 
-def parse_fold_ids(value: Any, available: Sequence[Fold], *, name: str = OPTION_FOLDS) -> tuple[Fold, ...]:
-    """Parse a fold selection (``"0,1"``, ``"all"``, ``1`` or a sequence) against the deployed folds.
+def _fold_selection(value: Any, *, name: str = OPTION_FOLDS) -> tuple[Fold, ...]:
+    """A fold selection's syntax (``"0,1"``, ``"all"``, ``1`` or a sequence): ids, at least one, no twice.
 
     Raises:
-        InputValidationError: empty, malformed, duplicate or not-deployed folds.
+        InputValidationError: empty, malformed or duplicate folds.
     """
     tokens = value.split(",") if isinstance(value, str) else (
         list(value) if isinstance(value, list | tuple) else [value]
@@ -167,6 +239,16 @@ def parse_fold_ids(value: Any, available: Sequence[Fold], *, name: str = OPTION_
         raise InputValidationError(
             f"request parameter {name!r} lists folds {duplicates} twice, got {value!r}."
         )
+    return folds
+
+
+def parse_fold_ids(value: Any, available: Sequence[Fold], *, name: str = OPTION_FOLDS) -> tuple[Fold, ...]:
+    """Parse a fold selection (``"0,1"``, ``"all"``, ``1`` or a sequence) against the deployed folds.
+
+    Raises:
+        InputValidationError: empty, malformed, duplicate or not-deployed folds.
+    """
+    folds = _fold_selection(value, name=name)
     missing = [f for f in folds if f not in tuple(available)]
     if missing:
         raise InputValidationError(
@@ -174,41 +256,3 @@ def parse_fold_ids(value: Any, available: Sequence[Fold], *, name: str = OPTION_
             f"got {value!r}."
         )
     return folds
-
-
-def parse_request_options(params: Mapping[str, Any], config: InferenceConfig) -> RequestOptions:
-    """Validate the request parameters of one ``nnunet`` request.
-
-    Args:
-        params: ``json.loads(request.parameters())``; every key must be one of :data:`KNOWN_OPTIONS`
-            (an unknown key is almost always a typo that would otherwise be ignored silently).
-        config: the deployed model; its ``folds`` are the selectable folds.
-
-    Raises:
-        InputValidationError: unknown option or a value breaking its rule (the message names both).
-    """
-    unknown = sorted(set(params) - set(KNOWN_OPTIONS))
-    if unknown:
-        raise InputValidationError(
-            f"unknown request parameters {unknown}; supported: {list(KNOWN_OPTIONS)}."
-        )
-    step: Any = params.get(OPTION_TILE_STEP_SIZE, DEFAULT_TILE_STEP_SIZE)
-    if isinstance(step, bool) or not isinstance(step, int | float | str):
-        raise InputValidationError(f"request parameter {OPTION_TILE_STEP_SIZE!r} must be a number in (0, 1], "
-                                   f"got {step!r}.")
-    try:
-        step = check_tile_step_size(step)
-    except InputValidationError:
-        raise InputValidationError(
-            f"request parameter {OPTION_TILE_STEP_SIZE!r} must be a number in (0, 1], got {step!r}."
-        ) from None
-    folds = (
-        parse_fold_ids(params[OPTION_FOLDS], config.folds) if OPTION_FOLDS in params else tuple(config.folds)
-    )
-    return RequestOptions(
-        mirroring=parse_bool(OPTION_MIRRORING, params.get(OPTION_MIRRORING, True)),
-        tile_step_size=step,
-        folds=folds,
-        probabilities=parse_bool(OPTION_PROBABILITIES, params.get(OPTION_PROBABILITIES, False)),
-        postprocessing=parse_bool(OPTION_POSTPROCESSING, params.get(OPTION_POSTPROCESSING, True)),
-    )

@@ -12,9 +12,10 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from nnunet_triton.builder import build_inputs, repository_cli
+from nnunet_triton.builder import build_inputs
 from nnunet_triton.builder import repository as build
 from nnunet_triton.builder.model_specs import BuildOptions
+from nnunet_triton.cli import build as repository_cli
 from nnunet_triton.errors import ExportError, PlansError, UnsupportedModelError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nnunet_triton.builder import fold_network, torchscript_cli
+from nnunet_triton.builder import fold_network
 from nnunet_triton.builder import torchscript as export
+from nnunet_triton.cli import export as torchscript_cli
 from nnunet_triton.errors import ExportError, UnsupportedModelError
 from nnunet_triton.pipeline.fold_runner import load_runner
 from nnunet_triton.validate.oracle import nnunet_predictor

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nnunet_triton.options import RequestOptions
 from nnunet_triton.validate.report import write_report
-from nnunet_triton.validate.run import RequestOptions, Thresholds, ValidationResult, run_validation
+from nnunet_triton.validate.run import Thresholds, ValidationResult, run_validation
 
 
 def _chromium() -> str:

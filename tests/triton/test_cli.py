@@ -45,7 +45,7 @@ def _env() -> dict[str, str]:
 
 
 def _command(server, *args: str) -> list[str]:
-    return [sys.executable, "-m", "nnunet_triton.client.cli", *args[:1], "--url", server.http_url, *args[1:]]
+    return [sys.executable, "-m", "nnunet_triton.cli", *args[:1], "--url", server.http_url, *args[1:]]
 
 
 def _cli(server, *args: str) -> subprocess.CompletedProcess[str]:
@@ -282,7 +282,7 @@ def test_predict_exits_2_with_clear_message_when_server_is_unreachable(tmp_path)
         [
             sys.executable,
             "-m",
-            "nnunet_triton.client.cli",
+            "nnunet_triton.cli",
             "predict",
             "-i",
             str(tmp_path / "in"),
@@ -321,7 +321,7 @@ def test_concurrent_predict_writes_the_same_files_as_a_sequential_run_and_report
 
 def test_concurrency_default_comes_from_the_orchestrator_instances_and_bad_values_are_refused(
         server, tmp_path):
-    from nnunet_triton.client.cli import default_concurrency
+    from nnunet_triton.cli.predict import default_concurrency
     from nnunet_triton.client.endpoint import describe_endpoint
 
     description = describe_endpoint(server.http_url)

@@ -34,7 +34,7 @@ def _env() -> dict[str, str]:
 
 
 def _command(url: str, source: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "nnunet_triton.client.cli", "predict", "--url", url, "-i", str(source),
+    return [sys.executable, "-m", "nnunet_triton.cli", "predict", "--url", url, "-i", str(source),
             "-o", str(out), "--disable-tta", "-f", *map(str, FOLDS), *extra]
 
 

@@ -21,9 +21,9 @@ import tritonclient.http as httpclient
 from tritonclient.utils import np_to_triton_dtype
 
 from nnunet_triton.builder import config_gen
+from nnunet_triton.cli import serve as embedded_cli
 from nnunet_triton.errors import ServerError
 from nnunet_triton.server import embedded as embedded_server
-from nnunet_triton.server import embedded_cli
 
 FLOAT_SPECIALS = np.array(
     [0.0, -0.0, np.inf, -np.inf, np.finfo(np.float32).tiny / 4, -np.finfo(np.float32).max, 1e-45, -1e-45],

@@ -196,7 +196,7 @@ def test_cli_writes_postprocessed_segmentations_unless_disable_postprocessing(
         ("pp", [], apply_postprocessing(raw, [largest] * len(PP_KWARGS), PP_KWARGS)),
         ("raw", ["--disable-postprocessing"], raw),
     ):
-        command = [sys.executable, "-m", "nnunet_triton.client.cli", "predict", "--url", server.http_url,
+        command = [sys.executable, "-m", "nnunet_triton.cli", "predict", "--url", server.http_url,
                    "-i", str(tmp_path / "in"), "-o", str(tmp_path / out), "--disable-tta", *flags]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
         assert result.returncode == 0, result.stderr

@@ -181,7 +181,7 @@ def test_killed_tritonserver_is_reported_not_running_its_leftovers_removed_and_a
     workstation; the watchdog removes what it leaves behind, ``status`` says so, a new start serves."""
     import json
 
-    from nnunet_triton.server import embedded_cli
+    from nnunet_triton.cli import serve as embedded_cli
 
     args = ["--home", str(tmp_path / "home")]
     start = [*args, "start", "--model-repository", str(identity_model_repository)]

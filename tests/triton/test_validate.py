@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from pipeline_support import ANISO, SYNTHCT, model_dir, shared_server
 
-from nnunet_triton.client import cli
+from nnunet_triton import cli
+from nnunet_triton.client.jobs import collect_jobs
 
 FAST = ["--disable-tta"]
 LABELS = [(1, "organ"), (2, "lesion")]
@@ -86,16 +87,16 @@ def test_validate_fails_with_nnunets_numbers_when_the_deployment_differs(server,
     """The endpoint asked for fold 0 only, nnU-Net for both folds: the report's Dice is the Dice of those
     two label maps, computed here independently."""
     from nnunet_triton.client.client import NnunetClient
+    from nnunet_triton.options import RequestOptions
     from nnunet_triton.validate.compare import compare_case
     from nnunet_triton.validate.run import (
         NnunetReference,
-        RequestOptions,
         Thresholds,
         ValidationResult,
         run_validation,
     )
 
-    jobs = cli.collect_jobs(model_dir(SYNTHCT).parent / "imagesTs")
+    jobs = collect_jobs(model_dir(SYNTHCT).parent / "imagesTs")
     options = RequestOptions(folds=("0", "1"), mirroring=False)
     result = ValidationResult(title="t", options=options, thresholds=Thresholds(min_dice=0.9999),
                               reference_kind="nnU-Net", deployment={}, total=len(jobs))

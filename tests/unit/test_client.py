@@ -12,19 +12,16 @@ import numpy as np
 import pytest
 
 import nnunet_triton
-from nnunet_triton.client.client import NnunetClient, _as_image, request_parameters
+from nnunet_triton.client.client import NnunetClient, _as_image
 from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError
 
 
-def test_request_parameters_sends_only_given_options_with_wire_types():
-    assert request_parameters() == {"mirroring": True, "probabilities": False}
-    assert request_parameters(mirroring=False, tile_step_size=1, folds=[0, "all"], probabilities=True) == {
-        "mirroring": False,
-        "probabilities": True,
-        "tile_step_size": 1.0,
-        "folds": "0,all",
-    }
-    assert request_parameters(folds=1)["folds"] == "1"
+def test_segment_refuses_an_unknown_option_before_contacting_the_server():
+    with NnunetClient("127.0.0.1:1", timeout_s=1) as client:
+        with pytest.raises(TypeError, match="mirorring"):
+            client.segment(np.zeros((1, 4, 4, 4), np.float32), (1.0, 1.0, 1.0), mirorring=False)
+        with pytest.raises(InputValidationError, match=r"tile_step_size must be in \(0, 1\]"):
+            client.segment(np.zeros((1, 4, 4, 4), np.float32), (1.0, 1.0, 1.0), tile_step_size=0)
 
 
 def test_as_image_casts_to_contiguous_float32_and_adds_channel_axis_when_single_channel():

@@ -12,9 +12,10 @@ import os
 import pydicom
 import pytest
 
-from nnunet_triton.client import cli
+from nnunet_triton.cli import predict as cli
 from nnunet_triton.client.dicom import volume as dicom
 from nnunet_triton.client.dicom.uids import UnsafeIdentifierError, child_path, require_uid, valid_uid
+from nnunet_triton.client.jobs import Job, collect_jobs
 
 try:
     from . import dicom_support as support
@@ -65,7 +66,7 @@ def test_scan_folder_refuses_instances_with_a_traversal_series_uid_and_keeps_the
     _set_series_uid(bad.files, "../../x")
 
     scan = dicom.scan_folder(tmp_path / "in")
-    jobs = cli.collect_jobs(tmp_path / "in")
+    jobs = collect_jobs(tmp_path / "in")
 
     assert [s.uid for s in scan.series] == [good.series_uid]
     rule = "SeriesInstanceUID is not a DICOM UID (digits in dot-separated components, at most 64 characters)"
@@ -90,13 +91,13 @@ def test_case_name_and_outputs_refuse_a_series_uid_that_would_leave_the_output_f
     series = support.write_ct_series(tmp_path / "in", n_slices=2)
     found = dicom.scan_folder(tmp_path / "in").series[0]
     forged = dicom.SeriesFiles("../../x", found.headers)  # what the reader built before the rule
-    args = argparse.Namespace(output_format="nifti", save_probabilities=True)
+    args = argparse.Namespace(output_format="nifti", probabilities=True)
 
     with pytest.raises(UnsafeIdentifierError, match=r"SeriesInstanceUID of .* must be a DICOM UID"):
         dicom.case_name(forged)
     with pytest.raises(UnsafeIdentifierError, match="would leave the folder"):
-        cli._outputs(tmp_path / "out", cli.Job("../../x", lambda: None, is_dicom=True), args)
-    assert cli._outputs(tmp_path / "out", cli.Job(series.series_uid, lambda: None, is_dicom=True), args) == [
+        cli._outputs(tmp_path / "out", Job("../../x", lambda: None, is_dicom=True), args)
+    assert cli._outputs(tmp_path / "out", Job(series.series_uid, lambda: None, is_dicom=True), args) == [
         tmp_path / "out" / f"{series.series_uid}.nii.gz", tmp_path / "out" / f"{series.series_uid}.npz"]
     assert not any(p.name.startswith("x") for p in tmp_path.parent.iterdir())
     assert os.listdir(tmp_path) == ["in"]

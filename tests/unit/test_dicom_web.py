@@ -18,7 +18,7 @@ from pathlib import Path
 import pydicom
 import pytest
 
-from nnunet_triton.client import cli
+from nnunet_triton import cli
 from nnunet_triton.client.dicom.modality import ModalityRule, expected_modalities
 from nnunet_triton.client.dicom.uids import UnsafeIdentifierError
 from nnunet_triton.client.dicom.web import DicomWebAuth, DicomWebLocation, fetch_study

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from nnunet_triton import parameters
-from nnunet_triton.client import cli, endpoint
+from nnunet_triton.client import endpoint
 from nnunet_triton.client.endpoint import EndpointDescription
-from nnunet_triton.errors import ClientError, InputValidationError
+from nnunet_triton.errors import ClientError
 
 try:
-    from . import dicom_support, parity_support
+    from . import parity_support
 except ImportError:
-    import dicom_support
     import parity_support
 
 
@@ -25,8 +23,8 @@ class FlakyClient:
     def __init__(self, statuses):
         self.statuses, self.calls = list(statuses), []
 
-    def segment(self, image, spacing, **options):
-        self.calls.append(options)
+    def segment(self, image, spacing, options=None, **overrides):
+        self.calls.append(overrides)
         if self.statuses:
             raise ClientError("busy", status=self.statuses.pop(0))
         return "ok"
@@ -54,7 +52,7 @@ class DeadModelClient:
     def __init__(self, status, message):
         self.error, self.calls = ClientError(message, status=status), 0
 
-    def segment(self, image, spacing, **options):
+    def segment(self, image, spacing, options=None, **overrides):
         self.calls += 1
         if self.calls == 1:
             raise self.error
@@ -128,31 +126,3 @@ def test_endpoint_description_uses_published_labels():
     assert description.labels == {"background": 0, "liver": 1, "tumor": 2}
     assert description.file_ending == ".nrrd"
     assert 'file_ending     ".nrrd"' in endpoint.format_description(description)
-
-
-def test_collect_jobs_finds_channel_siblings_when_input_is_one_file(tmp_path):
-    import SimpleITK as sitk
-
-    for channel in range(2):
-        sitk.WriteImage(
-            sitk.GetImageFromArray(np.full((2, 3, 4), channel, np.int16)),
-            str(tmp_path / f"case_{channel:04d}.nii.gz"),
-        )
-    (jobs,) = cli.collect_jobs(tmp_path / "case_0000.nii.gz")
-    image, volume = jobs.load()
-    assert (jobs.name, jobs.is_dicom, volume) == ("case", False, None)
-    np.testing.assert_array_equal(image.data[:, 0, 0, 0], [0.0, 1.0])
-
-
-def test_collect_jobs_makes_one_job_per_dicom_series(tmp_path):
-    first = dicom_support.write_ct_series(tmp_path / "a", n_slices=2)
-    second = dicom_support.write_ct_series(tmp_path / "b", n_slices=3, seed=1)
-    jobs = cli.collect_jobs(tmp_path)
-    assert sorted(j.name for j in jobs) == sorted([first.series_uid, second.series_uid])
-    assert all(j.is_dicom for j in jobs)
-
-
-def test_collect_jobs_raises_when_folder_has_neither_images_nor_dicom(tmp_path):
-    (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(InputValidationError, match="no images .* and no DICOM image series"):
-        cli.collect_jobs(tmp_path)

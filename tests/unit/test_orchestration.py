@@ -1,4 +1,4 @@
-"""Per-request options, batching plan and the async per-fold loop of the BLS orchestrator."""
+"""Batching plan and the async per-fold loop of the BLS orchestrator."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from nnunet_triton.errors import InputValidationError, SubmodelError
+from nnunet_triton.errors import SubmodelError
 from nnunet_triton.numerics.sliding_window import (
     TileItem,
     average_folds,
@@ -17,65 +17,7 @@ from nnunet_triton.numerics.sliding_window import (
     plan_tile_batches,
     predict_sliding_window,
 )
-from nnunet_triton.options import RequestOptions, parse_fold_ids, parse_request_options
 from nnunet_triton.pipeline.orchestration import predict_fold_async, predict_folds_async
-
-CONFIG = SimpleNamespace(folds=(0, 1, "all"))
-
-
-# --- options -------------------------------------------------------------------------------------
-
-
-def test_parse_request_options_returns_nnunet_defaults_when_no_parameters():
-    assert parse_request_options({}, CONFIG) == RequestOptions(
-        mirroring=True, tile_step_size=0.5, folds=(0, 1, "all"), probabilities=False
-    )
-
-
-def test_parse_request_options_reads_every_option_when_given_typed_values():
-    params = {"mirroring": False, "tile_step_size": 0.75, "folds": "1,0", "probabilities": True}
-    assert parse_request_options(params, CONFIG) == RequestOptions(
-        mirroring=False, tile_step_size=0.75, folds=(1, 0), probabilities=True
-    )
-
-
-def test_parse_request_options_accepts_strings_and_ints_when_sent_by_curl_or_perf_analyzer():
-    params = {"mirroring": "FALSE", "tile_step_size": 1, "folds": 1, "probabilities": "true"}
-    assert parse_request_options(params, CONFIG) == RequestOptions(
-        mirroring=False, tile_step_size=1.0, folds=(1,), probabilities=True
-    )
-
-
-def test_parse_request_options_accepts_fold_all_when_deployed():
-    assert parse_request_options({"folds": " all "}, CONFIG).folds == ("all",)
-
-
-@pytest.mark.parametrize(
-    ("params", "match"),
-    [
-        ({"mirorring": True}, r"unknown request parameters \['mirorring'\]"),
-        ({"mirroring": 1}, r"'mirroring' must be a boolean .* got 1"),
-        ({"probabilities": "yes"}, r"'probabilities' must be a boolean .* got 'yes'"),
-        ({"tile_step_size": 0}, r"'tile_step_size' must be a number in \(0, 1\], got 0"),
-        ({"tile_step_size": 1.5}, r"'tile_step_size' must be a number in \(0, 1\], got 1.5"),
-        ({"tile_step_size": "abc"}, r"'tile_step_size' must be a number in \(0, 1\], got 'abc'"),
-        ({"tile_step_size": True}, r"'tile_step_size' must be a number in \(0, 1\], got True"),
-        ({"tile_step_size": float("nan")}, r"'tile_step_size' must be a number in \(0, 1\], got nan"),
-        ({"folds": "3"}, r"'folds': folds \[3\] are not deployed \(available: \[0, 1, 'all'\]\)"),
-        ({"folds": "0,0"}, r"'folds' lists folds \['0'\] twice"),
-        ({"folds": "0,x"}, r"'folds' must be a comma-separated list of fold ids .* got '0,x'"),
-        ({"folds": ""}, r"'folds' must be a comma-separated list of fold ids"),
-        ({"folds": True}, r"'folds' must be a comma-separated list of fold ids .* got True"),
-    ],
-)
-def test_parse_request_options_raises_invalid_arg_naming_option_and_value_when_bad(params, match):
-    with pytest.raises(InputValidationError, match=match):
-        parse_request_options(params, CONFIG)
-
-
-def test_parse_fold_ids_keeps_request_order_when_subset():
-    assert parse_fold_ids([1, "0"], (0, 1)) == (1, 0)
-
 
 # --- batching plan ---------------------------------------------------------------------------------
 

@@ -75,7 +75,7 @@ def test_allowed_senders_parse_with_hosts_and_networks_and_match_only_those():
 
 
 def test_listen_sizes_and_durations_take_units():
-    from nnunet_triton.client.node_cli import parse_bytes, parse_duration
+    from nnunet_triton.cli.listen import parse_bytes, parse_duration
 
     sizes = [parse_bytes(t) for t in ("1048576", "512M", "50G", "1.5K")]
     assert sizes == [2**20, 512 * 2**20, 50 * 2**30, 1536]
@@ -99,7 +99,7 @@ def test_access_policy_refuses_limits_that_cannot_work_and_tls_without_its_files
 
 def test_listen_beyond_loopback_without_known_senders_refuses_to_start_before_contacting_anything(
         tmp_path, capsys):
-    from nnunet_triton.client import cli
+    from nnunet_triton import cli
 
     code = cli.main(["listen", "--spool", str(tmp_path / "spool"), "--destination", "PACS@127.0.0.1:104",
                      "--host", "0.0.0.0", "--url", "127.0.0.1:1"])

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from nnunet_triton.errors import InputValidationError
+from nnunet_triton.options import RequestOptions
 from nnunet_triton.validate.compare import compare_case, segmentation_labels
 from nnunet_triton.validate.references import RecordedReference, ReferenceError, ReferenceWriter
 from nnunet_triton.validate.report import html_page, markdown, write_report
-from nnunet_triton.validate.run import RequestOptions, Thresholds, ValidationResult, run_validation
+from nnunet_triton.validate.run import Thresholds, ValidationResult, run_validation
 
 LABELS = [(1, "organ"), (2, "lesion")]
 

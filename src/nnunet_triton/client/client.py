@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -25,13 +25,7 @@ import numpy as np
 from nnunet_triton import io_names
 from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import ClientError, InputValidationError
-from nnunet_triton.options import (
-    OPTION_FOLDS,
-    OPTION_MIRRORING,
-    OPTION_POSTPROCESSING,
-    OPTION_PROBABILITIES,
-    OPTION_TILE_STEP_SIZE,
-)
+from nnunet_triton.options import RequestOptions
 
 __all__ = ["SegmentationResult", "NnunetClient", "PROTOCOLS"]
 
@@ -78,31 +72,6 @@ def _as_spacing(spacing: Sequence[float]) -> np.ndarray:
         return np.ascontiguousarray(np.asarray(spacing, dtype=np.float64).reshape(-1))
     except (TypeError, ValueError):
         raise InputValidationError(f"spacing must be a sequence of numbers, got {spacing!r}.") from None
-
-
-def _folds_parameter(folds: Sequence[int | str] | int | str) -> str:
-    if isinstance(folds, int | str):
-        return str(folds)
-    return ",".join(str(f) for f in folds)
-
-
-def request_parameters(
-    *,
-    mirroring: bool = True,
-    tile_step_size: float | None = None,
-    folds: Sequence[int | str] | int | str | None = None,
-    probabilities: bool = False,
-    postprocessing: bool | None = None,
-) -> dict[str, Any]:
-    """The request parameters for these options (the server validates them)."""
-    params: dict[str, Any] = {OPTION_MIRRORING: bool(mirroring), OPTION_PROBABILITIES: bool(probabilities)}
-    if postprocessing is not None:
-        params[OPTION_POSTPROCESSING] = bool(postprocessing)
-    if tile_step_size is not None:
-        params[OPTION_TILE_STEP_SIZE] = float(tile_step_size)
-    if folds is not None:
-        params[OPTION_FOLDS] = _folds_parameter(folds)
-    return params
 
 
 class NnunetClient:
@@ -190,12 +159,8 @@ class NnunetClient:
         self,
         image: Any,
         spacing: Sequence[float],
-        *,
-        mirroring: bool = True,
-        tile_step_size: float | None = None,
-        folds: Sequence[int | str] | int | str | None = None,
-        probabilities: bool = False,
-        postprocessing: bool | None = None,
+        options: RequestOptions | None = None,
+        **overrides: Any,
     ) -> SegmentationResult:
         """Segment one case with a single endpoint call.
 
@@ -204,17 +169,17 @@ class NnunetClient:
                 (SimpleITK: z, y, x); any real dtype: float32/float16/int16/uint16/uint8 travel as they
                 are (``native_dtype``), others as float32. The answer is the same either way.
             spacing: voxel spacing per spatial axis in the same order.
-            mirroring: nnU-Net's test-time mirroring.
-            tile_step_size: sliding-window step in (0, 1]; None = the server default (0.5).
-            folds: subset of the deployed folds (e.g. ``[0, 1]``); None = all deployed folds.
-            probabilities: also return the float32 class probabilities.
-            postprocessing: False skips the deployed nnU-Net postprocessing; None = server default (on).
+            options: the request options (``nnunet_triton.options.RequestOptions``; default: nnU-Net's).
+            **overrides: options fields to change, e.g. ``mirroring=False``, ``folds=[0, 1]``,
+                ``probabilities=True``, ``tile_step_size=0.75``, ``postprocessing=False``.
 
         Raises:
-            InputValidationError: the image is not real-valued.
+            InputValidationError: the image is not real-valued, or an option breaks its rule.
             ClientError: the server is not reachable/ready, or it answered with an error (message and
                 ``status`` are the server's).
         """
+        options = replace(options or RequestOptions(), **overrides)
+        probabilities = options.probabilities
         spacing_array = _as_spacing(spacing)
         image_array = _as_image(image, spacing_array.size, native=self.native_dtype)
         if not self._ready:
@@ -228,12 +193,8 @@ class NnunetClient:
         ]
         names = [io_names.SEGMENTATION] + ([io_names.PROBABILITIES] if probabilities else [])
         outputs = [self._output(name) for name in names]
-        params = request_parameters(
-            mirroring=mirroring, tile_step_size=tile_step_size, folds=folds, probabilities=probabilities,
-            postprocessing=postprocessing,
-        )
         start = time.perf_counter()
-        response = self._infer(inputs, outputs, params, model)
+        response = self._infer(inputs, outputs, options.to_parameters(), model)
         segmentation = response.as_numpy(io_names.SEGMENTATION)
         probs = response.as_numpy(io_names.PROBABILITIES) if probabilities else None
         elapsed = time.perf_counter() - start

@@ -178,17 +178,19 @@ def segment_with_retry(
     client: Any,
     image: Any,
     spacing: Any,
+    options: Any = None,
     *,
     retries: int = 3,
     backoff_s: float = 2.0,
     sleep: Callable[[float], None] = time.sleep,
-    **options: Any,
+    **overrides: Any,
 ) -> Any:
-    """``client.segment`` retried up to ``retries`` times with exponential backoff on UNAVAILABLE only."""
+    """``client.segment(image, spacing, options, **overrides)`` retried up to ``retries`` times with
+    exponential backoff on UNAVAILABLE only (``options``: a ``RequestOptions``, None for nnU-Net's)."""
     attempt = 0
     while True:
         try:
-            return client.segment(image, spacing, **options)
+            return client.segment(image, spacing, options, **overrides)
         except ClientError as exc:
             if attempt >= retries or not is_unavailable(exc):
                 raise

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton.errors import InputValidationError
+from nnunet_triton.options import RequestOptions
 
 __all__ = ["FORMAT", "IDENTITY_KEYS", "input_hash", "ReferenceWriter", "RecordedReference", "ReferenceError"]
 
@@ -153,8 +154,10 @@ class RecordedReference:
         if model:
             raise ReferenceError(f"--against {self.folder}: the reference set is of another model ("
                                  + "; ".join(model) + ").")
-        changed = [f"{k}: recorded {self.options.get(k)!r}, now {v!r}" for k, v in options.items()
-                   if self.options.get(k) != v]
+        # an option recorded before it existed was recorded at its default
+        recorded_options = {**RequestOptions().to_dict(), **self.options}
+        changed = [f"{k}: recorded {recorded_options.get(k)!r}, now {v!r}" for k, v in options.items()
+                   if recorded_options.get(k) != v]
         if changed:
             raise ReferenceError(f"--against {self.folder}: the options differ from the recording ("
                                  + "; ".join(changed) + "); compare with the recorded options or "

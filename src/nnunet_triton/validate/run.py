@@ -17,12 +17,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nnunet_triton.client.cli import CASE_ERRORS
+from nnunet_triton.client.jobs import CASE_ERRORS
 from nnunet_triton.errors import ClientError, InputValidationError
+from nnunet_triton.options import RequestOptions
 from nnunet_triton.validate.compare import CaseComparison, compare_case
 from nnunet_triton.validate.oracle import nnunet_predictor
 
-__all__ = ["Thresholds", "RequestOptions", "CaseResult", "ValidationResult", "NnunetReference",
+__all__ = ["Thresholds", "CaseResult", "ValidationResult", "NnunetReference",
            "Reference", "run_validation", "deployment_mismatch"]
 
 LOGGER = logging.getLogger(__name__)
@@ -48,21 +49,6 @@ class Thresholds:
         if self.exact and (comparison.max_probability_difference or 0.0) > self.probability_tolerance:
             return False
         return comparison.min_dice >= self.min_dice
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    """What both sides are asked to do (``folds`` None: every deployed fold)."""
-
-    folds: tuple[int | str, ...] | None = None
-    mirroring: bool = True
-    tile_step_size: float = 0.5
-    probabilities: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"folds": [str(f) for f in self.folds] if self.folds is not None else None,
-                "mirroring": self.mirroring, "tile_step_size": self.tile_step_size,
-                "probabilities": self.probabilities}
 
 
 class Reference(Protocol):

@@ -11,7 +11,7 @@ hosts other than loopback unless ``--dicomweb-allow-http``. The study's series a
 metadata (the model's Modality, image series only) and fetched into a temporary folder, then segmented
 as a DICOM folder; with ``-o dicomweb://`` the DICOM-SEGs are written to a local folder first and stored
 by STOW-RS; a SEG that could not be stored stays there and its path is printed. The DICOM node
-(``nnunet-triton listen``) is :mod:`nnunet_triton.client.node_cli`.
+(``nnunet-triton listen``) is :mod:`nnunet_triton.cli.listen`.
 """
 
 from __future__ import annotations

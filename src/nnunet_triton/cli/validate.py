@@ -22,27 +22,33 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import __version__, io_names
+from nnunet_triton.cli.common import (
+    add_connection_arguments,
+    add_request_option_arguments,
+    request_options,
+    url,
+)
 from nnunet_triton.errors import InputValidationError
-from nnunet_triton.numerics.model_folder import parse_fold
 from nnunet_triton.validate.compare import segmentation_labels
 from nnunet_triton.validate.references import IDENTITY_KEYS, RecordedReference, ReferenceWriter
 from nnunet_triton.validate.report import write_report
 from nnunet_triton.validate.run import (
     NnunetReference,
-    RequestOptions,
     Thresholds,
     ValidationResult,
     deployment_mismatch,
     run_validation,
 )
 
-__all__ = ["add_parser", "validate"]
+__all__ = ["add_parsers", "validate"]
 
 LOGGER = logging.getLogger("nnunet_triton.validate")
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_parsers(sub: Any) -> None:
+    """Mount ``validate`` on the ``nnunet-triton`` subparsers ``sub``."""
     p = sub.add_parser("validate", help="compare the endpoint with nnU-Net (or a recorded reference set)")
+    p.set_defaults(run=lambda args: validate(args, url(args)))
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, help="the nnU-Net results folder the endpoint was built from")
     source.add_argument("--against", type=Path, help="a reference set recorded earlier (--record)")
@@ -50,14 +56,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--record", type=Path, default=None,
                    help="with --model: store the endpoint's answers here")
     p.add_argument("--report", type=Path, default=Path("validation_report"), help="report folder")
-    p.add_argument("-f", "--folds", nargs="+", type=parse_fold, default=None,
-                   help="subset of the deployed folds (default all)")
-    p.add_argument("--step-size", type=float, default=0.5, dest="step_size")
-    p.add_argument("--disable-tta", action="store_true", dest="disable_tta", help="no mirroring")
-    p.add_argument("--probabilities", action="store_true", help="also compare the probabilities")
+    add_request_option_arguments(p, probabilities="also compare the probabilities")
     p.add_argument("--min-dice", type=float, default=0.999, help="per label (default 0.999)")
     p.add_argument("--exact", action="store_true", help="every voxel must be equal (the CPU path)")
-    return p
+    add_connection_arguments(p)
 
 
 def _versions(description: Any) -> dict[str, Any]:
@@ -76,10 +78,10 @@ def _progress(jobs: list[Any]) -> Any:
     return tqdm(jobs, total=len(jobs), unit="case", file=sys.stderr, disable=None)
 
 
-def validate(args: argparse.Namespace, url: str) -> int:
-    from nnunet_triton.client.cli import collect_jobs
+def validate(args: argparse.Namespace, server_url: str) -> int:
     from nnunet_triton.client.client import NnunetClient
     from nnunet_triton.client.endpoint import describe_endpoint
+    from nnunet_triton.client.jobs import collect_jobs
 
     if args.record is not None and args.model is None:
         raise InputValidationError("--record needs --model: a reference set is recorded from a validated "
@@ -88,11 +90,10 @@ def validate(args: argparse.Namespace, url: str) -> int:
     jobs = collect_jobs(args.input)
     if not jobs:
         raise InputValidationError(f"--input {args.input}: no cases found (nnU-Net naming or DICOM series).")
-    description = describe_endpoint(url, args.protocol, timeout_s=min(args.timeout, 60.0))
+    description = describe_endpoint(server_url, args.protocol, timeout_s=min(args.timeout, 60.0))
     published = dict(description.published)
     folds = tuple(args.folds or published.get("folds") or ()) or None
-    options = RequestOptions(folds=folds, mirroring=not args.disable_tta, tile_step_size=args.step_size,
-                             probabilities=args.probabilities)
+    options = request_options(args, folds=folds)
     identity = {k: published.get(k) for k in IDENTITY_KEYS}
     if args.against is not None:
         reference: Any = RecordedReference.open(args.against)
@@ -108,21 +109,20 @@ def validate(args: argparse.Namespace, url: str) -> int:
                 "configurations or a cascade, which validate does not reproduce yet.")
         mismatch = deployment_mismatch(published, config)
         if mismatch:
-            raise InputValidationError(f"the server at {url} serves another model than --model {args.model} ("
-                                       + "; ".join(mismatch) + ").")
+            raise InputValidationError(f"the server at {server_url} serves another model than --model "
+                                       f"{args.model} (" + "; ".join(mismatch) + ").")
         reference = NnunetReference(args.model, options)
         kind = "nnU-Net (nnUNetPredictor, CPU)"
     versions = {**_versions(description), "reference_device": "cpu" if args.model else None}
     writer = ReferenceWriter(args.record, identity, options.to_dict(), versions) \
         if args.record is not None else None
-    result = ValidationResult(title=f"Validation of {published.get('dataset_name', 'the endpoint')} at {url}",
+    title = f"Validation of {published.get('dataset_name', 'the endpoint')} at {server_url}"
+    result = ValidationResult(title=title,
                               options=options, thresholds=thresholds, reference_kind=kind,
-                              deployment={**identity, "url": url, **versions}, total=len(jobs))
-    with NnunetClient(url, protocol=args.protocol, timeout_s=args.timeout) as client:
+                              deployment={**identity, "url": server_url, **versions}, total=len(jobs))
+    with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout) as client:
         def segment(image: Any, spacing: Any) -> tuple[Any, Any]:
-            answer = client.segment(image, spacing, mirroring=options.mirroring,
-                                    tile_step_size=options.tile_step_size, folds=options.folds,
-                                    probabilities=options.probabilities)
+            answer = client.segment(image, spacing, options)
             return answer.segmentation, answer.probabilities
 
         labels = segmentation_labels(list((published.get("labels") or description.labels).items()),

@@ -1,4 +1,5 @@
-"""``python -m network_models.export``: export folds to TorchScript and write ``export_metadata.json``."""
+"""``nnunet-triton export`` (and ``python -m network_models.export``): export folds to TorchScript, checked
+against the eager nnU-Net network, and write ``export_metadata.json``."""
 
 from __future__ import annotations
 
@@ -7,20 +8,25 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from nnunet_triton.builder.torchscript import PRECISIONS, ExportOptions, export_folds
 from nnunet_triton.errors import ExportError, PlansError
 from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME, detect_folds, parse_fold
 
-__all__ = [
-    "main",
-]
+__all__ = ["add_parsers", "add_arguments", "run", "main"]
 
 LOGGER = logging.getLogger(__name__)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def add_parsers(sub: Any) -> None:
+    """Mount ``export`` on the ``nnunet-triton`` subparsers ``sub``."""
+    parser = sub.add_parser("export", help="export folds to TorchScript (checked against the eager network)")
+    parser.set_defaults(run=run)
+    add_arguments(parser)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=Path, nargs="+",
                         help="nnU-Net results folder(s) (plans.json, dataset.json, fold_k/); several: "
                              "each goes to <out>/<folder name>/")
@@ -32,13 +38,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-name", default=CHECKPOINT_NAME)
     parser.add_argument("--tolerance", type=float, default=None,
                         help="relative tolerance (default: 0 on cpu fp32, 1e-3 cuda fp32, 1e-2 fp16)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: export folds and write ``export_metadata.json`` next to the files."""
-    args = _parser().parse_args(argv)
+    """``python -m network_models.export``: export folds and write ``export_metadata.json`` next to them."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export what ``args`` ask for; 0 on success, 1 on a reported error."""
     options = ExportOptions(precision=args.precision, device=args.device, tolerance=args.tolerance,
                             checkpoint_name=args.checkpoint_name)
     for model in args.model:

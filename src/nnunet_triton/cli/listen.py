@@ -27,10 +27,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.client.pacs_cli import add_auth_arguments, add_modality_argument, auth_from_args
+from nnunet_triton.cli.common import add_connection_arguments, url
+from nnunet_triton.cli.dicomweb import add_auth_arguments, add_modality_argument, auth_from_args
 from nnunet_triton.errors import InputValidationError
+from nnunet_triton.options import RequestOptions
 
-__all__ = ["add_node_parsers", "listen", "run_spool_command", "parse_bytes", "parse_duration"]
+__all__ = ["add_parsers", "listen", "run_spool_command", "parse_bytes", "parse_duration"]
 
 LOGGER = logging.getLogger(__name__)
 EXIT_FATAL = 3
@@ -54,9 +56,10 @@ def parse_duration(text: str) -> float:
     return float(match[1]) * _SECONDS[match[2]]
 
 
-def add_node_parsers(sub: Any) -> argparse.ArgumentParser:
-    """``listen`` (returned: the caller adds the endpoint flags), ``requeue`` and ``node-status``."""
+def add_parsers(sub: Any) -> None:
+    """Mount ``listen``, ``requeue`` and ``node-status`` on the ``nnunet-triton`` subparsers ``sub``."""
     p = sub.add_parser("listen", help="a DICOM node: receive series (C-STORE), segment them, send the SEG on")
+    p.set_defaults(run=lambda args: listen(args, url(args)))
     p.add_argument("--ae-title", default="NNUNET", help="this node's AE title (default NNUNET)")
     p.add_argument("--port", type=int, default=11112, help="DICOM port to listen on (11112)")
     p.add_argument("--host", default="127.0.0.1",
@@ -96,19 +99,22 @@ def add_node_parsers(sub: Any) -> argparse.ArgumentParser:
     timing.add_argument("--retries", type=int, default=None, help="at most this many retries (default: none)")
     timing.add_argument("--retry-delay", type=float, default=5.0, help="first retry delay (doubles)")
     timing.add_argument("--max-retry-delay", type=float, default=300.0, help="longest retry delay (300)")
-    p.add_argument("--disable-tta", action="store_true", help="no test-time mirroring")
+    p.add_argument("--no-mirroring", "--disable-tta", action="store_false", dest="mirroring",
+                   help="no test-time mirroring")
     p.add_argument("--dataset-json", type=Path, default=None,
                    help="dataset.json naming the segments (when the server does not publish labels)")
     add_modality_argument(p)
     add_auth_arguments(p)
+    add_connection_arguments(p)
     requeue = sub.add_parser("requeue", help="move failed series of a node's spool back to incoming/")
+    requeue.set_defaults(run=run_spool_command)
     requeue.add_argument("--spool", type=Path, required=True)
     requeue.add_argument("series", nargs="*", help="SeriesInstanceUIDs (default: every failed series)")
     status = sub.add_parser("node-status", help="the DICOM node's health (exit 0 healthy, 1 not)")
+    status.set_defaults(run=run_spool_command)
     status.add_argument("--spool", type=Path, required=True)
     status.add_argument("--strict", action="store_true", help="'degraded' counts as unhealthy (readiness)")
     status.add_argument("--max-age", type=float, default=None, help="seconds a status may be old")
-    return p
 
 
 def run_spool_command(args: argparse.Namespace) -> int:
@@ -168,7 +174,7 @@ def _access(args: argparse.Namespace) -> Any:
         **extra)
 
 
-def listen(args: argparse.Namespace, url: str) -> int:
+def listen(args: argparse.Namespace, server_url: str) -> int:
     """Run the DICOM node until SIGTERM or Ctrl-C (0), or until it cannot go on (3)."""
     from nnunet_triton.client.client import NnunetClient
     from nnunet_triton.client.dicom.modality import modality_rule
@@ -182,16 +188,17 @@ def listen(args: argparse.Namespace, url: str) -> int:
     access.check_listening(args.host)  # before anything is asked of the endpoint
     destination = parse_destination(args.destination, calling_ae=args.ae_title, auth=auth_from_args(args),
                                      allow_http=args.dicomweb_allow_http)
-    description = describe_endpoint(url, args.protocol, timeout_s=min(args.timeout, 60.0))
+    description = describe_endpoint(server_url, args.protocol, timeout_s=min(args.timeout, 60.0))
     rule = modality_rule(description, args.modality)
     if rule.allowed is None:
         LOGGER.warning("the model's channel names do not say which Modality it takes: every image series is "
                        "segmented (--modality CT restricts it)")
-    client = NnunetClient(url, protocol=args.protocol, timeout_s=args.timeout)  # for the node's one worker
+    client = NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout)  # the node's one worker
+    options = RequestOptions(mirroring=args.mirroring)
 
     def segment(volume: Any) -> Any:
         case = volume.image_case()
-        result = segment_with_retry(client, case.data, case.spacing, mirroring=not args.disable_tta)
+        result = segment_with_retry(client, case.data, case.spacing, options)
         return result.segmentation
 
     limits = SpoolLimits(max_spool_bytes=args.max_spool_bytes, max_instance_bytes=args.max_instance_bytes,

@@ -1,4 +1,5 @@
-"""``python -m repository.build``: the command line of the repository builder (see :mod:`.repository`)."""
+"""``nnunet-triton build`` (and ``python -m repository.build``): build a Triton model repository from an
+nnU-Net results folder (:mod:`nnunet_triton.builder.repository`)."""
 
 from __future__ import annotations
 
@@ -7,32 +8,41 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from nnunet_triton.builder import torchscript as export
-from nnunet_triton.builder.build_inputs import (
-    REPO_ROOT,
-)
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner, Target
 from nnunet_triton.builder.repository import build_ensemble_repository, build_repository
 from nnunet_triton.errors import NnunetTritonError, PlansError
 from nnunet_triton.numerics.model_folder import parse_fold, read_model_folder
 
-__all__ = [
-    "main",
-]
+__all__ = ["DEFAULT_OUT", "add_parsers", "add_arguments", "run", "main"]
 
 LOGGER = logging.getLogger(__name__)
+DEFAULT_OUT = Path("build/model_repository")  # relative to the working directory, like the server home
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Build a Triton model repository from an nnU-Net results folder.")
-    p.add_argument("--model", required=True, type=Path, nargs="+",
-                   help="results folder with plans.json, dataset.json and fold_<k>/checkpoint_final.pth; "
-                        "two or more folders build an ensemble of configurations (nnUNetv2_ensemble)")
+def add_parsers(sub: Any) -> None:
+    """Mount ``build`` on the ``nnunet-triton`` subparsers ``sub``."""
+    p = sub.add_parser("build", help="build a Triton model repository from an nnU-Net results folder")
+    p.set_defaults(run=run)
+    add_arguments(p)
+
+
+def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> None:
+    """The builder's flags (``--model``, ``--out``, ``--target``, ...) on a parser or argument group;
+    ``serve`` takes the model folders as its positional arguments and the output as ``--model-repository``."""
+    if model_required:
+        p.add_argument("--model", required=True, type=Path, nargs="+",
+                       help="results folder with plans.json, dataset.json and fold_<k>/checkpoint_final.pth; "
+                            "two or more folders build an ensemble of configurations (nnUNetv2_ensemble)")
     p.add_argument("--configuration", nargs="+", default=None,
                    help="check that the checkpoints use this configuration (one per --model, or one for all)")
     p.add_argument("--folds", nargs="+", type=parse_fold, default=None, help="default: all fold_<k> found")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "model_repository")
+    if out:
+        p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                       help=f"the repository to write (default {DEFAULT_OUT}, relative to the working "
+                            "directory)")
     p.add_argument("--target", choices=[t.value for t in Target], default=Target.CPU.value)
     p.add_argument("--tile-batch-size", type=int, default=BuildOptions.tile_batch_size,
                    help="tiles per fold request = fold models' max_batch_size")
@@ -70,7 +80,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="cascade: the previous stage's results folder (default: nnU-Net's sibling folder)")
     p.add_argument("--folds-only", action="store_true", help="only the fold models")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    return p
 
 
 def _configurations(models: Sequence[Path], given: Sequence[str] | None) -> list[str | None]:
@@ -91,9 +100,16 @@ def _configurations(models: Sequence[Path], given: Sequence[str] | None) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns 0 on success (built or up to date), 1 on a reported error."""
-    args = _parser().parse_args(argv)
+    """``python -m repository.build``; returns 0 on success (built or up to date), 1 on a reported error."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build what ``args`` ask for; 0 on success (built or up to date), 1 on a reported error."""
     try:
         options = BuildOptions(
             target=Target(args.target), tile_batch_size=args.tile_batch_size, fold_runner=args.fold_runner,
@@ -119,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     except (NnunetTritonError, ValueError) as exc:
         LOGGER.error("%s", exc)
         return 1
-    print(f"{'built' if result.rebuilt else 'up to date'}: {result.out} ({result.seconds:.1f} s)")  # noqa: T201
+    state = "built" if result.rebuilt else "up to date"
+    sys.stdout.write(f"{state}: {result.out} ({result.seconds:.1f} s)\n")
     return 0
 
 

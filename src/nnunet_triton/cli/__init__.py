@@ -1,0 +1,64 @@
+"""``nnunet-triton``: every command line of the project, one subcommand per task.
+
+    nnunet-triton build    --model RESULTS_FOLDER [--out DIR] [--target cpu|gpu] ...   (cli.build)
+    nnunet-triton export   --model RESULTS_FOLDER --out DIR ...                         (cli.export)
+    nnunet-triton serve    [MODEL | --model-repository DIR] ... / stop / status          (cli.serve)
+    nnunet-triton predict  -i IN -o OUT [request options] ...  /  info [--json]          (cli.predict)
+    nnunet-triton validate (--model RESULTS_FOLDER | --against DIR) -i CASES ...        (cli.validate)
+    nnunet-triton listen   --spool DIR --destination ... / requeue / node-status         (cli.listen)
+
+Each module mounts its subcommands with ``add_parsers(sub)`` and sets ``run`` (``args -> exit code``);
+the library (``client``, ``validate``, ``builder``, ``server``) imports nothing from here. Errors of the
+project end the command with exit code 2 and one line naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from typing import Any
+
+from nnunet_triton import __version__
+from nnunet_triton.cli import build, export, listen, predict, serve, validate
+from nnunet_triton.cli.common import say
+from nnunet_triton.errors import ClientError, NnunetTritonError
+
+__all__ = ["main", "parser"]
+
+_COMMANDS = (build, export, serve, predict, validate, listen)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``nnunet-triton`` parser with every subcommand mounted."""
+    root = argparse.ArgumentParser(prog="nnunet-triton", description=__doc__.splitlines()[0])
+    root.add_argument("--version", action="version", version=f"nnunet-triton {__version__}")
+    sub = root.add_subparsers(dest="command", required=True)
+    for module in _COMMANDS:
+        module.add_parsers(sub)
+    return root
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through atomic_output, which removes its temporary file
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``nnunet-triton`` console script; returns the exit code."""
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) or args.command in ("build", "export", "serve")
+        else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return int(args.run(args))
+    except ClientError as exc:
+        say(f"nnunet-triton: server error: {exc}")
+        return 2
+    except NnunetTritonError as exc:
+        say(f"nnunet-triton: {exc}")
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,76 @@
+"""What the subcommands of ``nnunet-triton`` share: server connection flags, request-option flags, output.
+
+Request options have one flag each, spelled after :class:`~nnunet_triton.options.RequestOptions`'s fields
+(``--tile-step-size``, ``--no-mirroring``, ``--folds``, ``--probabilities``, ``--no-postprocessing``), with
+nnU-Net's own spellings as aliases (``-step_size``/``--step-size``, ``--disable_tta``/``--disable-tta``,
+``-f``, ``--save_probabilities``/``--save-probabilities``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from nnunet_triton.numerics.model_folder import parse_fold
+from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE, RequestOptions, parse_int
+
+__all__ = ["DEFAULT_PORTS", "URL_ENV", "add_connection_arguments", "add_request_option_arguments",
+           "request_options", "url", "say", "positive_int"]
+
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
+URL_ENV = "NNUNET_TRITON_URL"
+
+
+def positive_int(text: str) -> int:
+    return parse_int("", text, minimum=1, label="", error=argparse.ArgumentTypeError)
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--url``, ``--protocol``, ``--timeout``, ``-v``: how a subcommand reaches the server."""
+    parser.add_argument("--url", default=os.environ.get(URL_ENV),
+                        help=f"server host:port (default ${URL_ENV} or 127.0.0.1:8000/8001)")
+    parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per inference call")
+    parser.add_argument("-v", "--verbose", action="store_true")
+
+
+def add_request_option_arguments(parser: argparse.ArgumentParser, *,
+                                 probabilities: str | None = None) -> None:
+    """One flag per request option (nnU-Net's spellings as aliases); read back with :func:`request_options`.
+
+    Args:
+        probabilities: help text of ``--probabilities`` (None: the subcommand has its own flag for it).
+    """
+    parser.add_argument("-f", "--folds", nargs="+", type=parse_fold, default=None,
+                        help="subset of the deployed folds, in averaging order (default: all)")
+    parser.add_argument("--tile-step-size", "--step-size", "-step_size", type=float,
+                        default=DEFAULT_TILE_STEP_SIZE, dest="tile_step_size",
+                        help="sliding-window step as a fraction of the patch (default "
+                             f"{DEFAULT_TILE_STEP_SIZE}, nnU-Net's)")
+    parser.add_argument("--no-mirroring", "--disable-tta", "--disable_tta", action="store_false",
+                        dest="mirroring", help="no test-time mirroring (faster, slightly less accurate)")
+    parser.add_argument("--no-postprocessing", "--disable-postprocessing", action="store_false",
+                        dest="postprocessing",
+                        help="skip the postprocessing deployed with the model (nnU-Net's postprocessing.pkl)")
+    if probabilities is not None:
+        parser.add_argument("--probabilities", action="store_true", help=probabilities)
+
+
+def request_options(args: argparse.Namespace, **overrides: Any) -> RequestOptions:
+    """The :class:`RequestOptions` the flags of :func:`add_request_option_arguments` asked for."""
+    values = {"mirroring": args.mirroring, "tile_step_size": args.tile_step_size,
+              "folds": tuple(args.folds) if args.folds else None, "postprocessing": args.postprocessing,
+              "probabilities": bool(getattr(args, "probabilities", False))}
+    return RequestOptions(**{**values, **overrides})
+
+
+def url(args: argparse.Namespace) -> str:
+    """``--url``, else loopback on the protocol's default port."""
+    return args.url or f"127.0.0.1:{DEFAULT_PORTS[args.protocol]}"
+
+
+def say(text: str, stream: Any = None) -> None:
+    """Terminal output of the CLI (results and the end report are its product, not log records)."""
+    (stream or sys.stderr).write(text + "\n")

@@ -1,0 +1,264 @@
+"""``nnunet-triton predict`` and ``info``: segment cases or DICOM series on a Triton ``nnunet`` endpoint.
+
+    nnunet-triton predict -i IN -o OUT [--url HOST:PORT] [--protocol http|grpc] [--no-mirroring]
+        [--tile-step-size 0.5] [-f 0 1] [--save-probabilities] [--continue-prediction]
+        [--output-format nifti|nrrd|mha|dicom-seg] [--concurrency N]
+    nnunet-triton predict -i dicomweb://HOST/ROOT --study UID [--series UID] -o dicomweb://HOST/ROOT|OUT ...
+        (DICOMweb: nnunet_triton.cli.dicomweb)
+    nnunet-triton info [--url HOST:PORT] [--protocol http|grpc] [--json]
+
+IN is an image file (its ``_0001``.. channel siblings are found), a folder of cases in nnU-Net naming
+(``case_0000.nii.gz``, ``case_0001.nii.gz``), or a folder of DICOM files (one or many series, searched
+recursively; one case per SeriesInstanceUID: ``nnunet_triton.client.jobs``). Flags mean what they mean for
+``nnUNetv2_predict`` (the nnU-Net spellings ``--disable_tta``, ``-step_size``, ``--save_probabilities``,
+``--continue_prediction`` work too). ``--concurrency N`` requests are in flight at once (default: the
+deployed orchestrator instances + 1): worker threads read and send cases while the main thread writes
+finished ones, so reading, sending and writing overlap with inference; the files are identical to a
+sequential run. Outputs are written atomically; a failed case is reported at the end and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nnunet_triton.cli.common import (
+    add_connection_arguments,
+    add_request_option_arguments,
+    positive_int,
+    request_options,
+    say,
+    url,
+)
+from nnunet_triton.cli.dicomweb import add_dicomweb_arguments, predict_over_dicomweb
+from nnunet_triton.client import imageio
+from nnunet_triton.client.dicom import volume as dicom
+from nnunet_triton.client.dicom.uids import child_path
+from nnunet_triton.client.dicom.web import is_dicomweb
+from nnunet_triton.client.jobs import CASE_ERRORS, Job, collect_jobs
+from nnunet_triton.errors import InputValidationError
+
+__all__ = ["add_parsers", "predict", "info", "default_concurrency"]
+
+LOGGER = logging.getLogger(__name__)
+OUTPUT_FORMATS = (*imageio.OUTPUT_ENDINGS, "dicom-seg")
+
+
+def add_parsers(sub: Any) -> None:
+    """Mount ``predict`` and ``info`` on the ``nnunet-triton`` subparsers ``sub``."""
+    predict_parser = sub.add_parser("predict", help="segment a file, a folder of cases or a DICOM folder")
+    predict_parser.set_defaults(run=lambda args: predict(args))
+    predict_parser.add_argument("-i", "--input", required=True,
+                                help="file, case folder, DICOM folder or dicomweb://HOST[:PORT]/ROOT (with "
+                                     "--study)")
+    predict_parser.add_argument("-o", "--output", required=True,
+                                help="output folder, or dicomweb://HOST[:PORT]/ROOT (STOW-RS of the "
+                                     "DICOM-SEG)")
+    add_request_option_arguments(predict_parser)
+    predict_parser.add_argument("--save-probabilities", "--save_probabilities", action="store_true",
+                                dest="probabilities",
+                                help="also write <case>.npz (key 'probabilities') + .pkl")
+    predict_parser.add_argument("--continue-prediction", "--continue_prediction", action="store_true",
+                                dest="continue_prediction", help="skip cases whose outputs already exist")
+    predict_parser.add_argument("--output-format", choices=OUTPUT_FORMATS, default="nifti")
+    predict_parser.add_argument("--dataset-json", type=Path, default=None,
+                                help="dataset.json naming the DICOM-SEG segments when the server does not "
+                                     "publish labels")
+    predict_parser.add_argument("--retries", type=int, default=3,
+                                help="retries on UNAVAILABLE (with backoff)")
+    predict_parser.add_argument("--concurrency", type=positive_int, default=None,
+                                help="requests in flight (default: the deployed orchestrator instances + 1); "
+                                     "outputs are identical to a sequential run")
+    add_dicomweb_arguments(predict_parser)
+    add_connection_arguments(predict_parser)
+    info_parser = sub.add_parser("info", help="describe the deployed model")
+    info_parser.set_defaults(run=lambda args: info(args))
+    info_parser.add_argument("--json", action="store_true", help="print the description as JSON")
+    add_connection_arguments(info_parser)
+
+
+def _outputs(out: Path, job: Job, args: argparse.Namespace) -> list[Path]:
+    """The files of ``job`` in ``out``; a name that would leave ``out`` is refused (names of DICOM cases come
+    from the data: :func:`~nnunet_triton.client.dicom.uids.child_path`)."""
+    ending = ".dcm" if args.output_format == "dicom-seg" else imageio.OUTPUT_ENDINGS[args.output_format]
+    paths = [child_path(out, f"{job.name}{ending}")]
+    if args.probabilities:
+        paths.append(child_path(out, f"{job.name}.npz"))
+    return paths
+
+
+@dataclass(frozen=True)
+class _Inferred:
+    """A case read and segmented by a worker, waiting to be written by the main thread."""
+
+    job: Job
+    case: imageio.ImageCase | None = None
+    volume: dicom.DicomVolume | None = None
+    result: Any = None
+    error: BaseException | None = None
+    started: float = 0.0
+
+
+def _infer(job: Job, client: Any, description: Any, args: argparse.Namespace) -> _Inferred:
+    from nnunet_triton.client.endpoint import segment_with_retry
+
+    started = time.perf_counter()
+    case, volume = job.load()
+    if description.num_channels > 0 and case.data.shape[0] != description.num_channels:
+        raise InputValidationError(
+            f"case {job.name!r} has {case.data.shape[0]} channel(s), the model expects "
+            f"{description.num_channels}."
+        )
+    result = segment_with_retry(client, case.data, case.spacing, request_options(args), retries=args.retries)
+    return _Inferred(job, case, volume, result, started=started)
+
+
+def _write(done: _Inferred, description: Any, args: argparse.Namespace) -> None:
+    job, case, result = done.job, done.case, done.result
+    target = _outputs(args.output, job, args)[0]
+    if args.probabilities:
+        imageio.write_probabilities(result.probabilities, child_path(args.output, job.name),
+                                    case.properties())
+    if args.output_format == "dicom-seg":
+        from nnunet_triton.client.dicom.seg import (
+            generic_segment_labels,
+            model_segment_labels,
+            write_dicom_seg,
+        )
+
+        labels = model_segment_labels(description, args.dataset_json) or generic_segment_labels(
+            result.segmentation)
+        write_dicom_seg(result.segmentation, done.volume, labels, target)
+    else:
+        imageio.write_segmentation(result.segmentation, target, case.geometry)
+
+
+def default_concurrency(description: Any) -> int:
+    """Requests kept in flight: one per orchestrator instance (each holds one request) plus one being
+    read or written, so the server never waits for the client's disk."""
+    return max(1, description.orchestrator_instances) + 1
+
+
+def _worker(jobs: queue.Queue, done: queue.Queue, stop: threading.Event, client: Any,
+            description: Any, args: argparse.Namespace) -> None:
+    """Read and segment jobs until none is left; every outcome goes to ``done`` (the main thread writes)."""
+    with client:
+        while not stop.is_set():
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put(_infer(job, client, description, args))
+            except BaseException as exc:  # reported by the main thread; the other cases go on
+                done.put(_Inferred(job, error=exc))
+
+
+def _run_all(
+    todo: list[Job], make_client: Callable[[], Any], description: Any, args: argparse.Namespace
+) -> list[tuple[str, str]]:
+    """Run every job with ``args.concurrency`` requests in flight; a failing case is recorded and the
+    batch goes on. Workers (daemon threads, one client each) read and send; this thread writes every
+    output (atomically), so a signal here never leaves a partial file."""
+    from tqdm import tqdm
+
+    jobs: queue.Queue = queue.Queue()
+    for job in todo:
+        jobs.put(job)
+    workers = min(args.concurrency, len(todo))
+    done: queue.Queue = queue.Queue(maxsize=max(1, workers))  # bounds the results held in memory
+    stop = threading.Event()
+    # clients are made here, so a failure to make one is raised here, not lost in a thread
+    clients = [make_client() for _ in range(workers)]
+    threads = [threading.Thread(target=_worker, args=(jobs, done, stop, client, description, args),
+                                name=f"nnunet-triton-worker-{i}", daemon=True)
+               for i, client in enumerate(clients)]
+    for thread in threads:
+        thread.start()
+    failures: list[tuple[str, str]] = []
+    bar = tqdm(total=len(todo), unit="case", desc="nnunet-triton", file=sys.stderr, disable=len(todo) < 2)
+    try:
+        for _ in range(len(todo)):
+            item = done.get()
+            try:
+                if item.error is not None:
+                    raise item.error
+                _write(item, description, args)
+            except CASE_ERRORS as exc:
+                failures.append((item.job.name, str(exc)))
+                bar.write(f"{item.job.name}: FAILED ({type(exc).__name__}): {exc}", file=sys.stderr)
+            else:
+                elapsed = time.perf_counter() - item.started
+                bar.write(f"{item.job.name}: {elapsed:.1f} s (inference {item.result.elapsed_s:.1f} s)",
+                          file=sys.stderr)
+            bar.update()
+    finally:
+        stop.set()
+        bar.close()
+    return failures
+
+
+def predict(args: argparse.Namespace) -> int:
+    if is_dicomweb(args.input) or is_dicomweb(args.output) or args.study or args.series:
+        from nnunet_triton.client.endpoint import describe_endpoint
+
+        def describe() -> Any:
+            return describe_endpoint(url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
+
+        return predict_over_dicomweb(args, _predict_folders, describe)
+    args.input, args.output = Path(args.input), Path(args.output)
+    return _predict_folders(args)
+
+
+def _predict_folders(args: argparse.Namespace) -> int:
+    from nnunet_triton.client.client import NnunetClient
+    from nnunet_triton.client.endpoint import describe_endpoint
+
+    jobs = collect_jobs(args.input)
+    if args.output_format == "dicom-seg" and not all(j.is_dicom for j in jobs):
+        raise InputValidationError(
+            "--output-format dicom-seg needs DICOM input (it references the source series)."
+        )
+    args.output.mkdir(parents=True, exist_ok=True)
+    for stale in imageio.remove_stale_partials(args.output):
+        LOGGER.info("removed %s left by an interrupted run", stale.name)
+    finished = [
+        args.continue_prediction and all(p.is_file() for p in _outputs(args.output, j, args)) for j in jobs
+    ]
+    todo = [j for j, done in zip(jobs, finished, strict=True) if not done]
+    description = describe_endpoint(url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
+    if args.concurrency is None:
+        args.concurrency = default_concurrency(description)
+    with NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout) as client:
+        client.check_ready()
+    def make_client() -> NnunetClient:
+        return NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout)
+
+    failures = _run_all(todo, make_client, description, args)
+    written, skipped, failed = len(todo) - len(failures), sum(finished), len(failures)
+    say(f"{written} case(s) written to {args.output}, {skipped} skipped (done before), {failed} failed.")
+    for name, message in failures:
+        say(f"  failed {name}: {message}")
+    return 1 if failures else 0
+
+
+def info(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from nnunet_triton.client.endpoint import describe_endpoint, format_description
+
+    description = describe_endpoint(url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
+    say(
+        json.dumps(asdict(description), indent=2) if args.json else format_description(description),
+        sys.stdout,
+    )
+    return 0
