@@ -34,8 +34,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from nnunet_triton import cli
     from nnunet_triton.builder.repository import build_repository
-    from nnunet_triton.client import cli
     from nnunet_triton.errors import NnunetTritonError
     from nnunet_triton.server import embedded as embedded_server
 

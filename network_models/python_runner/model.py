@@ -26,7 +26,7 @@ from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.parameters import FoldRunnerParameters
 from nnunet_triton.pipeline.fold_runner import load_runner
-from nnunet_triton.server.thread_budget import budget_note, fold_threads_for_runner
+from nnunet_triton.pipeline.threads import budget_note, fold_threads_for_runner
 
 
 class TritonPythonModel:

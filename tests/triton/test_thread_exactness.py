@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 from nnunet_triton import io_names
 from nnunet_triton.builder.config_gen import write_config
 from nnunet_triton.builder.model_specs import BuildOptions, python_fold_spec
-from nnunet_triton.server import exactness
+from nnunet_triton.pipeline import threads
 from nnunet_triton.server.thread_budget import available_cpus
 from tests.unit.fake_networks import Elementwise, ThreadDependent, save
 
@@ -88,4 +88,4 @@ def test_a_thread_independent_network_keeps_the_split_budget(triton_server, tmp_
     assert (budget["policy"], budget["fold_threads"], budget["exact"]) == ("split", split, True)
     assert "bitwise equal to nnU-Net's" in budget["exactness"]
     np.testing.assert_array_equal(served, _forward(Elementwise(heads), tile, 1))
-    assert exactness.nnunet_threads(torch.get_num_threads()) == budget["nnunet_threads"]
+    assert threads.nnunet_threads(torch.get_num_threads()) == budget["nnunet_threads"]

@@ -43,7 +43,7 @@ def test_validate_passes_exactly_when_the_endpoint_is_nnunet_and_records_a_refer
     manifest = json.loads((tmp_path / "set" / "reference.json").read_text())
     assert sorted(manifest["cases"]) == [c["case"] for c in report["cases"]]
     assert manifest["options"] == {"folds": ["0", "1"], "mirroring": False, "tile_step_size": 0.5,
-                                   "probabilities": False}
+                                   "probabilities": False, "postprocessing": True}
     assert manifest["deployment"]["dataset_name"] == "Dataset901_SynthCT" and manifest["versions"]["nnunetv2"]
     html = (tmp_path / "report" / "validation.html").read_text()
     assert "PASS" in html and html.count("<tr class='pass'>") == 6  # 3 cases x 2 labels

@@ -16,6 +16,7 @@ from fake_networks import Elementwise, ThreadDependent, save
 
 from nnunet_triton.builder.config_gen import write_config
 from nnunet_triton.builder.model_specs import BuildOptions, python_fold_spec
+from nnunet_triton.pipeline import threads
 from nnunet_triton.server import exactness
 from nnunet_triton.server import thread_budget as tb
 
@@ -66,19 +67,19 @@ def elementwise(tmp_path_factory: pytest.TempPathFactory) -> tb.FoldModels:
     (2, {}, 2), (16, {}, 8), (16, {"nnUNet_def_n_proc": "12"}, 12), (4, {"nnUNet_def_n_proc": "1"}, 1)])
 def test_nnunets_count_is_the_smaller_of_its_default_processes_and_torchs_default(
         torch_default: int, env: dict[str, str], expected: int) -> None:
-    assert exactness.nnunet_threads(torch_default, env) == expected
+    assert threads.nnunet_threads(torch_default, env) == expected
 
 
 def test_a_malformed_nnunet_process_count_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="nnUNet_def_n_proc must be a positive integer, got 'many'"):
-        exactness.nnunet_threads(4, {"nnUNet_def_n_proc": "many"})
+        threads.nnunet_threads(4, {"nnUNet_def_n_proc": "many"})
 
 
 def test_the_reference_run_reports_nnunets_count_in_a_fresh_process_and_is_cached(tmp_path: Path,
                                                                                  fresh_env) -> None:
     networks = tb.repository_folds(_repository(tmp_path / "repo", Elementwise, folds=1)).networks
     first = exactness.reference_run(networks, env=fresh_env)
-    assert first.threads == exactness.nnunet_threads(first.torch_default, fresh_env) and not first.cached
+    assert first.threads == threads.nnunet_threads(first.torch_default, fresh_env) and not first.cached
     assert list(first.digests) == ["fold_0"]
     again = exactness.reference_run(networks, env=fresh_env)
     assert again.cached and again.digests == first.digests
@@ -204,9 +205,9 @@ def test_a_repository_without_cpu_fold_networks_is_not_checked() -> None:
 def test_the_stub_accepts_nnunets_own_count_beyond_the_cpus_and_nothing_else_beyond() -> None:
     """A pod with 2 CPUs on a 16-core node: nnU-Net runs 8 threads there, so 8 is the one exact count."""
     env = {tb.FOLD_THREADS_ENV: "8"}
-    assert tb.fold_threads_for_runner(0, env=env, torch_default=16, quota=_quota(2)) == 8
+    assert threads.fold_threads_for_runner(0, env=env, torch_default=16, quota=_quota(2)) == 8
     with pytest.raises(tb.ThreadBudgetError, match="NNUNET_TRITON_FOLD_THREADS=4 asks for more threads"):
-        tb.fold_threads_for_runner(0, env={tb.FOLD_THREADS_ENV: "4"}, torch_default=16, quota=_quota(2))
+        threads.fold_threads_for_runner(0, env={tb.FOLD_THREADS_ENV: "4"}, torch_default=16, quota=_quota(2))
 
 
 def test_cpu_identity_names_the_model_and_its_simd_flags(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from nnunet_triton.builder.model_specs import BuildOptions, python_fold_spec
 from nnunet_triton.errors import ThreadBudgetError
+from nnunet_triton.pipeline import threads
 from nnunet_triton.server import thread_budget as tb
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -78,8 +79,9 @@ def test_exact_policy_keeps_nnunets_count_and_lets_one_fold_compute_at_a_time() 
     budget = tb.plan_budget(2, env={tb.POLICY_ENV: "exact"}, quota=_quota(8))
     assert budget.fold_threads is None and tb.FOLD_THREADS_ENV not in budget.environment()
     assert budget.fold_slots == 1 and budget.server_args()[-1] == "--rate-limit-resource=nnunet_fold_slot:1"
-    assert tb.fold_threads_for_runner(0, env=budget.environment(), torch_default=32, quota=_quota(8)) == 8
-    assert tb.fold_threads_for_runner(0, env=budget.environment(), torch_default=4, quota=_quota(8)) == 4
+    env = budget.environment()
+    assert threads.fold_threads_for_runner(0, env=env, torch_default=32, quota=_quota(8)) == 8
+    assert threads.fold_threads_for_runner(0, env=env, torch_default=4, quota=_quota(8)) == 4
 
 
 @pytest.mark.parametrize(("largest", "policy"), [(24 * 32 * 32, "split"), (112 * 160 * 128, "exact"),
@@ -113,10 +115,10 @@ def test_settings_that_cannot_be_honoured_are_refused_naming_them(env: dict[str,
 
 def test_a_fold_models_own_thread_parameter_wins_but_not_beyond_the_cpus() -> None:
     env = {tb.FOLD_THREADS_ENV: "1"}
-    assert tb.fold_threads_for_runner(2, env=env, torch_default=2, quota=_quota(2)) == 2
-    assert tb.fold_threads_for_runner(0, env=env, torch_default=2, quota=_quota(2)) == 1
+    assert threads.fold_threads_for_runner(2, env=env, torch_default=2, quota=_quota(2)) == 2
+    assert threads.fold_threads_for_runner(0, env=env, torch_default=2, quota=_quota(2)) == 1
     with pytest.raises(ThreadBudgetError, match="torch_num_threads=3 asks for more threads than the 2 CPU"):
-        tb.fold_threads_for_runner(3, env=env, torch_default=2, quota=_quota(2))
+        threads.fold_threads_for_runner(3, env=env, torch_default=2, quota=_quota(2))
 
 
 def _repository(tmp_path: Path, folds: int, instances: int) -> Path:

@@ -38,7 +38,7 @@ def _home_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--home", default=None, help=f"server home (default ${HOME_ENV} or {DEFAULT_HOME})")
 
 
-def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool) -> None:
+def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home: bool = True) -> None:
     if build_first:
         serve.add_argument("model", nargs="*", type=Path, default=[],
                            help="nnU-Net results folder(s) to build first (several: an ensemble); the "
@@ -66,19 +66,21 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool) -> No
     serve.add_argument("--exit-timeout", type=int, default=EXIT_TIMEOUT_S,
                        help=f"--exit-timeout-secs (default {EXIT_TIMEOUT_S})")
     serve.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the server")
-    _home_argument(serve)
+    if home:
+        _home_argument(serve)
 
 
-def _stop_status(commands: Any) -> None:
+def _stop_status(commands: Any, *, home: bool = True) -> None:
     stop_cmd = commands.add_parser("stop", help="stop the server recorded in <home>/run/server.json")
     stop_cmd.set_defaults(run=_cmd_stop)
     stop_cmd.add_argument("--timeout", type=float, default=None,
                           help="seconds before SIGKILL (default: exit timeout + 10)")
-    _home_argument(stop_cmd)
     status_cmd = commands.add_parser("status", help="print the recorded server state and its health; exit 0 "
                                      "when healthy (1: running but not healthy, 3: not running)")
     status_cmd.set_defaults(run=_cmd_status)
-    _home_argument(status_cmd)
+    if home:
+        for command in (stop_cmd, status_cmd):
+            _home_argument(command)
 
 
 def add_parsers(sub: Any) -> None:
@@ -92,11 +94,12 @@ def add_parsers(sub: Any) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nnunet-triton-server", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _home_argument(parser)  # before the command, as this command line always took it
     commands = parser.add_subparsers(dest="command", required=True)
     start_cmd = commands.add_parser("start", help="start tritonserver and wait until it is ready")
     start_cmd.set_defaults(run=_cmd_start)
-    _serve_arguments(start_cmd, build_first=False)
-    _stop_status(commands)
+    _serve_arguments(start_cmd, build_first=False, home=False)
+    _stop_status(commands, home=False)
     return parser
 
 

@@ -12,7 +12,7 @@ batch) is the fast default. oneDNN's batched convolutions also round differently
 thread count (~5e-7 measured), so bit-identical parity with an nnU-Net process also needs the same
 ``torch.get_num_threads()``. ``num_threads`` is set as given (0 leaves torch's setting); the Python
 runner's ``model.py`` passes what the launcher's thread budget says
-(``nnunet_triton.server.thread_budget.fold_threads_for_runner``: one share of the available CPUs per fold
+(``nnunet_triton.pipeline.threads.fold_threads_for_runner``: one share of the available CPUs per fold
 instance, or without a launcher torch's default capped at the CPUs really available).
 """
 

@@ -42,14 +42,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nnunet_triton.options import parse_int
+from nnunet_triton.pipeline.threads import NNUNET_PROCESSES_ENV, nnunet_threads
 
 __all__ = [
     "CACHE_ENV",
-    "NNUNET_PROCESSES_ENV",
     "FoldNetwork",
     "ThreadCheck",
     "cpu_identity",
-    "nnunet_threads",
     "Reference",
     "reference_run",
     "check_threads",
@@ -59,23 +58,11 @@ __all__ = [
 LOGGER = logging.getLogger(__name__)
 
 CACHE_ENV = "NNUNET_TRITON_CACHE_DIR"
-NNUNET_PROCESSES_ENV = "nnUNet_def_n_proc"  # nnunetv2.configuration.default_num_processes
-NNUNET_DEFAULT_PROCESSES = 8
 TILE_SEED = 20261202
 CHILD_TIMEOUT_S = 900.0
 # Everything in the environment that can change which kernels run or how many threads they get.
 _NUMERICS_ENV_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "DNNL_", "ONEDNN_", "ATEN_", "TORCH_")
 _NUMERICS_ENV = (NNUNET_PROCESSES_ENV, "OPENBLAS_NUM_THREADS", "LD_PRELOAD")
-
-
-def nnunet_threads(torch_default: int, env: Mapping[str, str] | None = None) -> int:
-    """nnU-Net's thread count for forwards: ``min(default_num_processes, torch.get_num_threads())``."""
-    env = os.environ if env is None else env
-    processes = NNUNET_DEFAULT_PROCESSES
-    if NNUNET_PROCESSES_ENV in env:
-        processes = parse_int(NNUNET_PROCESSES_ENV, env[NNUNET_PROCESSES_ENV], minimum=1,
-                              label=NNUNET_PROCESSES_ENV, error=ValueError)
-    return max(1, min(processes, torch_default))
 
 
 def cpu_identity(cpuinfo: str | Path = "/proc/cpuinfo") -> dict[str, str]:

@@ -72,14 +72,20 @@ from pathlib import Path
 
 from nnunet_triton.errors import ThreadBudgetError
 from nnunet_triton.io_names import FOLD_SLOT_RESOURCE, VERSION_DIR
-from nnunet_triton.options import parse_int
 from nnunet_triton.parameters import PARAM_TORCH_NUM_THREADS, FoldRunnerParameters
+from nnunet_triton.pipeline.threads import (
+    BUDGET_ENV,
+    FOLD_THREADS_ENV,
+    CpuQuota,
+    available_cpus,
+    checked_threads,
+    positive_int,
+)
 from nnunet_triton.server.exactness import (
     FoldNetwork,
     Reference,
     ThreadCheck,
     check_threads,
-    nnunet_threads,
     reference_run,
 )
 
@@ -97,15 +103,11 @@ __all__ = [
     "repository_folds",
     "plan_budget",
     "decide_budget",
-    "fold_threads_for_runner",
-    "budget_note",
     "main",
 ]
 
 POLICY_ENV = "NNUNET_TRITON_THREAD_POLICY"
-FOLD_THREADS_ENV = "NNUNET_TRITON_FOLD_THREADS"
 FOLD_SLOTS_ENV = "NNUNET_TRITON_FOLD_SLOTS"
-BUDGET_ENV = "NNUNET_TRITON_THREAD_BUDGET"  # the whole plan as JSON, for logs and the fold stubs
 _WAIT_ENV = "OMP_WAIT_POLICY"
 LOGGER = logging.getLogger(__name__)
 # a Python fold runner's config (model_specs.python_fold_spec)
@@ -123,41 +125,6 @@ class ThreadPolicy(str, Enum):  # noqa: UP042 - StrEnum is 3.11, the image stub 
 
 
 AUTO_EXACT_VOXELS = 2**18  # auto: exact from this many input values per fold forward (C x patch voxels)
-
-
-@dataclass(frozen=True)
-class CpuQuota:
-    """CPUs this process may use and where the number comes from."""
-
-    cpus: int
-    affinity: int
-    quota: float | None  # cgroup CPU quota in CPUs, None when unlimited or unknown
-    source: str
-
-
-def _cgroup_quota(root: Path) -> tuple[float | None, str]:
-    v2 = root / "sys/fs/cgroup/cpu.max"
-    try:
-        limit, period = v2.read_text().split()[:2]
-        return (None if limit == "max" else int(limit) / int(period)), "cgroup v2 cpu.max"
-    except (OSError, ValueError):
-        pass
-    v1 = root / "sys/fs/cgroup/cpu"
-    try:
-        quota = int((v1 / "cpu.cfs_quota_us").read_text())
-        period = int((v1 / "cpu.cfs_period_us").read_text())
-        return (None if quota <= 0 else quota / period), "cgroup v1 cpu.cfs_quota_us"
-    except (OSError, ValueError):
-        return None, "no cgroup CPU quota"
-
-
-def available_cpus(root: str | Path = "/", affinity: int | None = None) -> CpuQuota:
-    """CPUs really available: the affinity mask, capped by the cgroup quota (rounded up, at least 1)."""
-    count = affinity if affinity is not None else len(os.sched_getaffinity(0))
-    quota, where = _cgroup_quota(Path(root))
-    if quota is not None and math.ceil(quota) < count:
-        return CpuQuota(max(1, math.ceil(quota)), count, quota, f"{where} ({quota:g} CPUs)")
-    return CpuQuota(count, count, quota, f"affinity mask ({count} CPUs; {where})")
 
 
 @dataclass(frozen=True)
@@ -240,24 +207,12 @@ class ThreadBudget:
         return data
 
 
-def _positive_int(name: str, text: str) -> int:
-    return parse_int(name, text, minimum=1, label=name, error=ThreadBudgetError)
-
-
 def _policy(text: str) -> ThreadPolicy:
     try:
         return ThreadPolicy(text.strip().lower())
     except ValueError:
         choices = ", ".join(p.value for p in ThreadPolicy)
         raise ThreadBudgetError(f"{POLICY_ENV} must be one of {choices}, got {text!r}.") from None
-
-
-def _checked_threads(name: str, text: str, quota: CpuQuota) -> int:
-    threads = _positive_int(name, text)
-    if threads > quota.cpus:
-        raise ThreadBudgetError(f"{name}={threads} asks for more threads than the {quota.cpus} CPU(s) "
-                                f"available ({quota.source}).")
-    return threads
 
 
 def _resolve_policy(policy: ThreadPolicy, folds: FoldModels) -> tuple[ThreadPolicy, str]:
@@ -288,7 +243,7 @@ def plan_budget(folds: FoldModels | int, *, env: Mapping[str, str] | None = None
     policy, why = _resolve_policy(_policy(env.get(POLICY_ENV, ThreadPolicy.AUTO.value)), folds)
     threads: int | None
     if FOLD_THREADS_ENV in env:
-        threads = _checked_threads(FOLD_THREADS_ENV, env[FOLD_THREADS_ENV], quota)
+        threads = checked_threads(FOLD_THREADS_ENV, env[FOLD_THREADS_ENV], quota)
         why, assumed = f"{FOLD_THREADS_ENV} set by the user", threads
     elif policy is ThreadPolicy.SPLIT:
         threads = assumed = max(1, quota.cpus // count)
@@ -296,7 +251,7 @@ def plan_budget(folds: FoldModels | int, *, env: Mapping[str, str] | None = None
         threads, assumed = None, quota.cpus
     slots = min(count, max(1, quota.cpus // assumed))
     if FOLD_SLOTS_ENV in env:
-        slots = _positive_int(FOLD_SLOTS_ENV, env[FOLD_SLOTS_ENV])
+        slots = positive_int(FOLD_SLOTS_ENV, env[FOLD_SLOTS_ENV])
         if slots * assumed > quota.cpus:
             raise ThreadBudgetError(
                 f"{FOLD_SLOTS_ENV}={slots} fold executions x {assumed} thread(s) asks for more threads than "
@@ -331,7 +286,7 @@ def _at_threads(budget: ThreadBudget, threads: int, reference: int, env: Mapping
     """``budget`` at ``threads`` per fold execution, with as many fold executions at once as fit."""
     slots = min(budget.fold_instances, max(1, budget.cpus // threads))
     if FOLD_SLOTS_ENV in env:
-        slots = min(slots, _positive_int(FOLD_SLOTS_ENV, env[FOLD_SLOTS_ENV]))
+        slots = min(slots, positive_int(FOLD_SLOTS_ENV, env[FOLD_SLOTS_ENV]))
     if reason is None:
         reason = (f"{exactness}: nnU-Net's {threads} thread(s) per fold execution, {slots} fold "
                   f"execution(s) at once ({budget.cpus} CPU(s), {budget.fold_instances} fold instance(s))")
@@ -405,44 +360,6 @@ def decide_budget(folds: FoldModels, *, env: Mapping[str, str] | None = None, qu
     LOGGER.info("thread budget: %s", summary)
     return _at_threads(budget, reference, reference, env, exact=True,
                        exactness=f"{budget.policy.value} candidate {summary}")
-
-
-def fold_threads_for_runner(configured: int, *, env: Mapping[str, str] | None = None,
-                            torch_default: int, quota: CpuQuota | None = None) -> int:
-    """Threads a fold stub sets: its config parameter, else the launcher's budget, else nnU-Net's count.
-
-    ``configured`` is the model's ``torch_num_threads`` (0 = follow the budget). Without a launcher
-    (a user's own ``tritonserver``), nnU-Net's count is capped at the available CPUs. The launcher's
-    count may exceed the CPUs only when it is nnU-Net's own (the one exact count, see
-    :func:`decide_budget`).
-
-    Raises:
-        ThreadBudgetError: ``configured`` or the budget asks for more threads than allowed.
-    """
-    env = os.environ if env is None else env
-    quota = quota or available_cpus()
-    if configured < 0:
-        raise ThreadBudgetError(f"torch_num_threads must be >= 0, got {configured}.")
-    if configured:
-        return _checked_threads("torch_num_threads", str(configured), quota)
-    own = nnunet_threads(torch_default, env)
-    if FOLD_THREADS_ENV in env:
-        threads = _positive_int(FOLD_THREADS_ENV, env[FOLD_THREADS_ENV])
-        return threads if threads == own else _checked_threads(FOLD_THREADS_ENV, str(threads), quota)
-    return max(1, min(own, quota.cpus))
-
-
-def budget_note(env: Mapping[str, str] | None = None) -> str:
-    """What the launcher's budget says of exactness, for a stub's log line ("" without a launcher)."""
-    env = os.environ if env is None else env
-    try:
-        budget = json.loads(env.get(BUDGET_ENV, "") or "{}")
-    except ValueError:
-        return f"{BUDGET_ENV} is not JSON"
-    if not budget:
-        return "no launcher budget (nnU-Net's count, capped at the CPUs)"
-    verdict = {True: "exact", False: "NOT exact", None: "exactness not checked"}[budget.get("exact")]
-    return f"{verdict}: {budget.get('exactness', '')}"
 
 
 def _parser() -> argparse.ArgumentParser:
