@@ -31,8 +31,9 @@ _COMMANDS = (build, export, serve, predict, validate, listen)
 
 def parser() -> argparse.ArgumentParser:
     """The ``nnunet-triton`` parser with every subcommand mounted."""
-    root = argparse.ArgumentParser(prog="nnunet-triton", description="Serve nnU-Net v2 models on Triton: build, "
-                                   "serve, predict, validate, listen.")
+    root = argparse.ArgumentParser(prog="nnunet-triton",
+                                   description="Serve nnU-Net v2 models on Triton: build, serve, predict, "
+                                               "validate, listen.")
     root.add_argument("--version", action="version", version=f"nnunet-triton {__version__}")
     sub = root.add_subparsers(dest="command", required=True)
     for module in _COMMANDS:
