@@ -3,10 +3,10 @@
 Used by ``tools/deploy.py --target docker|k8s`` and the container tests (tests/container/). Nothing here is
 needed on a host with a working Docker engine; on a Debian host without one, as root:
 
-* :func:`ensure_podman` installs ``podman runc debootstrap`` with apt when podman is missing and, where root
-  lacks CAP_SYS_RESOURCE (podman's default ulimits cannot be set) or the cgroup layout is hybrid (crun fails
-  there), writes the drop-in :data:`CONF_DROPIN` (``default_ulimits`` at this host's own hard limits,
-  ``runtime = "runc"``).
+* :func:`ensure_podman` installs ``podman runc debootstrap catatonit`` with apt when one is missing and,
+  where root lacks CAP_SYS_RESOURCE (podman's default ulimits cannot be set) or the cgroup layout is
+  hybrid (crun fails there), writes the drop-in :data:`CONF_DROPIN` (``default_ulimits`` at this host's
+  own hard limits, ``runtime = "runc"``).
 * :func:`ensure_base_image` makes ``localhost/debian:bookworm`` when it is missing: ``debootstrap
   --variant=minbase bookworm`` from the mirror apt uses, imported with ``podman import`` (there is no image
   registry here). It stays in podman's store; later calls cost nothing.
@@ -35,7 +35,7 @@ STATE = REPO_ROOT / "build" / "containers"
 WHEELS = STATE / "wheels-cpu"
 LOCAL_BASE_IMAGE = "localhost/debian:bookworm"
 CONF_DROPIN = Path("/etc/containers/containers.conf.d/50-nnunet-triton.conf")
-PACKAGES = ("podman", "runc", "debootstrap")
+PACKAGES = ("podman", "runc", "debootstrap", "catatonit")  # catatonit: the pause process of kube play pods
 REQUIREMENTS = (REPO_ROOT / "requirements" / "image-cpu.txt", REPO_ROOT / "requirements" / "export.txt")
 _CAP_SYS_RESOURCE = 24
 
@@ -102,7 +102,7 @@ def engine_config() -> str | None:
 
 def ensure_podman() -> str | None:
     """Make podman usable here (installing it as root with apt); None when it works, else the reason."""
-    if shutil.which("podman") is None or shutil.which("debootstrap") is None:
+    if any(shutil.which(tool) is None for tool in ("podman", "debootstrap", "catatonit")):
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             return "podman is not installed and cannot be installed here (needs root and apt-get)"
         failed = _apt_install(PACKAGES)

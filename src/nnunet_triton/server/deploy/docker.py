@@ -21,7 +21,7 @@ backend's shm sizes, and ``--exit-timeout-secs`` so a stop drains in-flight requ
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,16 +119,16 @@ class DeploySpec:
         if self.variant not in VARIANTS or self.engine not in ("docker", "podman"):
             raise ValueError(f"variant must be one of {VARIANTS} and engine docker or podman, got "
                              f"{self.variant!r}, {self.engine!r}.")
-        if self.info.target == "gpu" and not self.gpus:
-            raise DeployError(
-                "the repository was built for target 'gpu' (KIND_GPU models, libtorch on CUDA) but no GPU "
-                "was given; pass --gpus or build with --target cpu."
-            )
         if self.variant == "cpu" and (self.info.target != "cpu" or self.gpus):
             raise DeployError(
                 f"the cpu image serves repositories built for target 'cpu' without GPUs, got target "
                 f"{self.info.target!r} and gpus {list(self.gpus)}; use the gpu image (--variant gpu) or "
                 "build with --target cpu."
+            )
+        if self.info.target == "gpu" and not self.gpus:
+            raise DeployError(
+                "the repository was built for target 'gpu' (KIND_GPU models, libtorch on CUDA) but no GPU "
+                "was given; pass --gpus or build with --target cpu."
             )
         names = ("http_port", "grpc_port", "metrics_port", "exit_timeout_s", "startup_timeout_s")
         bad = {name: getattr(self, name) for name in names if getattr(self, name) < 1}
@@ -157,6 +157,11 @@ class DeploySpec:
         if self.variant == "cpu":
             return CPU_BASE_IMAGE
         return f"nvcr.io/nvidia/tritonserver:{self.triton_release}-py3"
+
+
+def replace_spec(spec: DeploySpec, **changes: Any) -> DeploySpec:
+    """``spec`` with some fields changed (checked again)."""
+    return replace(spec, **changes)
 
 
 def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit_timeout_s: int = 30,
@@ -310,7 +315,8 @@ def builder_args(options: Any, *, folds: tuple[int | str, ...] | None = None,
 
 def export_container_command(*, source_root: str, model_dir: str, out_dir: str, builder_args: tuple[str, ...],
                              gpu: int | None, uid: int, gid: int, torch_version: str = EXPORT_TORCH,
-                             torchvision_version: str = EXPORT_TORCHVISION) -> tuple[str, ...]:
+                             torchvision_version: str = EXPORT_TORCHVISION, engine: str = "docker",
+                             ) -> tuple[str, ...]:
     """``docker run`` that builds the repository with a torch matching the image's libtorch.
 
     Runs ``docker/export_in_container.sh`` in ``python:3.11-slim`` (our code needs Python 3.11; NGC's
@@ -322,7 +328,7 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
     out, model = Path(out_dir), Path(model_dir)
     gpus = ("--gpus", f"device={gpu}") if gpu is not None else ()
     return (
-        "docker", "run", "--rm", *gpus,
+        engine, "run", "--rm", *gpus,
         "--volume", f"{source_root}:/src:ro",
         "--volume", f"{model.parent}:/models:ro",
         "--volume", f"{out.parent}:/out",

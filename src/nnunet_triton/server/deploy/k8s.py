@@ -188,7 +188,8 @@ def deployment(spec: K8sSpec) -> dict[str, Any]:
             "name": "model-repository",
             "image": spec.model_source.ref,
             "imagePullPolicy": "IfNotPresent",
-            "command": ["sh", "-c", f"cp -R {CONTAINER_REPOSITORY}/. /repository/"],
+            # absolute: an imported base image (the models image here) has no PATH of its own
+            "command": ["/bin/sh", "-c", f"cp -R {CONTAINER_REPOSITORY}/. /repository/"],
             "volumeMounts": [{"name": "model-repository", "mountPath": "/repository"}],
         }]
     # a new build changes the hash, which rolls the pods even when image and PVC path stay the same
