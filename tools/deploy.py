@@ -335,11 +335,15 @@ def _kube_play(args: argparse.Namespace) -> int:
     args.out = args.repository or REPO_ROOT / CPU_IMAGE_OUT
     spec = _build_cpu_repository(args, "podman")
     info = spec.info
-    source = k8s.ModelSource("image", f"nnunet-triton-models:{(info.input_hash or 'latest')[:12]}")
-    print("the model repository image for the init container:")
-    _run([("podman", "build", "--format", "docker", "--file", str(REPO_ROOT / "docker" / "Dockerfile.models"),
-           "--build-arg", f"BASE_IMAGE={spec.base_image}", "--tag", source.ref, str(args.out))], True,
-         tool="podman")
+    # the repository in a podman volume behind the PVC (podman 4.3 kube play races its init containers:
+    # "failed to remove once init container ... as it is running", so the image source is not used here)
+    source = k8s.ModelSource("pvc", f"nnunet-triton-models-{(info.input_hash or 'latest')[:12]}")
+    print(f"the model repository in the volume {source.ref} (the PVC's claimName):")
+    subprocess.run(["podman", "volume", "rm", "--force", source.ref], check=False, capture_output=True)
+    _run([("podman", "volume", "create", source.ref)], True, tool="podman")
+    tar = subprocess.Popen(["tar", "-C", str(args.out), "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run(["podman", "volume", "import", source.ref, "-"], stdin=tar.stdout, check=True, timeout=600)
+    tar.wait(60)
     kspec = k8s.K8sSpec(info=info, plan=spec.plan, image=spec.image_tag, model_source=source, gpus=0,
                         name=args.container_name, cpu=str(args.cpu), min_replicas=1, max_replicas=1,
                         host_ports=(spec.http_port, spec.grpc_port, spec.metrics_port),

@@ -7,8 +7,8 @@ ready. Then: the CLI's answer from the container equals nnU-Net's; a killed mode
 container makes the container's health command fail naming the model and is reloaded by the watchdog; a
 SIGKILLed tritonserver (PID 1) is restarted by the restart policy and answers correctly again; the
 repository volume is read-only; a bad repository exits with one clear line, not an endless restart loop.
-``--target k8s --kube-play`` runs the rendered Deployment (init container, emptyDir volumes, host ports on
-loopback) under ``podman kube play``: its readiness command tells the truth while a model is broken, the
+``--target k8s --kube-play`` runs the rendered Deployment (the repository from its PVC, a podman volume;
+emptyDir volumes; host ports on loopback) under ``podman kube play``: its readiness command tells the truth while a model is broken, the
 liveness healthcheck too, the watchdog heals it, and a killed server is restarted by the pod's policy.
 
 Skipped with the reason where podman cannot run (not root, no apt). Images and the base image stay in
@@ -224,9 +224,9 @@ def test_kube_play_runs_the_deployment_with_truthful_probes_a_healed_kill_and_a_
         container = pod["containers"][0]
         readiness = container["readinessProbe"]["exec"]["command"]
         assert container["livenessProbe"]["exec"]["command"] == readiness
-        assert pod["initContainers"][0]["command"][0] == "/bin/sh"
+        assert pod["volumes"][1]["persistentVolumeClaim"]["readOnly"] is True  # a podman volume here
         assert _healthy_in(POD_CONTAINER, readiness).returncode == 0
-        # the repository came through the init container into the emptyDir, mounted read-only
+        # the repository came from the PVC (a podman volume), mounted read-only
         assert podman("exec", POD_CONTAINER, "touch", "/models/x").returncode != 0
 
         server = _server_pid(POD_CONTAINER)
