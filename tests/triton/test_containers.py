@@ -8,8 +8,9 @@ container makes the container's health command fail naming the model and is relo
 SIGKILLed tritonserver (PID 1) is restarted by the restart policy and answers correctly again; the
 repository volume is read-only; a bad repository exits with one clear line, not an endless restart loop.
 ``--target k8s --kube-play`` runs the rendered Deployment (the repository from its PVC, a podman volume;
-emptyDir volumes; host ports on loopback) under ``podman kube play``: its readiness command tells the truth while a model is broken, the
-liveness healthcheck too, the watchdog heals it, and a killed server is restarted by the pod's policy.
+emptyDir volumes; host ports on loopback) under ``podman kube play``: its readiness command tells the
+truth while a model is broken, the liveness healthcheck too, the watchdog heals it, and a killed server
+is restarted by the pod's policy.
 
 Skipped with the reason where podman cannot run (not root, no apt). Images and the base image stay in
 podman's store and the wheels under build/containers, so only the first run builds (times are printed as
