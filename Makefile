@@ -50,7 +50,7 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
-.PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy demo pacs-demo validate perf \
+.PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy container-engine demo pacs-demo validate perf \
 	perf-defaults soak gpu-check
 
 help: ## Show this help
@@ -143,14 +143,17 @@ fixtures: $(SETUP_STAMP) ## Regenerate the committed nnU-Net fixture models unde
 	$(PY) -m tools.make_variety_fixtures --out tests/fixtures
 	$(PY) -m tools.make_cascade_fixture --out tests/fixtures
 
-deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (TARGET=embedded|docker|k8s; DEPLOY_ARGS=--execute runs docker/kubectl)
+deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (TARGET=embedded|docker|k8s; docker: runs with docker or podman, cpu image without a GPU; DEPLOY_ARGS=--dry-run prints, --kube-play runs k8s here)
 	$(PY) tools/deploy.py --model $(or $(MODEL),$(FIXTURE_MODEL)) --target $(TARGET) \
 		$(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS)) \
 		--host $(TRITON_HOST) --http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
 		--metrics-port $(TRITON_METRICS_PORT) $(DEPLOY_ARGS)
 
-undeploy: $(SETUP_STAMP) ## Stop what `make deploy` started (TARGET=embedded|docker|k8s)
-	$(PY) tools/deploy.py undeploy --target $(TARGET)
+undeploy: $(SETUP_STAMP) ## Stop what `make deploy` started (TARGET=embedded|docker|k8s; DEPLOY_ARGS="--engine podman" or --kube-play)
+	$(PY) tools/deploy.py undeploy --target $(TARGET) $(DEPLOY_ARGS)
+
+container-engine: $(SETUP_STAMP) ## As root without Docker: install podman (apt), write its containers.conf drop-in, make the Debian base image and the cpu image's wheels
+	$(PY) tools/container_images.py
 
 clean: ## Stop a running server and remove build outputs and caches (keeps .venv)
 	@if [ -x $(SERVER) ]; then $(SERVER) stop; fi

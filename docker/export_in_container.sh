@@ -22,7 +22,7 @@ tar -C /src --exclude=./.venv --exclude=./build --exclude=./.git -cf - . | tar -
 grep -v -E '^(torch|torchvision|triton|sympy|nvidia-[a-z0-9-]+)==' /opt/src/requirements/constraints.txt \
     > /opt/constraints.txt
 python -m pip install --no-cache-dir --disable-pip-version-check -c /opt/constraints.txt \
-    "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" "numpy<2" nnunetv2 timm
+    "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" nnunetv2 timm
 
 cd /opt/src
 export PYTHONPATH=/opt/src/src PYTHONDONTWRITEBYTECODE=1

@@ -6,9 +6,11 @@
 
 embedded: build the CPU repository (a no-op when the builder's input hash matches), start the embedded
 tritonserver detached with every model loaded explicitly, wait until ready, print endpoints and example
-calls. docker: print (--execute: run) the GPU-host commands: build the repository with a torch matching
-the image's libtorch (here, or in a container), ``docker build`` of docker/Dockerfile, ``docker run``
-sized for the largest volume. k8s: render the manifests into --out. Docker is needed only for --execute.
+calls. docker: the image of --variant (auto: gpu where an NVIDIA GPU is visible, else cpu) with the engine
+found (a docker whose daemon answers, else podman; --engine picks one): build the repository with a torch
+the image loads, build the image, start the container sized for the largest volume and wait until it is
+ready; with no usable engine (or --dry-run) the commands are printed. k8s: render the manifests into --out
+(--execute: kubectl apply; --kube-play: run the Deployment here with podman kube play, cpu variant).
 """
 
 from __future__ import annotations
@@ -30,19 +32,24 @@ from nnunet_triton.server.deploy import docker, k8s
 from nnunet_triton.server.deploy.repository_info import METADATA_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # tools/container_images.py when run as a script
+    sys.path.insert(0, str(REPO_ROOT))
+from tools import container_images  # noqa: E402
 
 LOGGER = logging.getLogger("deploy")
 DEFAULT_MODEL = REPO_ROOT / "tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny"
 DEPLOYED_FILE = "deployed.txt"  # next to the embedded server's state file
 DEFAULT_OUT = {"embedded": "build/model_repository", "docker": "build/model_repository_gpu",
                "k8s": "build/k8s"}
+CPU_IMAGE_OUT = "build/model_repository_cpu_image"  # docker --variant cpu: exported with the image's torch
+KUBE_PLAY_OUT = "build/k8s_cpu"  # k8s --kube-play
 
 
-def _build_options(args: argparse.Namespace, target: str) -> object:
+def _build_options(args: argparse.Namespace, target: str, serving_torch: str | None = None) -> object:
     from nnunet_triton.builder.model_specs import BuildOptions
 
-    serving_torch = None  # the docker image's libtorch: the builder refuses a newer exporting torch
-    if target == "gpu" and getattr(args, "triton_release", None):
+    # the docker image's libtorch (or the cpu image's torch): the builder refuses a newer exporting torch
+    if serving_torch is None and target == "gpu" and getattr(args, "triton_release", None):
         serving_torch = deploy.triton_release(args.triton_release, args.image_torch_version).libtorch
     return BuildOptions(target=target, tile_batch_size=args.tile_batch_size,
                         fold_precision=args.precision if target == "gpu" else "fp32",
@@ -144,14 +151,17 @@ def _local_torch_fits(args: argparse.Namespace) -> bool:
     return fits and (args.precision == "fp32" or torch.cuda.is_available())
 
 
-def _docker_spec(args: argparse.Namespace, info: deploy.RepositoryInfo) -> docker.DeploySpec:
+def _docker_spec(args: argparse.Namespace, info: deploy.RepositoryInfo, *, variant: str = "gpu",
+                 engine: str = "docker") -> docker.DeploySpec:
     spacing = tuple(args.max_spacing) if args.max_spacing else None
     volume = deploy.VolumeSpec(tuple(args.max_volume), spacing, probabilities=args.probabilities)
-    plan = deploy.plan_memory(info, volume, gpus=len(args.gpus))
+    gpus = tuple(args.gpus) if variant == "gpu" else ()
+    plan = deploy.plan_memory(info, volume, gpus=max(1, len(gpus)))
     ports = {"http_port": args.http_port or 8000, "grpc_port": args.grpc_port or 8001,
              "metrics_port": args.metrics_port or 8002}
     return docker.DeploySpec(info=info, plan=plan, repository=str(args.out.absolute()),
-                             triton_release=args.triton_release, gpus=tuple(args.gpus),
+                             triton_release=args.triton_release, gpus=gpus, variant=variant, engine=engine,
+                             base_image_ref=args.base_image, container_name=args.container_name,
                              image_torch_version=args.image_torch_version, publish_host=args.host, **ports)
 
 
@@ -165,7 +175,110 @@ def _run(commands: list[tuple[str, ...]], execute: bool, tool: str = "docker") -
             subprocess.run(argv, check=True)
 
 
+def _gpu_visible() -> bool:
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/version").exists()
+
+
+def _variant(args: argparse.Namespace) -> str:
+    if args.variant != "auto":
+        return args.variant
+    variant = "gpu" if _gpu_visible() else "cpu"
+    why = "an NVIDIA GPU is visible" if variant == "gpu" else "no NVIDIA GPU here"
+    print(f"image variant: {variant} ({why}; --variant gpu|cpu to choose)")
+    return variant
+
+
+def _engine(args: argparse.Namespace) -> tuple[str, bool]:
+    """The engine to name in the commands, and whether to run them (an engine works, no --dry-run)."""
+    if shutil.which("podman") and not container_images.engine_works("docker"):
+        container_images.ensure_podman()  # this host's containers.conf drop-in, when it needs one
+    found = container_images.find_engine(args.engine)
+    if args.execute and found is None:
+        raise NnunetTritonError(f"--execute needs a working container engine ({args.engine}); none answers "
+                                "here (docker: is the daemon running? podman: `podman info`).")
+    if found is None and not args.dry_run:
+        print("no working container engine here (docker daemon or podman): printing the commands only")
+    engine = found or (args.engine if args.engine != "auto" else "docker")
+    return engine, found is not None and not args.dry_run
+
+
 def _deploy_docker(args: argparse.Namespace) -> int:
+    variant = _variant(args)
+    engine, execute = _engine(args)
+    args.execute = execute
+    if variant == "cpu":
+        return _deploy_docker_cpu(args, engine)
+    return _deploy_docker_gpu(args, engine)
+
+
+def _cpu_image(args: argparse.Namespace, engine: str, info: deploy.RepositoryInfo) -> docker.DeploySpec:
+    """The cpu image (and its export stage) built, or printed: the base image and wheels made here first."""
+    if args.base_image is None and engine == "podman":
+        args.base_image = container_images.LOCAL_BASE_IMAGE
+    spec = _docker_spec(args, info, variant="cpu", engine=engine)
+    wheels = None
+    if args.execute:
+        if spec.base_image == container_images.LOCAL_BASE_IMAGE:
+            took = container_images.ensure_base_image(engine)
+            if took:
+                print(f"made the base image {spec.base_image} (debootstrap + import) in {took:.0f} s")
+        wheels = str(container_images.fill_wheels())
+    print(f"build the cpu image {spec.image_tag} and its export stage (base {spec.base_image}):")
+    builds = [docker.docker_build_command(spec, context=str(REPO_ROOT), target=target, wheels=wheels,
+                                          dockerfile=str(REPO_ROOT / "docker" / "Dockerfile"))
+              for target in ("export", None)]
+    _run(builds, args.execute, tool=engine)
+    return spec
+
+
+def _deploy_docker_cpu(args: argparse.Namespace, engine: str) -> int:
+    return _start_container(args, _build_cpu_repository(args, engine))
+
+
+def _build_cpu_repository(args: argparse.Namespace, engine: str) -> docker.DeploySpec:
+    """cpu image: the repository is built in the image's export stage, so its torch loads the fold models."""
+    config = _read_config(args)
+    serving_torch = deploy.torch_compat_minor(docker.IMAGE_TORCH["cpu"])
+    options = _build_options(args, "cpu", serving_torch=serving_torch)
+    if args.out == REPO_ROOT / DEFAULT_OUT["docker"]:
+        args.out = REPO_ROOT / CPU_IMAGE_OUT
+    spec = _cpu_image(args, engine, deploy.RepositoryInfo.planned(config, options))
+    print(f"build the repository {args.out} with the image's torch {docker.IMAGE_TORCH['cpu']}:")
+    builder = docker.builder_args(options, folds=args.folds, configuration=args.configuration,
+                                  export_device=None)
+    if args.execute:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    _run([docker.cpu_export_command(spec, source_root=str(REPO_ROOT), model_dir=str(args.model.absolute()),
+                                    out_dir=str(args.out.absolute()), builder_args=builder, uid=os.getuid(),
+                                    gid=os.getgid())], args.execute, tool=engine)
+    if args.execute:
+        spec = _docker_spec(args, deploy.RepositoryInfo.from_repository(args.out), variant="cpu",
+                            engine=engine)
+    return spec
+
+
+def _start_container(args: argparse.Namespace, spec: docker.DeploySpec) -> int:
+    plan = spec.plan
+    pools = (f", CUDA pool {plan.cuda_pool_bytes >> 20} MiB/GPU, pinned {plan.pinned_pool_bytes >> 20} MiB"
+             if spec.variant == "gpu" else "")
+    print(f"start it (shm {spec.plan.shm_mib} MiB{pools} for volumes up to {args.max_volume}):")
+    run = docker.docker_run_command(spec)
+    if args.execute:  # replace the container of an earlier deploy
+        for argv in docker.docker_stop_commands(spec.container_name, spec.exit_timeout_s, engine=spec.engine):
+            subprocess.run(argv, check=False, capture_output=True)
+    _run([run], args.execute, tool=spec.engine)
+    http = f"127.0.0.1:{spec.http_port}"
+    if args.execute:
+        start = time.monotonic()
+        _wait_http_ready(http, spec.startup_timeout_s, spec)
+        print(f"container {spec.container_name} ready in {time.monotonic() - start:.1f} s")
+    undeploy = "make undeploy TARGET=docker" + (f" DEPLOY_ARGS='--engine {spec.engine}'"
+                                                if spec.engine != "docker" else "")
+    _print_usage(http, f"127.0.0.1:{spec.grpc_port}", f"127.0.0.1:{spec.metrics_port}", undeploy)
+    return 0
+
+
+def _deploy_docker_gpu(args: argparse.Namespace, engine: str) -> int:
     config, options = _read_config(args), _build_options(args, "gpu")
     local = _local_torch_fits(args)
     if local:
@@ -177,38 +290,87 @@ def _deploy_docker(args: argparse.Namespace) -> int:
         _run([docker.export_container_command(
             source_root=str(REPO_ROOT), model_dir=str(args.model.absolute()),
             out_dir=str(args.out.absolute()), builder_args=builder, gpu=args.gpus[0], uid=os.getuid(),
-            gid=os.getgid())], args.execute)
+            gid=os.getgid(), engine=engine)], args.execute, tool=engine)
     # the repository as built now (locally or by the executed export step), else as it will be built
     built = (local or args.execute) and (args.out / METADATA_FILE).is_file()
     spec = _docker_spec(args, deploy.RepositoryInfo.from_repository(args.out) if built
-                        else deploy.RepositoryInfo.planned(config, options))
+                        else deploy.RepositoryInfo.planned(config, options), engine=engine)
     print("2. build the serving image:")
-    _run([docker.docker_build_command(spec, context=str(REPO_ROOT))], args.execute)
-    print(f"3. start it (shm {spec.plan.shm_mib} MiB, CUDA pool {spec.plan.cuda_pool_bytes >> 20} MiB/GPU, "
-          f"pinned {spec.plan.pinned_pool_bytes >> 20} MiB for volumes up to {args.max_volume}):")
-    run = docker.docker_run_command(spec)
-    if args.execute:  # replace the container of an earlier deploy
-        for argv in docker.docker_stop_commands(spec.container_name, spec.exit_timeout_s):
-            subprocess.run(argv, check=False, capture_output=True)
-    _run([run], args.execute)
-    http = f"127.0.0.1:{spec.http_port}"
-    if args.execute:
-        _wait_http_ready(http, spec.startup_timeout_s)
-    _print_usage(http, f"127.0.0.1:{spec.grpc_port}", f"127.0.0.1:{spec.metrics_port}",
-                 "make undeploy TARGET=docker")
+    _run([docker.docker_build_command(spec, context=str(REPO_ROOT))], args.execute, tool=engine)
+    print("3.", end=" ")
+    return _start_container(args, spec)
+
+
+def _container_state(spec: docker.DeploySpec) -> tuple[str, str]:
+    """(status, exit code) of the container, e.g. ("running", "0"), ("exited", "78")."""
+    result = subprocess.run([spec.engine, "inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}",
+                             spec.container_name], capture_output=True, text=True, check=False, timeout=60)
+    status, _, code = result.stdout.strip().partition(" ")
+    return status or "missing", code
+
+
+def _wait_http_ready(http: str, timeout_s: float, spec: docker.DeploySpec) -> None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    url, deadline = f"http://{http}/v2/health/ready", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), opener.open(url, timeout=5):
+            return
+        status, code = _container_state(spec)
+        if status in ("exited", "stopped", "missing"):
+            logs = subprocess.run([spec.engine, "logs", "--tail", "20", spec.container_name],
+                                  capture_output=True, text=True, check=False, timeout=60)
+            raise NnunetTritonError(f"container {spec.container_name} {status} (exit {code}) before it was "
+                                    f"ready; its log ends:\n{logs.stdout}{logs.stderr}")
+        time.sleep(2)
+    raise NnunetTritonError(f"not ready at {url} after {timeout_s:.0f} s (see `{spec.engine} logs "
+                            f"{spec.container_name}`).")
+
+
+def _kube_play(args: argparse.Namespace) -> int:
+    """The cpu Deployment run here by ``podman kube play``: repository, images, models image, manifests."""
+    problem = container_images.ensure_podman()
+    if problem:
+        raise NnunetTritonError(f"--kube-play needs podman: {problem}")
+    args.execute, manifests_dir = True, args.out
+    args.out = args.repository or REPO_ROOT / CPU_IMAGE_OUT
+    spec = _build_cpu_repository(args, "podman")
+    info = spec.info
+    # the repository in a podman volume behind the PVC (podman 4.3 kube play races its init containers:
+    # "failed to remove once init container ... as it is running", so the image source is not used here)
+    source = k8s.ModelSource("pvc", f"nnunet-triton-models-{(info.input_hash or 'latest')[:12]}")
+    print(f"the model repository in the volume {source.ref} (the PVC's claimName):")
+    subprocess.run(["podman", "volume", "rm", "--force", source.ref], check=False, capture_output=True)
+    _run([("podman", "volume", "create", source.ref)], True, tool="podman")
+    tar = subprocess.Popen(["tar", "-C", str(args.out), "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run(["podman", "volume", "import", source.ref, "-"], stdin=tar.stdout, check=True, timeout=600)
+    tar.wait(60)
+    kspec = k8s.K8sSpec(info=info, plan=spec.plan, image=spec.image_tag, model_source=source, gpus=0,
+                        name=args.container_name, cpu=str(args.cpu), min_replicas=1, max_replicas=1,
+                        host_ports=(spec.http_port, spec.grpc_port, spec.metrics_port),
+                        startup_timeout_s=spec.startup_timeout_s)
+    manifests_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in k8s.manifest_files(kspec).items():
+        (manifests_dir / name).write_text(text)
+    deployment = manifests_dir / "deployment.yaml"
+    print(f"wrote the manifests to {manifests_dir}; podman kube play runs the Deployment (it ignores the "
+          "Service, HPA and readiness/startup probes; the liveness probe is its healthcheck):")
+    start = time.monotonic()
+    _run([("podman", "kube", "play", "--replace", str(deployment))], True, tool="podman")
+    pod_container = f"{args.container_name}-pod-0-tritonserver"
+    _wait_http_ready(f"127.0.0.1:{spec.http_port}", spec.startup_timeout_s,
+                     docker.replace_spec(spec, container_name=pod_container, engine="podman"))
+    took = time.monotonic() - start
+    print(f"Deployment {args.container_name} ready under podman kube play in {took:.1f} s "
+          f"(container {pod_container})")
+    host = "127.0.0.1"
+    _print_usage(f"{host}:{spec.http_port}", f"{host}:{spec.grpc_port}", f"{host}:{spec.metrics_port}",
+                 "make undeploy TARGET=k8s DEPLOY_ARGS=--kube-play")
     return 0
 
 
-def _wait_http_ready(http: str, timeout_s: float) -> None:
-    url, deadline = f"http://{http}/v2/health/ready", time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5):
-            return
-        time.sleep(5)
-    raise NnunetTritonError(f"not ready at {url} after {timeout_s:.0f} s (see `docker logs`).")
-
-
 def _deploy_k8s(args: argparse.Namespace) -> int:
+    if args.kube_play:
+        return _kube_play(args)
     repo = args.repository or REPO_ROOT / DEFAULT_OUT["docker"]
     if (repo / METADATA_FILE).is_file():
         info = deploy.RepositoryInfo.from_repository(repo)
@@ -249,7 +411,12 @@ def _undeploy(args: argparse.Namespace) -> int:
         (resolve_home(None) / "run" / DEPLOYED_FILE).unlink(missing_ok=True)
         return embedded_cli.main(["stop"])
     if args.target == "docker":
-        _run(list(docker.docker_stop_commands()), args.execute)
+        engine = container_images.find_engine(args.engine)
+        execute = args.execute or (engine is not None and not args.dry_run)
+        _run(list(docker.docker_stop_commands(args.container_name, engine=engine or "docker")), execute,
+             tool=engine or "docker")
+    elif args.kube_play:
+        _run([("podman", "kube", "down", str(args.out / "deployment.yaml"))], True, tool="podman")
     else:
         _run([("kubectl", "delete", "--kustomize", str(args.out))], args.execute, tool="kubectl")
     return 0
@@ -261,7 +428,14 @@ def _parser(undeploy: bool) -> argparse.ArgumentParser:
     p.add_argument("--target", choices=tuple(DEFAULT_OUT), default="embedded")
     p.add_argument("--out", type=Path, default=None,
                    help=f"repository to build (embedded, docker) or manifests (k8s); default {DEFAULT_OUT}")
-    p.add_argument("--execute", action="store_true", help="docker/k8s: run the printed commands")
+    p.add_argument("--execute", action="store_true",
+                   help="docker: fail unless an engine runs the commands; k8s: kubectl apply")
+    p.add_argument("--dry-run", action="store_true", help="docker: only print the commands")
+    p.add_argument("--engine", choices=("auto", "docker", "podman"), default="auto",
+                   help="docker: the container engine (auto: docker if its daemon answers, else podman)")
+    p.add_argument("--container-name", default="nnunet-triton")
+    p.add_argument("--kube-play", action="store_true",
+                   help="k8s: run the cpu Deployment here with podman kube play (undeploy: kube down)")
     if undeploy:
         return p
     p.add_argument("--model", type=Path, nargs="+", default=[DEFAULT_MODEL],
@@ -280,6 +454,11 @@ def _parser(undeploy: bool) -> argparse.ArgumentParser:
                        help="embedded: default a free port; docker: host port (default 8000/8001/8002)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     gpu = p.add_argument_group("docker and k8s")
+    gpu.add_argument("--variant", choices=("auto", *docker.VARIANTS), default="auto",
+                     help="the image: gpu (NGC base) or cpu (Debian base); auto: gpu where a GPU is visible")
+    gpu.add_argument("--base-image", default=None,
+                     help="the Dockerfile's BASE_IMAGE (cpu default with podman: the local debootstrapped "
+                          f"{container_images.LOCAL_BASE_IMAGE}, made when missing)")
     gpu.add_argument("--triton-release", default=docker.DEFAULT_TRITON_RELEASE)
     gpu.add_argument("--image-torch-version", default=None, help="libtorch X.Y of a release not known here")
     gpu.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
@@ -298,6 +477,7 @@ def _parser(undeploy: bool) -> argparse.ArgumentParser:
     ):
         kube.add_argument(flag, type=kind, default=default, help=text)
     kube.add_argument("--service-monitor", action="store_true", help="add a ServiceMonitor")
+    kube.add_argument("--cpu", type=int, default=2, help="--kube-play: the pod's CPUs (requests = limits)")
     return p
 
 
@@ -306,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     undeploy = bool(argv) and argv[0] == "undeploy"
     args = _parser(undeploy).parse_args(argv[1:] if undeploy or argv[:1] == ["deploy"] else argv)
-    args.out = Path(args.out or REPO_ROOT / DEFAULT_OUT[args.target])
+    default_out = KUBE_PLAY_OUT if args.target == "k8s" and args.kube_play else DEFAULT_OUT[args.target]
+    args.out = Path(args.out or REPO_ROOT / default_out)
     if not undeploy:
         args.models, args.model = list(args.model), args.model[0]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

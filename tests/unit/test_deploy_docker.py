@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from deploy_support import REPO_ROOT, MiB, docker_spec, write_repository
 
+from nnunet_triton.builder.build_inputs import ADAPTERS, COMBINE_ADAPTER, FOLD_RUNNER_ADAPTER
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.errors import DeployError
 from nnunet_triton.server.deploy import docker, sizing
@@ -26,40 +27,73 @@ DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 # --- Dockerfile and docker commands -------------------------------------------------------------------------
 
 
+REQUIREMENTS = REPO_ROOT / "requirements"
+
+
 def _dockerfile_args() -> dict[str, str | None]:
-    """``{ARG name: default}``; an ARG re-declared after FROM (no default) keeps the global default."""
+    """``{ARG name: default}`` with earlier ARGs substituted; a re-declared ARG keeps the global default."""
     args: dict[str, str | None] = {}
     for name, default in re.findall(r"^ARG (\w+)(?:=(\S+))?", DOCKERFILE.read_text(), flags=re.MULTILINE):
+        if default:
+            default = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1)) or "", default)
         args[name] = default or args.get(name)
     return args
 
 
+def _pins(name: str) -> dict[str, str]:
+    lines = (REQUIREMENTS / name).read_text().splitlines()
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+
+
 def test_dockerfile_build_args_are_declared_with_matching_defaults(tmp_path: Path) -> None:
     rendered = docker.dockerfile_build_args(docker_spec(tmp_path))
-    assert rendered == {"TRITON_RELEASE": "24.10", "INSTALL_TORCH": "0", "TORCH_VERSION": "2.5.1"}
+    assert rendered == {"VARIANT": "gpu", "TRITON_RELEASE": "24.10",
+                        "BASE_IMAGE": "nvcr.io/nvidia/tritonserver:24.10-py3"}
     declared = _dockerfile_args()
     assert {name: declared.get(name) for name in rendered} == rendered  # defaults = what deploy renders
 
 
-def test_dockerfile_builds_from_the_ngc_image_and_installs_only_runtime_packages() -> None:
+def test_dockerfile_is_one_recipe_whose_serving_stage_checks_adapters_and_the_fixture() -> None:
     text = DOCKERFILE.read_text()
-    assert re.findall(r"^FROM (.+)$", text, flags=re.MULTILINE) == [
-        "nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3"
-    ]
-    assert text.index("ARG TRITON_RELEASE=24.10") < text.index("FROM ")
-    installed = set(re.findall(r'"([a-z0-9-]+)==\$\{\w+\}"', text))
-    assert installed == {"numpy", "scipy", "cupy-cuda12x", "torch"}
-    assert 'if [[ "${INSTALL_TORCH}" == "1" ]]' in text  # torch only for the Python fold runner
+    stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, flags=re.MULTILINE)
+    assert stages == [("scratch", "wheels"), ("${BASE_IMAGE}", "runtime"), ("runtime", "export"),
+                      ("export", "fixture-cpu"), ("runtime", "fixture-gpu"),
+                      ("fixture-${VARIANT}", "fixture"), ("runtime", "serving")]  # the last: the image
+    installs = re.findall(r"pip install --no-deps .*-r (\S+)", text)
+    assert installs == ['"/opt/nnunet_triton/requirements/image-${VARIANT}.txt"',
+                        "/opt/nnunet_triton/requirements/export.txt"]
+    check = text[text.index("FROM runtime AS serving"):]
+    assert "nnunet_triton.server.deploy.image_check" in check and "--fixture /fixture" in check
+    adapters = re.findall(r"/context/(\S+/model\.py)", check)
+    every = (*ADAPTERS.values(), FOLD_RUNNER_ADAPTER, COMBINE_ADAPTER)  # every adapter the builder uses
+    assert sorted(adapters) == sorted(str(path) for path in every)
     assert not re.search(r"^(ADD|CMD|ENTRYPOINT) ", text, flags=re.MULTILINE)  # keep NGC's entrypoint
 
 
-def test_dockerfile_copies_only_paths_its_dockerignore_keeps() -> None:
-    copied = re.findall(r"^COPY (.+) \S+$", DOCKERFILE.read_text(), flags=re.MULTILINE)
-    sources = [src for line in copied for src in line.split()]
-    assert sources == ["pyproject.toml", "README.md", "src/"]
-    ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()
-    assert [line for line in ignore if line.startswith("!")] == [f"!{src}" for src in sources]
-    assert all((REPO_ROOT / src).exists() for src in sources)
+def test_both_images_pin_torch_and_numpy_2_in_their_requirement_files() -> None:
+    cpu, gpu = _pins("image-cpu.txt"), _pins("image-gpu.txt")
+    assert (cpu["torch"], gpu["torch"]) == (docker.IMAGE_TORCH["cpu"], docker.IMAGE_TORCH["gpu"])
+    assert cpu["numpy"] == "2.4.6" and gpu["numpy"] == "2.2.6"  # 2.2.x: the last numpy for Python 3.10
+    lock = dict(line.split("==") for line in (REQUIREMENTS / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert {name: version for name, version in cpu.items() if lock.get(name, version) != version} == {
+        "torch": "2.13.0+cpu"}  # the rest is the lock's
+    assert "cupy-cuda12x" in gpu and "nvidia-pytriton" in cpu
+    assert not set(_pins("export.txt")) & set(cpu)
+
+
+def test_dockerfile_copies_and_mounts_only_paths_its_dockerignore_keeps() -> None:
+    text = DOCKERFILE.read_text().replace("${VARIANT}", "cpu")
+    copies = re.findall(r"^COPY (.+) \S+$", text, flags=re.MULTILINE)
+    copied = [src for line in copies for src in line.split()]
+    mounted = re.findall(r"/context/(\S+)", text) + re.findall(r"/src/(tests/\S+)", text)
+    assert copied == ["requirements/image-cpu.txt", "pyproject.toml", "README.md", "src/",
+                      "requirements/export.txt"]
+    kept = [line[1:] for line in (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()
+            if line.startswith("!")]
+    for path in (*copied, *mounted):
+        assert (REPO_ROOT / path).exists(), path
+        assert any(path == k.rstrip("/") or path.startswith(k) for k in kept), f"{path} is ignored"
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.models"])
@@ -98,15 +132,39 @@ def test_docker_build_command_equals_expected_when_libtorch_runner(tmp_path: Pat
         "--file",
         "docker/Dockerfile",
         "--build-arg",
+        "VARIANT=gpu",
+        "--build-arg",
         "TRITON_RELEASE=24.10",
         "--build-arg",
-        "INSTALL_TORCH=0",
-        "--build-arg",
-        "TORCH_VERSION=2.5.1",
+        "BASE_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3",
         "--tag",
         "nnunet-triton:0.1.0-triton24.10",
         ".",
     )
+
+
+def test_podman_builds_the_cpu_image_and_its_export_stage_with_the_local_wheels(tmp_path: Path) -> None:
+    info = RepositoryInfo.from_repository(write_repository(tmp_path, BuildOptions(target="cpu")))
+    spec = docker.DeploySpec(info=info, plan=sizing.plan_memory(info, sizing.VolumeSpec()), repository="/r",
+                             gpus=(), variant="cpu", engine="podman",
+                             base_image_ref="localhost/debian:bookworm")
+    head = ("podman", "build", "--file", "docker/Dockerfile", "--format", "docker", "--ignorefile",
+            "docker/Dockerfile.dockerignore", "--build-arg", "VARIANT=cpu", "--build-arg",
+            "TRITON_RELEASE=24.10", "--build-arg", "BASE_IMAGE=localhost/debian:bookworm", "--build-context",
+            "wheels=/w")
+    assert docker.docker_build_command(spec, wheels="/w") == (
+        *head, "--tag", "nnunet-triton:0.1.0-triton24.10-cpu", ".")
+    assert docker.docker_build_command(spec, wheels="/w", target="export") == (
+        *head, "--target", "export", "--tag", "nnunet-triton:0.1.0-triton24.10-cpu-export", ".")
+    run = docker.docker_run_command(spec)
+    assert run[:7] == ("podman", "run", "--detach", "--name", "nnunet-triton", "--restart", "on-failure:5")
+    assert "--gpus" not in run and "memlock=-1" not in run and not any("cupy" in a for a in run)
+    assert "--allow-gpu-metrics=false" in run
+
+
+def test_cpu_image_refuses_a_gpu_repository(tmp_path: Path) -> None:
+    with pytest.raises(DeployError, match="the cpu image serves repositories built for target 'cpu'"):
+        docker_spec(tmp_path, gpus=(), variant="cpu")
 
 
 def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path) -> None:
@@ -115,9 +173,7 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
     server = argv[argv.index("tritonserver") :]
     image_at = argv.index(spec.image_tag)
     assert argv[image_at + 1 : argv.index("tritonserver")] == (
-        "python3", "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
-        "--model-repository", "/models",
-        "--")
+        "python3", "-m", "nnunet_triton.server.deploy.entrypoint", "--model-repository", "/models", "--")
     loaded = [arg.split("=", 1)[1] for arg in server if arg.startswith("--load-model=")]
     assert loaded == sorted(p.parent.name for p in tmp_path.glob("*/config.pbtxt"))  # BLS callees too
     assert argv[: argv.index("--health-cmd")] == (
@@ -127,7 +183,7 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
         "--name",
         "nnunet-triton",
         "--restart",
-        "unless-stopped",
+        "on-failure:5",
         "--gpus",
         '"device=2,3"',
         "--shm-size=6064m",
@@ -247,6 +303,7 @@ sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_bac
 for path in {adapters!r}:
     spec = importlib.util.spec_from_file_location(path.replace("/", "_")[:-3], path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
+import nnunet_triton.server.deploy.image_check, nnunet_triton.server.deploy.entrypoint  # run in the image
 print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() if n.startswith("nnunet_triton"))))
 """
     result = subprocess.run(

@@ -71,10 +71,30 @@ def test_k8s_deployment_has_gpu_shm_probes_and_repository_volume(tmp_path: Path)
     assert {"name": "cupy-cache", "mountPath": "/var/cache/cupy"} in container["volumeMounts"]
     assert pod["initContainers"][0]["image"] == "registry.example/nnunet-models:abc"
     assert container["args"] == list(docker.server_command(spec.info, spec.plan, gpus=1))
-    assert container["args"][:8] == ["python3", "-m", "nnunet_triton.server.thread_budget", "exec",
-                                      "--watchdog",
+    assert container["args"][:6] == ["python3", "-m", "nnunet_triton.server.deploy.entrypoint",
                                      "--model-repository", "/models", "--"]
     assert "--load-model=fold_1" in container["args"]
+
+
+def test_k8s_cpu_deployment_has_no_gpu_and_publishes_host_ports_on_loopback(tmp_path: Path) -> None:
+    from nnunet_triton.builder.model_specs import BuildOptions
+    from nnunet_triton.server.deploy import sizing
+
+    info = RepositoryInfo.from_repository(write_repository(tmp_path, BuildOptions(target="cpu")))
+    spec = k8s.K8sSpec(info=info, plan=sizing.plan_memory(info, sizing.VolumeSpec()), image="img:1",
+                       model_source=k8s.ModelSource("image", "models:1"), gpus=0,
+                       host_ports=(18000, 18001, 18002))
+    pod = k8s.deployment(spec)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert [(p["containerPort"], p.get("hostPort"), p.get("hostIP")) for p in container["ports"]] == [
+        (8000, 18000, "127.0.0.1"), (8001, 18001, "127.0.0.1"), (8002, 18002, "127.0.0.1")]
+    assert "--allow-gpu-metrics=false" in container["args"]
+    assert pod["initContainers"][0]["command"][0] == "/bin/sh"  # an imported image has no PATH
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    assert kubernetes_validate.validate(k8s.deployment(spec), "1.30", strict=True) == "1.30"
+    with pytest.raises(ValueError, match="1 GPU for a target gpu repository or 0 for target cpu"):
+        k8s.K8sSpec(info=info, plan=spec.plan, image="img:1", model_source=spec.model_source, gpus=1)
 
 
 def test_k8s_hpa_scales_on_the_metric_the_adapter_rule_defines(tmp_path: Path) -> None:
@@ -161,7 +181,8 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
         tool, "_local_torch_fits", lambda args: False
     )  # torch 2.14 here: export in a container
     out = tmp_path / "repo_gpu"
-    assert tool.main(["--target", "docker", "--model", str(tmp_path), "--out", str(out), "--gpus", "1"]) == 0
+    assert tool.main(["--target", "docker", "--model", str(tmp_path), "--out", str(out), "--gpus", "1",
+                      "--variant", "gpu", "--engine", "docker", "--dry-run"]) == 0
     printed = capsys.readouterr().out
     lines = [line.strip() for line in printed.splitlines() if line.startswith("  docker ")]
     assert [line.split()[:3] for line in lines] == [
@@ -183,7 +204,7 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
 def test_deploy_tool_undeploy_prints_docker_stop_and_remove(capsys) -> None:
     from tools import deploy as tool
 
-    assert tool.main(["undeploy", "--target", "docker"]) == 0
+    assert tool.main(["undeploy", "--target", "docker", "--engine", "docker", "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "  docker stop --time 40 nnunet-triton",
         "  docker rm nnunet-triton",

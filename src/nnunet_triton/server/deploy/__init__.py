@@ -14,6 +14,7 @@ Pure functions of typed frozen specs; nothing here needs Docker or a cluster.
 from __future__ import annotations
 
 from nnunet_triton.builder.torch_compat import TritonRelease
+from nnunet_triton.builder.torch_compat import torch_minor_text as torch_compat_minor
 from nnunet_triton.server.deploy.docker import (
     DeploySpec,
     check_image_compatible,
@@ -50,6 +51,7 @@ __all__ = [
     "manifests",
     "plan_memory",
     "triton_release",
+    "torch_compat_minor",
     "server_command",
     "tritonserver_args",
 ]

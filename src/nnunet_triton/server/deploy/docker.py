@@ -1,7 +1,15 @@
-"""Render the tritonserver flags and the exact ``docker build`` / ``docker run`` command lines.
+"""Render the tritonserver flags and the exact ``docker|podman build`` / ``run`` command lines.
 
-Everything here is a pure function of a frozen :class:`DeploySpec`; nothing needs or calls Docker.
-Command lines are argv tuples (``shlex.join`` prints them; ``subprocess.run`` runs them unchanged).
+Everything here is a pure function of a frozen :class:`DeploySpec`; nothing needs or calls a container engine.
+Command lines are argv tuples (``shlex.join`` prints them; ``subprocess.run`` runs them unchanged). The engine
+(``docker`` or ``podman``, same flags) is the first word.
+
+Images (docker/Dockerfile, one recipe): ``gpu`` on NGC's tritonserver, ``cpu`` on a plain Debian bookworm;
+both carry torch (the orchestrator imports it whatever the fold runner). The container command is
+:func:`server_command`: ``nnunet_triton.server.deploy.entrypoint`` checks the mounted repository and exits
+with :data:`EXIT_BAD_REPOSITORY` and one clear line when it cannot be served, so that the restart policy
+(:data:`RESTART_POLICY`) restarts a crashed or killed server but gives up on a repository that never
+loads.
 
 Server flags (triton.md 1.8, 3.6): ``--model-control-mode=explicit`` with one ``--load-model`` per model
 of the repository (an ensemble loads its steps, but the orchestrator's BLS callees ``fold_<k>`` are
@@ -13,7 +21,7 @@ backend's shm sizes, and ``--exit-timeout-secs`` so a stop drains in-flight requ
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +32,10 @@ from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_to
 from nnunet_triton.server.deploy.sizing import MemoryPlan
 
 __all__ = [
+    "VARIANTS",
+    "IMAGE_TORCH",
+    "RESTART_POLICY",
+    "EXIT_BAD_REPOSITORY",
     "CONTAINER_PORTS",
     "CONTAINER_REPOSITORY",
     "DEFAULT_TRITON_RELEASE",
@@ -39,12 +51,22 @@ __all__ = [
     "docker_stop_commands",
     "builder_args",
     "export_container_command",
+    "cpu_export_command",
     "shell_line",
     "endpoint_usage",
     "check_image_compatible",
 ]
 
-DEFAULT_RUNNER_TORCH = "2.5.1"  # pip torch installed into the image only for the Python fold runner
+VARIANTS = ("gpu", "cpu")
+# torch in each image's Python (requirements/image-<variant>.txt; a unit test keeps them equal)
+IMAGE_TORCH = {"gpu": "2.5.1", "cpu": "2.13.0+cpu"}
+DEFAULT_RUNNER_TORCH = IMAGE_TORCH["gpu"]
+# any Debian bookworm (here: the debootstrapped localhost/debian:bookworm of tools/container_images.py)
+CPU_BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
+# a killed or crashed server is restarted (up to 5 times: docker and podman never reset the count); a
+# repository the entry point refuses exits with EXIT_BAD_REPOSITORY each time and then stays down
+RESTART_POLICY = "on-failure:5"
+EXIT_BAD_REPOSITORY = 78  # EX_CONFIG (sysexits.h)
 CONTAINER_REPOSITORY = "/models"
 CONTAINER_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 EXPORT_IMAGE = "python:3.11-slim"
@@ -68,6 +90,10 @@ class DeploySpec:
         image_torch_version: libtorch (or pip torch) major.minor override for releases not in
             ``TRITON_RELEASES``.
         startup_timeout_s: model loading + warm-up allowance (docker health start period, k8s startup probe).
+        variant: the image, ``gpu`` (NGC base, KIND_GPU repositories) or ``cpu`` (Debian base, target cpu).
+        engine: ``docker`` or ``podman`` (the first word of every command).
+        base_image_ref: the Dockerfile's BASE_IMAGE; None = NGC's tritonserver (gpu), Debian bookworm-slim
+            (cpu).
     """
 
     info: RepositoryInfo
@@ -85,8 +111,20 @@ class DeploySpec:
     image_torch_version: str | None = None
     exit_timeout_s: int = 30
     startup_timeout_s: int = 900
+    variant: str = "gpu"
+    engine: str = "docker"
+    base_image_ref: str | None = None
 
     def __post_init__(self) -> None:
+        if self.variant not in VARIANTS or self.engine not in ("docker", "podman"):
+            raise ValueError(f"variant must be one of {VARIANTS} and engine docker or podman, got "
+                             f"{self.variant!r}, {self.engine!r}.")
+        if self.variant == "cpu" and (self.info.target != "cpu" or self.gpus):
+            raise DeployError(
+                f"the cpu image serves repositories built for target 'cpu' without GPUs, got target "
+                f"{self.info.target!r} and gpus {list(self.gpus)}; use the gpu image (--variant gpu) or "
+                "build with --target cpu."
+            )
         if self.info.target == "gpu" and not self.gpus:
             raise DeployError(
                 "the repository was built for target 'gpu' (KIND_GPU models, libtorch on CUDA) but no GPU "
@@ -98,18 +136,32 @@ class DeploySpec:
             raise ValueError(f"deploy ports and timeouts must be >= 1, got {bad}.")
 
     @property
-    def install_torch(self) -> bool:
-        """The Python fold runner imports torch; the libtorch runner does not need it in Python."""
-        return self.info.fold_runner == "python"
+    def image_torch(self) -> str:
+        """The torch in the image's Python (the orchestrator's, and the Python fold runner's)."""
+        return IMAGE_TORCH[self.variant] if self.variant == "cpu" else self.runner_torch_version
 
     @property
     def image_tag(self) -> str:
-        suffix = f"-torch{self.runner_torch_version}" if self.install_torch else ""
+        suffix = "-cpu" if self.variant == "cpu" else ""
         return f"{self.image_name}:{__version__}-triton{self.triton_release}{suffix}"
 
     @property
+    def export_image_tag(self) -> str:
+        """The ``export`` stage of the same build (cpu: builds repositories with the image's torch)."""
+        return f"{self.image_tag}-export"
+
+    @property
     def base_image(self) -> str:
+        if self.base_image_ref:
+            return self.base_image_ref
+        if self.variant == "cpu":
+            return CPU_BASE_IMAGE
         return f"nvcr.io/nvidia/tritonserver:{self.triton_release}-py3"
+
+
+def replace_spec(spec: DeploySpec, **changes: Any) -> DeploySpec:
+    """``spec`` with some fields changed (checked again)."""
+    return replace(spec, **changes)
 
 
 def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit_timeout_s: int = 30,
@@ -138,15 +190,17 @@ def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit
 
 def server_command(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit_timeout_s: int = 30,
                    repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
-    """The container's command: ``tritonserver_args`` started through the thread budget.
+    """The container's command: the repository check, then ``tritonserver_args`` through the thread budget.
 
-    ``nnunet_triton.server.thread_budget exec`` reads the container's CPUs (affinity and cgroup quota, so
+    ``nnunet_triton.server.deploy.entrypoint`` refuses a repository that cannot be served here (one line on
+    stderr, exit :data:`EXIT_BAD_REPOSITORY`) and otherwise execs (same pid)
+    ``nnunet_triton.server.thread_budget exec``, which reads the container's CPUs (affinity and cgroup quota,
+    so
     ``docker run --cpus`` and a pod's ``limits.cpu`` count) and the repository's fold instances, sets
     ``OMP_WAIT_POLICY=PASSIVE`` and the fold threads, forks the watchdog (``nnunet_triton.server.watchdog``:
     it reloads a model whose process died) and execs tritonserver (same pid, same signals).
     """
-    return ("python3", "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
-            "--model-repository", repository, "--",
+    return ("python3", "-m", "nnunet_triton.server.deploy.entrypoint", "--model-repository", repository, "--",
             *tritonserver_args(info, plan, gpus=gpus, exit_timeout_s=exit_timeout_s, repository=repository))
 
 
@@ -165,8 +219,8 @@ def health_command(port: int = CONTAINER_PORTS["http"]) -> str:
 
 def check_image_compatible(spec: DeploySpec) -> None:
     """Refuse TorchScript files exported by a torch newer than the one that loads them in the image."""
-    if spec.install_torch:
-        runtime, what = spec.runner_torch_version, f"the Python fold runner's pip torch in {spec.image_tag}"
+    if spec.info.fold_runner == "python":
+        runtime, what = spec.image_torch, f"the Python fold runner's pip torch in {spec.image_tag}"
     else:
         release = triton_release(spec.triton_release, spec.image_torch_version)
         runtime, what = release.libtorch, f"libtorch of {spec.base_image}"
@@ -175,19 +229,27 @@ def check_image_compatible(spec: DeploySpec) -> None:
 
 def dockerfile_build_args(spec: DeploySpec) -> dict[str, str]:
     """``--build-arg`` values for docker/Dockerfile (each one is declared there with an ``ARG``)."""
-    return {
-        "TRITON_RELEASE": spec.triton_release,
-        "INSTALL_TORCH": "1" if spec.install_torch else "0",
-        "TORCH_VERSION": spec.runner_torch_version,
-    }
+    return {"VARIANT": spec.variant, "TRITON_RELEASE": spec.triton_release, "BASE_IMAGE": spec.base_image}
 
 
-def docker_build_command(spec: DeploySpec, *, dockerfile: str = "docker/Dockerfile",
-                         context: str = ".") -> tuple[str, ...]:
-    """``docker build`` of the serving image (context = repository root: pyproject.toml + src/)."""
+def docker_build_command(spec: DeploySpec, *, dockerfile: str = "docker/Dockerfile", context: str = ".",
+                         target: str | None = None, wheels: str | None = None) -> tuple[str, ...]:
+    """``build`` of the serving image (``target="export"``: its export stage) from the checkout.
+
+    ``wheels``: a local wheel directory given as the named build context ``wheels`` (offline install).
+    podman gets ``--format docker`` and the ignore file explicitly (BuildKit finds
+    ``<Dockerfile>.dockerignore`` itself).
+    """
     build_args = [part for key, value in dockerfile_build_args(spec).items()
                   for part in ("--build-arg", f"{key}={value}")]
-    return ("docker", "build", "--file", dockerfile, *build_args, "--tag", spec.image_tag, context)
+    # podman: the ignore file explicitly, and the docker image format (OCI images drop SHELL and HEALTHCHECK)
+    ignore = (("--format", "docker", "--ignorefile", f"{dockerfile}.dockerignore") if spec.engine == "podman"
+              else ())
+    extra = ("--build-context", f"wheels={wheels}") if wheels else ()
+    stage = ("--target", target) if target else ()
+    tag = spec.export_image_tag if target == "export" else spec.image_tag
+    return (spec.engine, "build", "--file", dockerfile, *ignore, *build_args, *extra, *stage, "--tag", tag,
+            context)
 
 
 def _gpus_flag(gpus: tuple[int, ...]) -> tuple[str, ...]:
@@ -204,14 +266,18 @@ def docker_run_command(spec: DeploySpec) -> tuple[str, ...]:
     ports = {"http": spec.http_port, "grpc": spec.grpc_port, "metrics": spec.metrics_port}
     publish = [part for name, host_port in ports.items()
                for part in ("--publish", f"{spec.publish_host}:{host_port}:{CONTAINER_PORTS[name]}")]
+    gpu = spec.variant == "gpu"
+    # pinned host memory for the CUDA copies (NGC's recommended limits); nothing to pin on the cpu image
+    ulimits = ("--ulimit", "memlock=-1", "--ulimit", "stack=67108864") if gpu else ()
+    cupy_cache = ("--volume", f"{CUPY_CACHE_VOLUME}:{CUPY_CACHE_DIR}") if gpu else ()
     return (
-        "docker", "run", "--detach", "--name", spec.container_name, "--restart", "unless-stopped",
+        spec.engine, "run", "--detach", "--name", spec.container_name, "--restart", RESTART_POLICY,
         *_gpus_flag(spec.gpus),
         f"--shm-size={spec.plan.shm_mib}m",
-        "--ulimit", "memlock=-1", "--ulimit", "stack=67108864",
+        *ulimits,
         *publish,
         "--volume", f"{spec.repository}:{CONTAINER_REPOSITORY}:ro",
-        "--volume", f"{CUPY_CACHE_VOLUME}:{CUPY_CACHE_DIR}",
+        *cupy_cache,
         "--health-cmd", health_command(),
         "--health-interval", "30s", "--health-timeout", "10s", "--health-retries", "3",
         "--health-start-period", f"{spec.startup_timeout_s}s",
@@ -221,21 +287,23 @@ def docker_run_command(spec: DeploySpec) -> tuple[str, ...]:
     )
 
 
-def docker_stop_commands(container_name: str = "nnunet-triton", exit_timeout_s: int = 30
-                         ) -> tuple[tuple[str, ...], ...]:
+def docker_stop_commands(container_name: str = "nnunet-triton", exit_timeout_s: int = 30, *,
+                         engine: str = "docker") -> tuple[tuple[str, ...], ...]:
     """Stop (SIGTERM; tritonserver drains for ``exit_timeout_s``) and then remove the container."""
-    return (("docker", "stop", "--time", str(exit_timeout_s + 10), container_name),
-            ("docker", "rm", container_name))
+    return ((engine, "stop", "--time", str(exit_timeout_s + 10), container_name),
+            (engine, "rm", container_name))
 
 
 def builder_args(options: Any, *, folds: tuple[int | str, ...] | None = None,
-                 configuration: str | None = None) -> tuple[str, ...]:
-    """``repository/build.py`` flags that rebuild ``options`` (a BuildOptions) on the GPU export host."""
+                 configuration: str | None = None, export_device: str | None = "cuda") -> tuple[str, ...]:
+    """``repository/build.py`` flags that rebuild ``options`` (a BuildOptions) in the export container
+    (``export_device`` cuda on the GPU export host; None: the builder's default, cpu)."""
     fold_args = ("--folds", *map(str, folds)) if folds else ()
     config_args = ("--configuration", configuration) if configuration else ()
     torch_args = ("--serving-torch", options.serving_torch) if options.serving_torch else ()
+    device_args = ("--export-device", export_device) if export_device else ()
     return ("--target", str(options.target), "--precision", options.fold_precision,
-            "--export-device", "cuda", "--tile-batch-size", str(options.tile_batch_size),
+            *device_args, "--tile-batch-size", str(options.tile_batch_size),
             "--fold-instances", str(options.fold_instances),
             "--orchestrator-instances", str(options.orchestrator_instances),
             "--max-inflight", str(options.max_inflight), *fold_args, *config_args, *torch_args)
@@ -243,7 +311,8 @@ def builder_args(options: Any, *, folds: tuple[int | str, ...] | None = None,
 
 def export_container_command(*, source_root: str, model_dir: str, out_dir: str, builder_args: tuple[str, ...],
                              gpu: int | None, uid: int, gid: int, torch_version: str = EXPORT_TORCH,
-                             torchvision_version: str = EXPORT_TORCHVISION) -> tuple[str, ...]:
+                             torchvision_version: str = EXPORT_TORCHVISION, engine: str = "docker",
+                             ) -> tuple[str, ...]:
     """``docker run`` that builds the repository with a torch matching the image's libtorch.
 
     Runs ``docker/export_in_container.sh`` in ``python:3.11-slim`` (our code needs Python 3.11; NGC's
@@ -255,7 +324,7 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
     out, model = Path(out_dir), Path(model_dir)
     gpus = ("--gpus", f"device={gpu}") if gpu is not None else ()
     return (
-        "docker", "run", "--rm", *gpus,
+        engine, "run", "--rm", *gpus,
         "--volume", f"{source_root}:/src:ro",
         "--volume", f"{model.parent}:/models:ro",
         "--volume", f"{out.parent}:/out",
@@ -264,6 +333,25 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
         "--env", f"TORCH_VERSION={torch_version}", "--env", f"TORCHVISION_VERSION={torchvision_version}",
         EXPORT_IMAGE, "bash", "/src/docker/export_in_container.sh", "--model", f"/models/{model.name}",
         *builder_args,
+    )
+
+
+def cpu_export_command(spec: DeploySpec, *, source_root: str, model_dir: str, out_dir: str,
+                       builder_args: tuple[str, ...], uid: int, gid: int) -> tuple[str, ...]:
+    """``run`` of the cpu image's export stage: ``repository.build`` with the serving image's own torch.
+
+    The checkout is mounted read-only at ``/src`` (the stage's PYTHONPATH), the results folder's parent at
+    ``/models`` (a cascade stage finds its sibling previous stage), the output's parent at ``/out``; the
+    builder runs as ``uid:gid`` so the repository belongs to the caller.
+    """
+    out, model = Path(out_dir), Path(model_dir)
+    return (
+        spec.engine, "run", "--rm", "--user", f"{uid}:{gid}", "--env", "HOME=/tmp",
+        "--volume", f"{source_root}:/src:ro",
+        "--volume", f"{model.parent}:/models:ro",
+        "--volume", f"{out.parent}:/out",
+        spec.export_image_tag, "python3", "-m", "repository.build", "--model", f"/models/{model.name}",
+        "--out", f"/out/{out.name}", *builder_args,
     )
 
 

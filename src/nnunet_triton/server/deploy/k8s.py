@@ -1,4 +1,5 @@
-"""Kubernetes manifests (a kustomize base) for one Triton per GPU behind a Service, scaled on queue time.
+"""Kubernetes manifests (a kustomize base) for one Triton per GPU (or per CPU pod) behind a Service, scaled on
+queue time. The cpu variant (``gpus=0``, the cpu image) is what ``podman kube play`` runs on a CPU host.
 
 Follows the pattern of Triton's ``deploy/k8s-onprem`` chart: a long startup probe on ``/v2/health/ready``
 (the model is READY only after warm-up), an HPA on a custom per-pod metric served by prometheus-adapter
@@ -68,6 +69,9 @@ class K8sSpec:
         image: the serving image (docker/Dockerfile) in a registry the cluster can pull from.
         queue_target_us: HPA target of the orchestrator's average queue time per request; a few
             seconds for 3D volumes (k8s-onprem's 50 us fits millisecond image classifiers).
+        gpus: GPUs per pod: 1 (the gpu image) or 0 (the cpu image, a target cpu repository).
+        host_ports: (http, grpc, metrics) published on the node's loopback (``hostIP: 127.0.0.1``), for a
+            single-node run such as ``podman kube play``; None (a cluster) = reached through the Service.
     """
 
     info: RepositoryInfo
@@ -84,8 +88,13 @@ class K8sSpec:
     service_monitor: bool = False
     startup_timeout_s: int = 900
     exit_timeout_s: int = 30
+    gpus: int = 1
+    host_ports: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.gpus not in (0, 1) or (self.gpus == 0) != (self.info.target == "cpu"):
+            raise ValueError(f"a pod gets 1 GPU for a target gpu repository or 0 for target cpu, got gpus "
+                             f"{self.gpus} for target {self.info.target!r}.")
         if not _NAME.match(self.name) or len(self.name) > 63:
             raise ValueError(f"name must be a DNS-1123 label (a-z, 0-9, '-', <= 63), got {self.name!r}.")
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -126,16 +135,23 @@ def _health_probe(period_s: int, failures: int) -> dict[str, Any]:
 
 def _server_container(spec: K8sSpec) -> dict[str, Any]:
     memory = f"{spec.plan.host_memory_mib}Mi"
+    resources: dict[str, Any] = {"cpu": spec.cpu, "memory": memory}
+    if spec.gpus:
+        resources["nvidia.com/gpu"] = spec.gpus
+    ports: list[dict[str, Any]] = [{"name": name, "containerPort": port, "protocol": "TCP"}
+                                   for name, port in CONTAINER_PORTS.items()]
+    if spec.host_ports is not None:
+        for port, host_port in zip(ports, spec.host_ports, strict=True):
+            port.update(hostPort=host_port, hostIP="127.0.0.1")
     return {
         "name": "tritonserver",
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
-        # through the thread budget, which reads limits.cpu from the pod's cgroup quota
-        "args": list(server_command(spec.info, spec.plan, gpus=1, exit_timeout_s=spec.exit_timeout_s)),
-        "ports": [{"name": name, "containerPort": port, "protocol": "TCP"}
-                  for name, port in CONTAINER_PORTS.items()],
-        "resources": {"requests": {"cpu": spec.cpu, "memory": memory, "nvidia.com/gpu": 1},
-                      "limits": {"cpu": spec.cpu, "memory": memory, "nvidia.com/gpu": 1}},
+        # the repository check, then the thread budget, which reads limits.cpu from the pod's cgroup quota
+        "args": list(server_command(spec.info, spec.plan, gpus=spec.gpus,
+                                    exit_timeout_s=spec.exit_timeout_s)),
+        "ports": ports,
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
         "volumeMounts": [{"name": "model-repository", "mountPath": CONTAINER_REPOSITORY, "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "cupy-cache", "mountPath": CUPY_CACHE_DIR}],
@@ -172,7 +188,8 @@ def deployment(spec: K8sSpec) -> dict[str, Any]:
             "name": "model-repository",
             "image": spec.model_source.ref,
             "imagePullPolicy": "IfNotPresent",
-            "command": ["sh", "-c", f"cp -R {CONTAINER_REPOSITORY}/. /repository/"],
+            # absolute: an imported base image (the models image here) has no PATH of its own
+            "command": ["/bin/sh", "-c", f"cp -R {CONTAINER_REPOSITORY}/. /repository/"],
             "volumeMounts": [{"name": "model-repository", "mountPath": "/repository"}],
         }]
     # a new build changes the hash, which rolls the pods even when image and PVC path stay the same

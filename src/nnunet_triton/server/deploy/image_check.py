@@ -1,0 +1,211 @@
+"""The serving image's build-time check (docker/Dockerfile, stage ``serving``): ``python3 -m`` this module.
+
+1. **Every import, for real.** Each ``model.py`` adapter is loaded as the Python backend loads it, and then
+   every module it or the ``nnunet_triton`` modules it loaded import *inside functions* is imported too: the
+   adapters import torch and ``triton_python_backend_utils`` in ``initialize``, the array code imports
+   ``scipy.ndimage`` (and on GPU ``cupy``) when it first runs. A module that only the other variant needs
+   (``cupy`` on cpu) is allowed to be missing; nothing else is. numpy must be 2 or newer (tensors cross the
+   stub by DLPack), torch must be there whatever the fold runner (the orchestrator imports it).
+2. **The fixture repository, initialized** (``--fixture DIR`` with a built repository; the cpu image builds
+   the SynthCT fixture in its ``fixture`` stage): the container's own entry point
+   (``thread_budget exec --watchdog -- tritonserver ...``, as :func:`.docker.server_command` runs it) starts
+   on it, on loopback ports, and the check waits until :func:`nnunet_triton.server.health.check_health`
+   finds every model ready with its Python-backend processes alive; then the server is stopped.
+
+Exit status 0 when all passed, 1 with one line per failure otherwise. Runs on the image's Python (3.10 on
+the NGC base), so it needs nothing beyond the runtime packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+__all__ = ["OPTIONAL", "imported_modules", "check_imports", "check_fixture", "main"]
+
+# modules only the other variant has
+OPTIONAL = {"cpu": ("cupy", "cupyx"), "gpu": ()}
+REQUIRED = ("numpy", "torch", "scipy.ndimage", "triton_python_backend_utils")
+BACKEND_UTILS_DIR = Path("/opt/tritonserver/backends/python")  # triton_python_backend_utils.py (NGC, cpu)
+
+
+def imported_modules(path: Path, *, nested_only: bool = False) -> set[str]:
+    """Absolute module names imported by ``path`` (``from a.b import c``: ``a.b``); with ``nested_only``
+    only the imports inside function bodies (the lazy ones)."""
+    tree = ast.parse(Path(path).read_text(), filename=str(path))
+    scopes: Iterable[ast.AST] = (
+        [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        if nested_only else [tree]
+    )
+    names: set[str] = set()
+    for scope in scopes:
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+    names.discard("__future__")
+    return names
+
+
+def _optional(name: str, variant: str) -> bool:
+    return any(name == root or name.startswith(f"{root}.") for root in OPTIONAL[variant])
+
+
+def _load_adapter(path: Path) -> None:
+    name = "adapter_" + "_".join(path.parts[-3:]).replace(".py", "").replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def check_imports(adapters: Sequence[Path], variant: str) -> list[str]:
+    """Load every adapter and import everything it and the package modules it loaded import; failures."""
+    if BACKEND_UTILS_DIR.is_dir() and str(BACKEND_UTILS_DIR) not in sys.path:
+        sys.path.insert(0, str(BACKEND_UTILS_DIR))
+    failures: list[str] = []
+    wanted: set[str] = set(REQUIRED)
+    for path in adapters:
+        try:
+            _load_adapter(path)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported
+            failures.append(f"adapter {path}: {type(exc).__name__}: {exc}")
+            continue
+        wanted |= imported_modules(path)
+    # the package modules the adapters loaded (not this check's own deploy package, which the stubs never run)
+    package_files = {Path(module.__file__) for name, module in list(sys.modules.items())
+                     if name.startswith("nnunet_triton") and not name.startswith(__package__ or "-")
+                     and getattr(module, "__file__", None)}
+    for file in sorted(package_files):
+        wanted |= imported_modules(file, nested_only=True)
+    for name in sorted(wanted):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            if not _optional(name, variant):
+                failures.append(f"import {name}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a module that raises while importing is broken
+            failures.append(f"import {name}: {type(exc).__name__}: {exc}")
+    failures += _version_failures(variant)
+    return failures
+
+
+def _version_failures(variant: str) -> list[str]:
+    failures = []
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and int(numpy.__version__.split(".")[0]) < 2:
+        failures.append(f"numpy {numpy.__version__}: the stubs need numpy 2 (DLPack; serving/tensors.py)")
+    if variant == "gpu" and importlib.util.find_spec("cupy") is None:
+        failures.append("cupy is missing: the gpu image's adapters compute with CuPy")
+    return failures
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def fixture_command(repository: Path, ports: Sequence[int]) -> list[str]:
+    """The container's entry point on ``repository``, loopback only, small shm regions (a build's /dev/shm
+    is 64 MiB; the fixture's tensors are small)."""
+    from nnunet_triton.server import health
+
+    http, grpc, metrics = ports
+    models = health.repository_models(repository)
+    return [
+        sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
+        "--model-repository", str(repository), "--",
+        "tritonserver", f"--model-repository={repository}", "--model-control-mode=explicit",
+        *(f"--load-model={name}" for name in models), "--strict-readiness=true",
+        "--http-address=127.0.0.1", f"--http-port={http}", "--grpc-address=127.0.0.1", f"--grpc-port={grpc}",
+        "--metrics-address=127.0.0.1", f"--metrics-port={metrics}", "--allow-gpu-metrics=false",
+        "--backend-config=python,shm-default-byte-size=4194304",
+        "--backend-config=python,shm-growth-byte-size=4194304",
+        "--backend-config=python,stub-timeout-seconds=120", "--exit-timeout-secs=5",
+        "--disable-auto-complete-config",
+    ]
+
+
+def check_fixture(repository: Path, timeout_s: float = 600.0) -> list[str]:
+    """Start the entry point on ``repository`` and wait until every model is healthy; failures."""
+    from nnunet_triton.server import health
+
+    models = health.repository_models(repository)
+    ports = _free_ports(3)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "NNUNET_TRITON_CACHE_DIR": tmp}  # the thread check's cache: not in the image
+        log_path = Path(tmp) / "server.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(fixture_command(repository, ports), stdout=log,
+                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        start, report = time.monotonic(), None
+        try:
+            while time.monotonic() - start < timeout_s and process.poll() is None:
+                report = health.check_health(f"127.0.0.1:{ports[0]}", models, server_pid=process.pid)
+                if report.healthy:
+                    sys.stdout.write(f"image check: fixture repository {repository} healthy after "
+                                     f"{time.monotonic() - start:.1f} s ({', '.join(models)})\n")
+                    return []
+                time.sleep(1)
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(10)
+        tail = log_path.read_text(errors="replace")[-4000:]
+    why = "exited" if process.returncode is not None else f"not healthy after {timeout_s:.0f} s"
+    problems = "; ".join(report.problems()) if report is not None else "no health report"
+    return [f"fixture repository {repository}: the server {why} ({problems}); its log ends:\n{tail}"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python3 -m nnunet_triton.server.deploy.image_check",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", choices=tuple(OPTIONAL), required=True)
+    parser.add_argument("--adapters", type=Path, nargs="+", required=True, help="model.py files to load")
+    parser.add_argument("--fixture", type=Path, default=None,
+                        help="a built repository to serve (an empty or missing directory: skipped)")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    failures = check_imports(args.adapters, args.variant)
+    if not failures:
+        sys.stdout.write(f"image check: {len(args.adapters)} adapters and everything they import load "
+                         f"({args.variant}; numpy {sys.modules['numpy'].__version__}, "
+                         f"torch {sys.modules['torch'].__version__})\n")
+    fixture = args.fixture
+    if not failures and fixture is not None and fixture.is_dir() and any(fixture.iterdir()):
+        failures += check_fixture(fixture, args.timeout)
+    elif not failures:
+        sys.stdout.write("image check: no fixture repository to serve here\n")
+    for failure in failures:
+        sys.stderr.write(f"image check FAILED: {failure}\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
