@@ -36,10 +36,8 @@ from recovery_support import RECOVERY_LIMIT_S, REQUEST_TIMEOUT_S, paused, wait_u
 
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.server import health
-
-sys.path.insert(0, str(REPO_ROOT))
-from tools import container_images  # noqa: E402
-from tools import deploy as deploy_tool  # noqa: E402
+from tools import container_images
+from tools import deploy as deploy_tool
 
 CONTAINER = "nnunet-triton-test"
 POD = "nnunet-triton-kube"

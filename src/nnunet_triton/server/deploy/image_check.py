@@ -71,10 +71,21 @@ def _load_adapter(path: Path) -> None:
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
+def _load_backend_utils() -> None:
+    """``triton_python_backend_utils`` as the stub provides it (a file of the Python backend), by location."""
+    path = BACKEND_UTILS_DIR / "triton_python_backend_utils.py"
+    if "triton_python_backend_utils" in sys.modules or not path.is_file():
+        return
+    spec = importlib.util.spec_from_file_location("triton_python_backend_utils", path)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["triton_python_backend_utils"] = module
+        spec.loader.exec_module(module)
+
+
 def check_imports(adapters: Sequence[Path], variant: str) -> list[str]:
     """Load every adapter and import everything it and the package modules it loaded import; failures."""
-    if BACKEND_UTILS_DIR.is_dir() and str(BACKEND_UTILS_DIR) not in sys.path:
-        sys.path.insert(0, str(BACKEND_UTILS_DIR))
+    _load_backend_utils()
     failures: list[str] = []
     wanted: set[str] = set(REQUIRED)
     for path in adapters:
