@@ -144,13 +144,13 @@ fixtures: $(SETUP_STAMP) ## Regenerate the committed nnU-Net fixture models unde
 	$(PY) -m tools.make_cascade_fixture --out tests/fixtures
 
 deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (TARGET=embedded|docker|k8s; docker: runs with docker or podman, cpu image without a GPU; DEPLOY_ARGS=--dry-run prints, --kube-play runs k8s here)
-	$(PY) tools/deploy.py --model $(or $(MODEL),$(FIXTURE_MODEL)) --target $(TARGET) \
+	$(PY) -m nnunet_triton.cli deploy --model $(or $(MODEL),$(FIXTURE_MODEL)) --target $(TARGET) \
 		$(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS)) \
 		--host $(TRITON_HOST) --http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
 		--metrics-port $(TRITON_METRICS_PORT) $(DEPLOY_ARGS)
 
 undeploy: $(SETUP_STAMP) ## Stop what `make deploy` started (TARGET=embedded|docker|k8s; DEPLOY_ARGS="--engine podman" or --kube-play)
-	$(PY) tools/deploy.py undeploy --target $(TARGET) $(DEPLOY_ARGS)
+	$(PY) -m nnunet_triton.cli undeploy --target $(TARGET) $(DEPLOY_ARGS)
 
 container-engine: $(SETUP_STAMP) ## As root without Docker: install podman (apt), write its containers.conf drop-in, make the Debian base image and the cpu image's wheels
 	$(PY) tools/container_images.py

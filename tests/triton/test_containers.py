@@ -1,7 +1,7 @@
 """The cpu serving image built and run for real with podman, and the Kubernetes Deployment under kube play.
 
-``tools/deploy.py --target docker --variant cpu`` (what ``make deploy TARGET=docker`` runs on a host without
-a GPU) builds the image from docker/Dockerfile on the debootstrapped Debian base (its build-time check
+``nnunet-triton deploy --target docker --variant cpu`` (what ``make deploy TARGET=docker`` runs on a host
+without a GPU) builds the image from docker/Dockerfile on the debootstrapped Debian base (its build-time check
 serves the fixture), builds the repository in the image's export stage, starts the container and waits for
 ready. Then: the CLI's answer from the container equals nnU-Net's; a killed model process inside the
 container makes the container's health command fail naming the model and is reloaded by the watchdog; a
@@ -34,10 +34,10 @@ import yaml
 from pipeline_support import REPO_ROOT, SYNTHCT, cases, probe_case, reference
 from recovery_support import RECOVERY_LIMIT_S, REQUEST_TIMEOUT_S, paused, wait_until
 
+from nnunet_triton.cli import deploy as deploy_tool
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.server import health
-from tools import container_images
-from tools import deploy as deploy_tool
+from nnunet_triton.server.deploy import engine as container_images
 
 CONTAINER = "nnunet-triton-test"
 POD = "nnunet-triton-kube"

@@ -1,4 +1,4 @@
-"""``make deploy`` (tools/deploy.py, target embedded) on the SynthCT fixture, end to end.
+"""``make deploy`` (``nnunet-triton deploy``, target embedded) on the SynthCT fixture, end to end.
 
 Builds the CPU repository into a tmp dir, starts the embedded server detached with its state under a
 tmp ``$NNUNET_TRITON_HOME`` (never the checkout's ``build/triton-home``), segments a fixture case through
@@ -38,9 +38,9 @@ def test_deploy_serves_the_model_and_redeploy_is_a_no_op_until_undeploy(
 ) -> None:
     import tritonclient.http as httpclient
 
+    from nnunet_triton.cli import deploy as tool
     from nnunet_triton.client.client import NnunetClient
     from nnunet_triton.server.handle import ServerHandle
-    from tools import deploy as tool
 
     monkeypatch.setenv("NNUNET_TRITON_HOME", str(tmp_path / "home"))
     argv = ["--model", str(model), "--out", str(tmp_path / "repo"), "--ready-timeout", "600"]

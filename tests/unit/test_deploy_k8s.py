@@ -1,5 +1,5 @@
-"""Kubernetes manifests (validated offline with kubernetes-validate's bundled schemas) and tools/deploy.py
-(k8s rendering, printed docker commands, undeploy) without a cluster or Docker.
+"""Kubernetes manifests (validated offline with kubernetes-validate's bundled schemas) and ``nnunet-triton
+deploy`` (k8s rendering, printed docker commands, undeploy) without a cluster or Docker.
 """
 
 from __future__ import annotations
@@ -130,11 +130,11 @@ def test_k8s_manifest_files_round_trip_through_yaml_and_list_every_resource(tmp_
     assert monitor["spec"]["selector"]["matchLabels"] == k8s.service(spec)["spec"]["selector"]
 
 
-# --- tools/deploy.py --------------------------------------------------------------------------------
+# --- nnunet-triton deploy --------------------------------------------------------------------------------
 
 
 def test_deploy_tool_renders_k8s_files_when_repository_is_built(tmp_path: Path, capsys) -> None:
-    from tools import deploy as tool
+    from nnunet_triton.cli import deploy as tool
 
     repo = write_repository(tmp_path / "repo")
     assert (
@@ -163,7 +163,7 @@ def test_deploy_tool_renders_k8s_files_when_repository_is_built(tmp_path: Path, 
 
 
 def test_deploy_tool_refuses_k8s_when_export_torch_is_newer(tmp_path: Path, caplog) -> None:
-    from tools import deploy as tool
+    from nnunet_triton.cli import deploy as tool
 
     repo = write_repository(tmp_path / "repo", torch_version="2.14.1")
     assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1
@@ -174,7 +174,7 @@ def test_deploy_tool_refuses_k8s_when_export_torch_is_newer(tmp_path: Path, capl
 def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
     tmp_path, monkeypatch, capsys
 ) -> None:
-    from tools import deploy as tool
+    from nnunet_triton.cli import deploy as tool
 
     monkeypatch.setattr(tool, "_read_config", lambda args: make_config())
     monkeypatch.setattr(
@@ -202,7 +202,7 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
 
 
 def test_deploy_tool_undeploy_prints_docker_stop_and_remove(capsys) -> None:
-    from tools import deploy as tool
+    from nnunet_triton.cli import deploy as tool
 
     assert tool.main(["undeploy", "--target", "docker", "--engine", "docker", "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines() == [
@@ -213,7 +213,7 @@ def test_deploy_tool_undeploy_prints_docker_stop_and_remove(capsys) -> None:
 
 def test_deploy_tool_refuses_k8s_when_repository_targets_cpu(tmp_path: Path, caplog) -> None:
     from nnunet_triton.builder.model_specs import BuildOptions
-    from tools import deploy as tool
+    from nnunet_triton.cli import deploy as tool
 
     repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))
     assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1

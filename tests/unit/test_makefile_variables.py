@@ -2,7 +2,7 @@
 
 ``PY`` and ``SERVER`` are overridden on make's command line by a recorder that writes the argv it was
 given (one JSON line per call), so each test sees exactly what a target hands to ``repository.build``,
-``network_models.export``, ``tools/deploy.py``, ``tools/demo.py``, ``tools.perf.run`` and the server
+``network_models.export``, ``nnunet_triton.cli deploy``, ``tools/demo.py``, ``tools.perf.run`` and the server
 CLI. ``SETUP_STAMP``/``PERF_STAMP`` point at fresh stamp files so no environment is built. The real
 ``make serve MODEL="A B"`` end to end is in tests/triton/test_make_serve_ensemble.py.
 """
@@ -92,7 +92,7 @@ def test_export_passes_every_model_and_fold(tmp_path: Path) -> None:
 
 def test_deploy_and_demo_pass_every_model_and_fold(tmp_path: Path) -> None:
     (deploy,) = _make(tmp_path, "deploy", "MODEL=/m/a /m/b", "FOLDS=0 1", "CONFIG=3d_fullres")
-    assert deploy[0] == "tools/deploy.py"
+    assert deploy[:3] == ["-m", "nnunet_triton.cli", "deploy"]
     assert _value(deploy, "--model") == ["/m/a", "/m/b"] and _value(deploy, "--folds") == ["0", "1"]
     (demo,) = _make(tmp_path, "demo", "MODEL=/m/a /m/b", "FOLDS=0 1")
     assert demo[0] == "tools/demo.py"

@@ -3,6 +3,7 @@
     nnunet-triton build    --model RESULTS_FOLDER [--out DIR] [--target cpu|gpu] ...   (cli.build)
     nnunet-triton export   --model RESULTS_FOLDER --out DIR ...                         (cli.export)
     nnunet-triton serve    [MODEL | --model-repository DIR] ... / stop / status          (cli.serve)
+    nnunet-triton deploy   --model RESULTS_FOLDER [--target embedded|docker|k8s] / undeploy  (cli.deploy)
     nnunet-triton predict  -i IN -o OUT [request options] ...  /  info [--json]          (cli.predict)
     nnunet-triton validate (--model RESULTS_FOLDER | --against DIR) -i CASES ...        (cli.validate)
     nnunet-triton listen   --spool DIR --destination ... / requeue / node-status         (cli.listen)
@@ -20,13 +21,13 @@ import signal
 from typing import Any
 
 from nnunet_triton import __version__
-from nnunet_triton.cli import build, export, listen, predict, serve, validate
+from nnunet_triton.cli import build, deploy, export, listen, predict, serve, validate
 from nnunet_triton.cli.common import say
 from nnunet_triton.errors import ClientError, NnunetTritonError
 
 __all__ = ["main", "parser"]
 
-_COMMANDS = (build, export, serve, predict, validate, listen)
+_COMMANDS = (build, export, serve, deploy, predict, validate, listen)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nnunet-triton`` console script; returns the exit code."""
     args = parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if getattr(args, "verbose", False) or args.command in ("build", "export", "serve")
+        level=logging.INFO if getattr(args, "verbose", False)
+        or args.command in ("build", "export", "serve", "deploy", "undeploy")
         else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )

@@ -1,7 +1,7 @@
 """A container engine and the cpu image's inputs here: podman, a Debian base image, a wheel directory.
 
-Used by ``tools/deploy.py --target docker|k8s`` and the container tests (tests/container/). Nothing here is
-needed on a host with a working Docker engine; on a Debian host without one, as root:
+Used by ``nnunet-triton deploy --target docker|k8s`` and the container tests. Nothing here is needed on a
+host with a working Docker engine; on a Debian host without one, as root:
 
 * :func:`ensure_podman` installs ``podman runc debootstrap catatonit`` with apt when one is missing and,
   where root lacks CAP_SYS_RESOURCE (podman's default ulimits cannot be set) or the cgroup layout is
@@ -11,9 +11,13 @@ needed on a host with a working Docker engine; on a Debian host without one, as 
   --variant=minbase bookworm`` from the mirror apt uses, imported with ``podman import`` (there is no image
   registry here). It stays in podman's store; later calls cost nothing.
 * :func:`fill_wheels` makes every wheel the cpu image installs (pip wheel) (requirements/image-cpu.txt and
-  requirements/export.txt) with this machine's pip configuration into :data:`WHEELS` (the torch CPU build
-  comes from local disk here), once per content of those files; docker/Dockerfile gets it as the named build
-  context ``wheels`` and installs offline.
+  requirements/export.txt) with this machine's pip configuration into ``build/containers/wheels-cpu`` (the
+  torch CPU build comes from local disk here), once per content of those files; docker/Dockerfile gets it as
+  the named build context ``wheels`` and installs offline.
+
+The image recipe (``docker/Dockerfile``, ``requirements/``, the package's ``src/``) is the project's source
+tree: :func:`source_root` finds it (``$NNUNET_TRITON_SOURCE``, else the working directory or a folder above
+it); a pip-installed package without that tree deploys ``--target embedded`` only.
 """
 
 from __future__ import annotations
@@ -30,14 +34,41 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-STATE = REPO_ROOT / "build" / "containers"
-WHEELS = STATE / "wheels-cpu"
+from nnunet_triton.errors import DeployError
+
+SOURCE_ENV = "NNUNET_TRITON_SOURCE"
 LOCAL_BASE_IMAGE = "localhost/debian:bookworm"
 CONF_DROPIN = Path("/etc/containers/containers.conf.d/50-nnunet-triton.conf")
 PACKAGES = ("podman", "runc", "debootstrap", "catatonit")  # catatonit: the pause process of kube play pods
-REQUIREMENTS = (REPO_ROOT / "requirements" / "image-cpu.txt", REPO_ROOT / "requirements" / "export.txt")
+REQUIREMENT_FILES = ("requirements/image-cpu.txt", "requirements/export.txt")  # in the source tree
 _CAP_SYS_RESOURCE = 24
+
+
+def source_root(start: Path | None = None, env: dict[str, str] | None = None) -> Path:
+    """The project's source tree holding the image recipe: ``$NNUNET_TRITON_SOURCE``, else ``start`` (the
+    working directory) or the nearest folder above it with ``docker/Dockerfile`` and ``pyproject.toml``.
+
+    Raises:
+        DeployError: no such tree (a pip-installed package: build images from a checkout of the project).
+    """
+    env = dict(os.environ) if env is None else env
+    if env.get(SOURCE_ENV):
+        root = Path(env[SOURCE_ENV])
+        if not (root / "docker" / "Dockerfile").is_file():
+            raise DeployError(f"${SOURCE_ENV}={root} has no docker/Dockerfile (the project's image recipe).")
+        return root
+    here = (start or Path.cwd()).absolute()
+    for folder in (here, *here.parents):
+        if (folder / "docker" / "Dockerfile").is_file() and (folder / "pyproject.toml").is_file():
+            return folder
+    raise DeployError(f"no image recipe (docker/Dockerfile of the nnunet_triton source tree) in {here} or "
+                      f"above; run from a checkout of the project or set ${SOURCE_ENV} (--target embedded "
+                      "needs none).")
+
+
+def state_dir() -> Path:
+    """Where the cpu image's inputs are kept between runs: ``build/containers`` of the source tree."""
+    return source_root() / "build" / "containers"
 
 
 def _run(argv: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
@@ -129,8 +160,9 @@ def ensure_base_image(engine: str = "podman", ref: str = LOCAL_BASE_IMAGE) -> fl
     if os.geteuid() != 0 or shutil.which("debootstrap") is None:
         raise RuntimeError(f"{ref} is missing and debootstrap cannot run here (needs root and debootstrap)")
     start = time.monotonic()
-    STATE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=STATE, prefix="rootfs-") as tmp:
+    state = state_dir()
+    state.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=state, prefix="rootfs-") as tmp:
         rootfs = Path(tmp) / "rootfs"
         result = _run(["debootstrap", "--variant=minbase", "bookworm", str(rootfs), _debian_mirror()],
                       timeout=1800)
@@ -157,15 +189,22 @@ def _debian_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
+def _requirements() -> tuple[Path, ...]:
+    root = source_root()
+    return tuple(root / name for name in REQUIREMENT_FILES)
+
+
 def _requirements_key() -> str:
     digest = hashlib.sha256()
-    for path in REQUIREMENTS:
+    for path in _requirements():
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
-def fill_wheels(directory: Path = WHEELS) -> Path:
-    """Every wheel of the cpu image's requirement files in ``directory`` (made once per their content)."""
+def fill_wheels(directory: Path | None = None) -> Path:
+    """Every wheel of the cpu image's requirement files in ``directory`` (default
+    ``build/containers/wheels-cpu`` of the source tree; made once per their content)."""
+    directory = directory or state_dir() / "wheels-cpu"
     stamp = directory / ".requirements.sha256"
     key = _requirements_key()
     if stamp.is_file() and stamp.read_text() == key:
@@ -178,7 +217,7 @@ def fill_wheels(directory: Path = WHEELS) -> Path:
         raise RuntimeError(f"fill_wheels needs Python 3.11 (the cpu image's), not {sys.version.split()[0]}")
     # pip wheel: the wheels as they are, and the few sdist-only packages (acvl_utils, ...) built here once
     argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(staging),
-            *(p for path in REQUIREMENTS for p in ("-r", str(path)))]
+            *(p for path in _requirements() for p in ("-r", str(path)))]
     result = _run(argv, timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"pip wheel of the image's wheels failed: {result.stderr[-2000:]}")

@@ -1,8 +1,9 @@
-"""One command from an nnU-Net results folder to a serving endpoint (``make deploy`` / ``make undeploy``).
+"""``nnunet-triton deploy | undeploy``: one command from an nnU-Net results folder to a serving endpoint
+(``make deploy`` / ``make undeploy``).
 
-    python tools/deploy.py --model <results folder> [--configuration C] [--folds 0 1]
+    nnunet-triton deploy --model <results folder> [--configuration C] [--folds 0 1]
         [--target embedded|docker|k8s] [--out DIR] [--execute]
-    python tools/deploy.py undeploy [--target embedded|docker|k8s] [--out DIR] [--execute]
+    nnunet-triton undeploy [--target embedded|docker|k8s] [--out DIR] [--execute]
 
 embedded: build the CPU repository (a no-op when the builder's input hash matches), start the embedded
 tritonserver detached with every model loaded explicitly, wait until ready, print endpoints and example
@@ -11,6 +12,8 @@ found (a docker whose daemon answers, else podman; --engine picks one): build th
 the image loads, build the image, start the container sized for the largest volume and wait until it is
 ready; with no usable engine (or --dry-run) the commands are printed. k8s: render the manifests into --out
 (--execute: kubectl apply; --kube-play: run the Deployment here with podman kube play, cpu variant).
+docker and k8s build images from the project's source tree (``server.deploy.engine.source_root``: a
+checkout, or ``$NNUNET_TRITON_SOURCE``); embedded needs none.
 """
 
 from __future__ import annotations
@@ -25,19 +28,15 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server import deploy
 from nnunet_triton.server.deploy import docker, k8s
+from nnunet_triton.server.deploy import engine as container_images
 from nnunet_triton.server.deploy.repository_info import METADATA_FILE
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # tools/container_images.py when run as a script
-    sys.path.insert(0, str(REPO_ROOT))
-from tools import container_images  # noqa: E402
-
-LOGGER = logging.getLogger("deploy")
-DEFAULT_MODEL = REPO_ROOT / "tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny"
+LOGGER = logging.getLogger(__name__)
 DEPLOYED_FILE = "deployed.txt"  # next to the embedded server's state file
 DEFAULT_OUT = {"embedded": "build/model_repository", "docker": "build/model_repository_gpu",
                "k8s": "build/k8s"}
@@ -60,6 +59,8 @@ def _build_options(args: argparse.Namespace, target: str, serving_torch: str | N
 def _read_config(args: argparse.Namespace):  # -> InferenceConfig
     from nnunet_triton.numerics.model_folder import read_model_folder
 
+    if args.model is None:
+        raise NnunetTritonError(f"--target {args.target} needs --model (an nnU-Net results folder).")
     if len(args.models) > 1 and args.target != "embedded":
         raise NnunetTritonError(
             f"--target {args.target} serves one model folder, got {len(args.models)} "
@@ -69,9 +70,7 @@ def _read_config(args: argparse.Namespace):  # -> InferenceConfig
         if not (model / "plans.json").is_file():
             raise NnunetTritonError(f"--model {str(model)!r} is not an nnU-Net results folder.")
     if not (args.model / "plans.json").is_file():
-        fixture = args.model == DEFAULT_MODEL
-        hint = " (make it: python tools/make_fixture_model.py --out tests/fixtures)" if fixture else ""
-        raise NnunetTritonError(f"--model {str(args.model)!r} is not an nnU-Net results folder{hint}.")
+        raise NnunetTritonError(f"--model {str(args.model)!r} is not an nnU-Net results folder.")
     config = read_model_folder(args.model, folds=args.folds, allow_cascade=True)
     if args.configuration is not None and args.configuration != config.configuration:
         raise NnunetTritonError(f"--configuration {args.configuration!r} does not match the checkpoints' "
@@ -116,8 +115,6 @@ def _deploy_embedded(args: argparse.Namespace) -> int:
     _read_config(args)
     _build(args, "cpu")
     info = deploy.RepositoryInfo.from_repository(args.out)
-    os.environ["PYTHONPATH"] = os.pathsep.join(  # the stubs import nnunet_triton even without pip install -e
-        p for p in (str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
     state = resolve_home(None) / "run" / "server.json"
     if state.is_file():
         running = ServerHandle.from_state_file(state)
@@ -224,8 +221,9 @@ def _cpu_image(args: argparse.Namespace, engine: str, info: deploy.RepositoryInf
                 print(f"made the base image {spec.base_image} (debootstrap + import) in {took:.0f} s")
         wheels = str(container_images.fill_wheels())
     print(f"build the cpu image {spec.image_tag} and its export stage (base {spec.base_image}):")
-    builds = [docker.docker_build_command(spec, context=str(REPO_ROOT), target=target, wheels=wheels,
-                                          dockerfile=str(REPO_ROOT / "docker" / "Dockerfile"))
+    source = container_images.source_root()
+    builds = [docker.docker_build_command(spec, context=str(source), target=target, wheels=wheels,
+                                          dockerfile=str(source / "docker" / "Dockerfile"))
               for target in ("export", None)]
     _run(builds, args.execute, tool=engine)
     return spec
@@ -240,15 +238,16 @@ def _build_cpu_repository(args: argparse.Namespace, engine: str) -> docker.Deplo
     config = _read_config(args)
     serving_torch = deploy.torch_compat_minor(docker.IMAGE_TORCH["cpu"])
     options = _build_options(args, "cpu", serving_torch=serving_torch)
-    if args.out == REPO_ROOT / DEFAULT_OUT["docker"]:
-        args.out = REPO_ROOT / CPU_IMAGE_OUT
+    if args.out == Path(DEFAULT_OUT["docker"]).absolute():
+        args.out = Path(CPU_IMAGE_OUT).absolute()
     spec = _cpu_image(args, engine, deploy.RepositoryInfo.planned(config, options))
     print(f"build the repository {args.out} with the image's torch {docker.IMAGE_TORCH['cpu']}:")
     builder = docker.builder_args(options, folds=args.folds, configuration=args.configuration,
                                   export_device=None)
     if args.execute:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-    _run([docker.cpu_export_command(spec, source_root=str(REPO_ROOT), model_dir=str(args.model.absolute()),
+    _run([docker.cpu_export_command(spec, source_root=str(container_images.source_root()),
+                                    model_dir=str(args.model.absolute()),
                                     out_dir=str(args.out.absolute()), builder_args=builder, uid=os.getuid(),
                                     gid=os.getgid())], args.execute, tool=engine)
     if args.execute:
@@ -288,7 +287,7 @@ def _deploy_docker_gpu(args: argparse.Namespace, engine: str) -> int:
               f"libtorch of Triton {args.triton_release} or has no CUDA for the fp16 export):")
         builder = docker.builder_args(options, folds=args.folds, configuration=args.configuration)
         _run([docker.export_container_command(
-            source_root=str(REPO_ROOT), model_dir=str(args.model.absolute()),
+            source_root=str(container_images.source_root()), model_dir=str(args.model.absolute()),
             out_dir=str(args.out.absolute()), builder_args=builder, gpu=args.gpus[0], uid=os.getuid(),
             gid=os.getgid(), engine=engine)], args.execute, tool=engine)
     # the repository as built now (locally or by the executed export step), else as it will be built
@@ -296,7 +295,8 @@ def _deploy_docker_gpu(args: argparse.Namespace, engine: str) -> int:
     spec = _docker_spec(args, deploy.RepositoryInfo.from_repository(args.out) if built
                         else deploy.RepositoryInfo.planned(config, options), engine=engine)
     print("2. build the serving image:")
-    _run([docker.docker_build_command(spec, context=str(REPO_ROOT))], args.execute, tool=engine)
+    _run([docker.docker_build_command(spec, context=str(container_images.source_root()))], args.execute,
+         tool=engine)
     print("3.", end=" ")
     return _start_container(args, spec)
 
@@ -332,7 +332,7 @@ def _kube_play(args: argparse.Namespace) -> int:
     if problem:
         raise NnunetTritonError(f"--kube-play needs podman: {problem}")
     args.execute, manifests_dir = True, args.out
-    args.out = args.repository or REPO_ROOT / CPU_IMAGE_OUT
+    args.out = args.repository or Path(CPU_IMAGE_OUT).absolute()
     spec = _build_cpu_repository(args, "podman")
     info = spec.info
     # the repository in a podman volume behind the PVC (podman 4.3 kube play races its init containers:
@@ -371,7 +371,7 @@ def _kube_play(args: argparse.Namespace) -> int:
 def _deploy_k8s(args: argparse.Namespace) -> int:
     if args.kube_play:
         return _kube_play(args)
-    repo = args.repository or REPO_ROOT / DEFAULT_OUT["docker"]
+    repo = args.repository or Path(DEFAULT_OUT["docker"]).absolute()
     if (repo / METADATA_FILE).is_file():
         info = deploy.RepositoryInfo.from_repository(repo)
     else:
@@ -397,7 +397,8 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
     print(f"wrote {', '.join(files)} to {args.out}")
     if source.kind == "image":
         print("model repository image (push both images where the cluster pulls from):")
-        print(f"  docker build --file {REPO_ROOT / 'docker/Dockerfile.models'} --tag {source.ref} {repo}")
+        recipe = container_images.source_root() / "docker" / "Dockerfile.models"
+        print(f"  docker build --file {recipe} --tag {source.ref} {repo}")
     print("apply (prometheus-adapter needs prometheus-adapter-values.yaml for the HPA metric):")
     _run([("kubectl", "apply", "--kustomize", str(args.out))], args.execute, tool="kubectl")
     return 0
@@ -422,9 +423,18 @@ def _undeploy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser(undeploy: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/deploy.py" + (" undeploy" if undeploy else ""),
-                                description=__doc__.splitlines()[0])
+def add_parsers(sub: Any) -> None:
+    """Mount ``deploy`` and ``undeploy`` on the ``nnunet-triton`` subparsers ``sub``."""
+    deploy_parser = sub.add_parser("deploy", help="build a results folder and serve it (embedded, docker, "
+                                                  "k8s)")
+    deploy_parser.set_defaults(run=lambda args: _run_command(args, undeploy=False))
+    _arguments(deploy_parser, undeploy=False)
+    undeploy_parser = sub.add_parser("undeploy", help="stop what `deploy` started")
+    undeploy_parser.set_defaults(run=lambda args: _run_command(args, undeploy=True))
+    _arguments(undeploy_parser, undeploy=True)
+
+
+def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     p.add_argument("--target", choices=tuple(DEFAULT_OUT), default="embedded")
     p.add_argument("--out", type=Path, default=None,
                    help=f"repository to build (embedded, docker) or manifests (k8s); default {DEFAULT_OUT}")
@@ -437,9 +447,10 @@ def _parser(undeploy: bool) -> argparse.ArgumentParser:
     p.add_argument("--kube-play", action="store_true",
                    help="k8s: run the cpu Deployment here with podman kube play (undeploy: kube down)")
     if undeploy:
-        return p
-    p.add_argument("--model", type=Path, nargs="+", default=[DEFAULT_MODEL],
-                   help="nnU-Net results folder; several (embedded): an ensemble of configurations")
+        return
+    p.add_argument("--model", type=Path, nargs="+", default=None,
+                   help="nnU-Net results folder; several (embedded): an ensemble of configurations (k8s with "
+                        "a built --repository needs none)")
     p.add_argument("--configuration", default=None)
     p.add_argument("--folds", nargs="+", type=lambda s: s if s == "all" else int(s), default=None)
     p.add_argument("--tile-batch-size", type=int, default=4)
@@ -478,19 +489,15 @@ def _parser(undeploy: bool) -> argparse.ArgumentParser:
         kube.add_argument(flag, type=kind, default=default, help=text)
     kube.add_argument("--service-monitor", action="store_true", help="add a ServiceMonitor")
     kube.add_argument("--cpu", type=int, default=2, help="--kube-play: the pod's CPUs (requests = limits)")
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Deploy (default) or ``undeploy``; returns the exit code (1 on a reported error)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    undeploy = bool(argv) and argv[0] == "undeploy"
-    args = _parser(undeploy).parse_args(argv[1:] if undeploy or argv[:1] == ["deploy"] else argv)
+def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:
+    """Deploy or undeploy as ``args`` say; the exit code (1 on a reported error)."""
     default_out = KUBE_PLAY_OUT if args.target == "k8s" and args.kube_play else DEFAULT_OUT[args.target]
-    args.out = Path(args.out or REPO_ROOT / default_out)
+    args.out = Path(args.out or default_out).absolute()
     if not undeploy:
-        args.models, args.model = list(args.model), args.model[0]
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        args.models = list(args.model or ())
+        args.model = args.models[0] if args.models else None
     flows = {"embedded": _deploy_embedded, "docker": _deploy_docker, "k8s": _deploy_k8s}
     try:
         return _undeploy(args) if undeploy else flows[args.target](args)
@@ -499,5 +506,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _parser(undeploy: bool) -> argparse.ArgumentParser:
+    """The flags of ``deploy`` (or ``undeploy``) as a parser of their own."""
+    parser = argparse.ArgumentParser(prog=f"nnunet-triton {'undeploy' if undeploy else 'deploy'}",
+                                     description=__doc__.splitlines()[0])
+    _arguments(parser, undeploy=undeploy)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``deploy ARGS`` (the default) or ``undeploy ARGS``; the exit code (1 on a reported error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    undeploy = argv[:1] == ["undeploy"]
+    rest = argv[1:] if argv[:1] in (["deploy"], ["undeploy"]) else argv
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return _run_command(_parser(undeploy).parse_args(rest), undeploy=undeploy)
