@@ -5,6 +5,8 @@ Uses the SynthCT fixture (1 input channel, 3 labels, patch 24x32x32) on the shar
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from pipeline_support import SYNTHCT, cases, probe_case, reference, shared_server
@@ -148,3 +150,13 @@ def test_endpoint_omits_probabilities_unless_the_probabilities_parameter_is_true
     assert without.as_numpy(io_names.PROBABILITIES) is None
     np.testing.assert_array_equal(with_probs.as_numpy(io_names.SEGMENTATION), ref.segmentation)
     assert float(np.abs(with_probs.as_numpy(io_names.PROBABILITIES) - ref.probabilities).max()) <= 1e-6
+
+
+def test_tensors_handed_to_triton_by_dlpack_leave_no_capsule_errors_in_the_server_log(server, client):
+    """The Python backend renames a consumed capsule 'used_dlpack' where DLPack says 'used_dltensor';
+    without serving.tensors renaming it, NumPy's capsule destructor logs a ValueError per output tensor."""
+    case = probe_case(SYNTHCT)
+    inputs = {io_names.IMAGE: case.image, io_names.SPACING: np.asarray(case.spacing, np.float64)}
+    _infer(client, io_names.ENDPOINT_MODEL, inputs, [io_names.SEGMENTATION], parameters={"mirroring": False})
+    log = Path(server.log_file).read_text(errors="replace")
+    assert "PyCapsule_GetPointer called with incorrect name" not in log

@@ -14,6 +14,19 @@ import pytest
 from nnunet_triton import errors, serving
 
 
+class _Capsule:
+    """A bare DLPack capsule offered to np.from_dlpack, which wants an object with ``__dlpack__``."""
+
+    def __init__(self, capsule) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, **kwargs):
+        return self._capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
 class FakeTensor:
     """A host tensor of the stub, offering only what the models may use: DLPack both ways.
 
@@ -33,6 +46,8 @@ class FakeTensor:
 
     @classmethod
     def from_dlpack(cls, name: str, data) -> FakeTensor:
+        if type(data).__name__ == "PyCapsule":  # the stub takes a capsule as it is
+            data = _Capsule(data)
         # np.from_dlpack raises on what DLPack cannot carry (a read-only NumPy array, for one) as the stub
         # does; the copy stands for the stub's shared-memory copy (and is writeable, unlike the import)
         return cls(name, np.from_dlpack(data).copy(), _by_dlpack=True)

@@ -12,6 +12,7 @@ when ``execute`` returns, so callers that keep data beyond that must pass ``copy
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -102,6 +103,37 @@ def image_array(request: Any, *, xp: ModuleType | None = None) -> Any:
     return tensor_to_array(present[0][1], xp=xp)
 
 
+# The Python backend (2.51) marks a DLPack capsule it consumed "used_dlpack"; DLPack's name for that is
+# "used_dltensor", which is what NumPy's capsule destructor looks for: finding neither, it reports
+# "ValueError: PyCapsule_GetPointer called with incorrect name" (as unraisable, once per tensor; nothing is
+# leaked or freed twice, the consumer owns the tensor). Renaming the consumed capsule as DLPack says keeps
+# the log free of that noise.
+_TRITON_USED_CAPSULE = b"used_dlpack"
+_DLPACK_USED_CAPSULE = b"used_dltensor"  # module-level: a capsule's name must outlive the capsule
+
+
+@functools.cache
+def _capsule_api() -> Any:
+    import ctypes
+
+    api = ctypes.PyDLL(None)  # this process's Python C API, with argument types of its own
+    api.PyCapsule_IsValid.argtypes = (ctypes.py_object, ctypes.c_char_p)
+    api.PyCapsule_IsValid.restype = ctypes.c_int
+    api.PyCapsule_SetName.argtypes = (ctypes.py_object, ctypes.c_char_p)
+    api.PyCapsule_SetName.restype = ctypes.c_int
+    return api
+
+
+def _host_tensor(name: str, array: np.ndarray) -> Any:
+    """``pb_utils.Tensor.from_dlpack`` of a NumPy array's capsule, renamed as consumed the DLPack way."""
+    capsule = array.__dlpack__()
+    tensor = pb_utils().Tensor.from_dlpack(name, capsule)
+    api = _capsule_api()
+    if api.PyCapsule_IsValid(capsule, _TRITON_USED_CAPSULE):
+        api.PyCapsule_SetName(capsule, _DLPACK_USED_CAPSULE)
+    return tensor
+
+
 def output_tensor(name: str, array: Any) -> Any:
     """Wrap an array (NumPy, CuPy or torch, any device) as a ``pb_utils.Tensor`` named ``name``, by DLPack.
 
@@ -109,8 +141,8 @@ def output_tensor(name: str, array: Any) -> Any:
     (a copy only where the array is not already so).
     """
     if isinstance(array, np.ndarray | np.generic):
-        array = np.require(array, requirements=("C", "W"))
-    elif hasattr(array, "is_contiguous"):  # torch, host or device
+        return _host_tensor(name, np.require(array, requirements=("C", "W")))
+    if hasattr(array, "is_contiguous"):  # torch, host or device
         array = array.detach().contiguous()
     elif hasattr(array, "flags") and not array.flags.c_contiguous:  # cupy
         import cupy
