@@ -395,6 +395,10 @@ def _tar_xz(source: Path, out: Path) -> None:
 
 def build(out_dir: Path = BUNDLE_DIR, cache: Path = CACHE_DIR, *, force: bool = False) -> Path:
     """Build the bundle into ``out_dir`` (kept while :func:`inputs_digest` is unchanged); returns its path."""
+    missing = [f"{tool} (Debian package {package})" for tool, package in
+               (("ldd", "libc-bin"), ("strip", "binutils"), ("xz", "xz-utils")) if shutil.which(tool) is None]
+    if missing:
+        raise BundleError(f"building the bundle needs {', '.join(missing)}.")
     out = out_dir / BUNDLE_NAME
     manifest_file = out_dir / "MANIFEST.json"
     digest = inputs_digest()

@@ -60,8 +60,9 @@ from typing import Any
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `python tools/gpu_check.py` as well as `python -m tools.gpu_check`
-    sys.path.insert(0, str(REPO_ROOT))
+for _path in (REPO_ROOT / "src", REPO_ROOT):  # also where nnunet_triton is not installed (the GPU machine)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 from tools.gpu_goals import DICE_GOAL  # noqa: E402
 
 LOGGER = logging.getLogger("gpu_check")
