@@ -147,3 +147,37 @@ def test_dry_run_measures_every_timing_on_a_volume_of_2x2x2_tiles_and_reports_ev
     assert goals["tiles_per_axis"]["value"] >= 2 and "met" in goals["tiles_per_axis"]["detail"]
     assert all("enforced on a GPU only" in goals[g]["detail"] for g in goals
                if g not in ("tiles_per_axis", "waves_at_concurrency_4"))
+
+
+REALISTIC = """
+import json, sys
+from pathlib import Path
+from tools import gpu_bundle, gpu_env, gpu_timings
+root, models = Path(sys.argv[1]), Path(sys.argv[2])
+gpu_bundle.activate(root)
+allowed = {*gpu_bundle.DEVICE_PACKAGES, *gpu_bundle.DEVICE_PURE, *gpu_bundle.DEVICE_COMPILED, "nnunet-triton"}
+emulation = gpu_env.DeviceOnly(allowed).install()
+gpu_env.guard_simpleitk(force=True)
+model_dir = gpu_bundle.materialize_realistic_model(root, models)
+case = gpu_timings.cube_case(model_dir)
+print(json.dumps({"model_dir": str(model_dir), "tiles": gpu_timings.tiles_of(case, model_dir),
+                  "refused": sorted(emulation.refused)}))
+"""
+
+
+def test_the_realistic_model_is_made_from_the_bundle_as_on_the_device_and_its_volume_has_2x2x2_tiles(
+        unpacked, tmp_path):
+    """What the timings command does first there (weights from the bundle's plans, no SimpleITK, only the
+    GPU machine's packages and the bundle's), and the geometry of the goal's volume."""
+    import torch
+
+    proc = subprocess.run([sys.executable, "-c", REALISTIC, str(unpacked), str(tmp_path)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    model_dir = Path(result["model_dir"])
+    assert result["tiles"] == [2, 2, 2]
+    checkpoints = sorted(model_dir.glob("fold_*/checkpoint_final.pth"))
+    assert len(checkpoints) == 5 and len({c.stat().st_ino for c in checkpoints}) == 1  # one weight set
+    weights = torch.load(checkpoints[0], map_location="cpu", weights_only=False)["network_weights"]
+    assert sum(w.numel() for w in weights.values() if w.dtype.is_floating_point) > 30e6  # the default plans'

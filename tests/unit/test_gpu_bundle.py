@@ -112,9 +112,17 @@ def test_an_unpinned_package_names_itself_and_the_lock(tmp_path):
         gpu_bundle.lock_versions(["numpy", "nnunetv2"], lock)
 
 
-def test_the_simpleitk_guard_lets_imports_succeed_and_every_use_fail(monkeypatch):
+def _forget(monkeypatch, top: str) -> None:
+    """Take ``top`` and its submodules out of the import cache for this test (put back afterwards)."""
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, top, None)  # restored (deleted again) when the test ends
+    del sys.modules[top]
+
+
+def test_the_simpleitk_guard_lets_imports_succeed_and_every_use_fail(monkeypatch):
+    _forget(monkeypatch, "SimpleITK")
     assert gpu_env.guard_simpleitk(force=True).startswith("absent")
     import SimpleITK  # noqa: F401 - what nnU-Net's modules do at import
 
@@ -123,10 +131,8 @@ def test_the_simpleitk_guard_lets_imports_succeed_and_every_use_fail(monkeypatch
 
 
 def test_the_device_emulation_refuses_a_distribution_the_gpu_machine_lacks(monkeypatch):
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    _forget(monkeypatch, "yaml")
     emulation = gpu_env.DeviceOnly({"numpy"}).install()
-    sys.modules.pop("yaml", None)
     with pytest.raises(ModuleNotFoundError, match="emulating the GPU machine"):
         import yaml  # noqa: F401 - PyYAML is installed here, and not allowed in this emulation
     import numpy  # noqa: F401 - allowed
