@@ -1,7 +1,8 @@
 # nnunet_triton: serve trained nnU-Net v2 models on NVIDIA Triton.
 # `make` lists the targets. Every target except help/clean/lock/gpu-check depends on `setup` through a stamp
 # file, so the environment is (re)built only when pyproject.toml or the lock file change. gpu-check runs on a
-# GPU machine without network: with .venv's Python when there is one, else GPU_PYTHON (default python3).
+# GPU machine without network: with .venv's Python when there is one, else GPU_PYTHON (default python3), and
+# from the bundle `make gpu-bundle` writes (tools/gpu_bundle.py) when that file is there.
 
 .DEFAULT_GOAL := help
 SHELL := /bin/bash
@@ -42,6 +43,7 @@ SOAK_DURATION ?= 600
 SOAK_CONCURRENCY ?= 4
 PYTEST_ARGS ?=
 GPU_CHECK_ARGS ?=
+GPU_BUNDLE := build/gpu-bundle/nnunet-gpu-bundle.tar.xz
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -51,7 +53,7 @@ SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
 .PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy container-engine demo pacs-demo validate perf \
-	perf-defaults soak gpu-check
+	perf-defaults soak gpu-check gpu-bundle
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' \
@@ -124,8 +126,12 @@ perf: $(SETUP_STAMP) $(PERF_STAMP) ## perf_analyzer benchmark vs nnUNetPredictor
 perf-defaults: $(SETUP_STAMP) ## Default-launch benchmark: build time, first answer, latency/throughput vs nnUNetPredictor, folder CLI vs nnUNetv2_predict
 	$(PY) -m tools.perf.defaults $(PERF_ARGS)
 
-gpu-check: ## On an NVIDIA GPU: CuPy/torch parity, the endpoint vs nnUNetPredictor on cuda, timings -> build/gpu-check/gpu-check.md (GPU_CHECK_ARGS="--device cpu": the dry run)
-	PYTHONPATH="$(CURDIR)/src:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m tools.gpu_check $(GPU_CHECK_ARGS)
+gpu-check: ## On an NVIDIA GPU: parity, the endpoint vs nnUNetPredictor on cuda, timings and their goals -> build/gpu-check/ (from build/gpu-bundle/ when built: no SimpleITK needed)
+	PYTHONPATH="$(CURDIR)/src:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m tools.gpu_check \
+		$(if $(wildcard $(GPU_BUNDLE)),--bundle $(GPU_BUNDLE)) $(GPU_CHECK_ARGS)
+
+gpu-bundle: $(SETUP_STAMP) ## One file (<= 50 MiB) with what the GPU test machine lacks: tritonserver, stubs, packages, cases, plans -> build/gpu-bundle/nnunet-gpu-bundle.tar.xz
+	$(PY) -m tools.gpu_bundle build
 
 soak: $(SETUP_STAMP) ## Bounded soak: mixed valid/invalid requests, answers checked, RSS and /dev/shm growth -> build/soak/
 	$(PY) tools/soak.py --duration $(SOAK_DURATION) --concurrency $(SOAK_CONCURRENCY) --out build/soak

@@ -2,16 +2,21 @@
 
 Usage::
 
-    make gpu-check                                   # --device cuda --workload realistic -> build/gpu-check/
-    python -m tools.gpu_check --device cpu --workload fixture --out build/gpu-check-dry   # the dry run
+    # the GPU test machine (docs/deploy.md, "GPU check"): two commands, each with its report folder
+    python3 -m tools.gpu_check --bundle build/gpu-bundle/nnunet-gpu-bundle.tar.xz --stages parity,endpoint \
+        --out $OUT/endpoint
+    python3 -m tools.gpu_check --bundle build/gpu-bundle/nnunet-gpu-bundle.tar.xz --stages timings \\
+        --out $OUT/timings
+    # the dry run (tests/triton/test_gpu_check_dry_run.py): the same stages on CPU tensors, from the bundle
+    python -m tools.gpu_check --device cpu --bundle build/gpu-bundle/nnunet-gpu-bundle.tar.xz --emulate-device
 
-Needs torch (CUDA build), CuPy, nnunetv2 + SimpleITK (the oracle and the fixture reader) and, for stages
-(b) and (c), the embedded tritonserver (``nvidia-pytriton``, ~145 MB; the models pass tensors by DLPack, so
-numpy 2 is fine) and ``nnunet_triton`` importable by the Triton stubs (a venv from ``make
-setup``, or ``pip install --no-deps --no-build-isolation --ignore-requires-python -e .`` once); no Docker,
-no network. ``make gpu-check`` puts ``src/`` on PYTHONPATH for this process. A stage whose needs are missing
-is reported as skipped with the reason; the exit status is 1 when a stage fails or a correctness goal is
-missed (timing goals are reported, not enforced).
+Needs torch (a CUDA build on cuda), CuPy on cuda, and either this venv (``make setup``) or the bundle
+(``make gpu-bundle``, ``tools.gpu_bundle``): with ``--bundle`` the file is unpacked into a temporary folder,
+its packages go first on ``sys.path`` and the stubs' ``PYTHONPATH``, and tritonserver, its libraries and the
+Python-backend stub come from it (never from an installed pytriton); its fixture cases are ``.npy``, so no
+SimpleITK is needed (``tools.gpu_env.guard_simpleitk``). No Docker, no network. The report is rewritten
+after every stage, so a command stopped at its time limit still leaves the stages it finished. The exit
+status is 1 when a stage fails or a goal is missed on cuda (``tools.gpu_goals``), 0 otherwise.
 
 Stages:
 
@@ -20,15 +25,17 @@ Stages:
     abs differences. On ``--device cpu`` the xp functions compare NumPy with itself (the stage still runs)
     and the sliding window compares torch CPU tensors with the NumPy emulation: both must be exact.
 (b) ``endpoint``: the whole ``nnunet`` endpoint on the embedded tritonserver with GPU instances
-    (``--target gpu``, Python-backend fold runner: the embedded server has no libtorch backend) against
-    ``nnUNetPredictor`` on the device (``perform_everything_on_device=True`` on cuda): per-label Dice, voxel
-    agreement, max probability difference, mirroring on and off. Goal on cuda: Dice >= 0.999 per label; on
-    cpu: identical label maps.
-(c) ``timings``: the workload's case (``realistic``: nnU-Net's default plans, ``tools.perf.workloads``)
-    through the endpoint at concurrency 1 and 4, ``nnUNetPredictor`` back to back, the network-only floor
-    (the fold networks' forwards over the same tiles), GPU utilisation (nvidia-smi) during the endpoint runs.
-    Goals (cuda): endpoint latency <= 0.5x nnUNetPredictor, <= 1.2x the floor, throughput at concurrency 4
-    >= 3x nnUNetPredictor back to back.
+    (``--target gpu`` with the builder's defaults, Python-backend fold runner: the embedded server has no
+    libtorch backend) against ``nnUNetPredictor`` on the device (``perform_everything_on_device=True`` on
+    cuda): per-label Dice, voxel agreement, max probability difference, mirroring on and off. Goal on cuda:
+    Dice >= 0.999 per label; on cpu: identical label maps. Then where tritonserver and each stub came from
+    and which libpython they mapped (``/proc``); with ``--bundle`` every one must come from the bundle and no
+    process may have SimpleITK mapped.
+(c) ``timings`` (``tools.gpu_timings``): a volume of at least 2x2x2 tiles of the workload's model
+    (``realistic``: nnU-Net's default plans, weights made on the device; ``fixture``: the 3d_tiny model),
+    every fold batch size warmed, latency at concurrency 1, throughput at concurrency 4 over ``--waves``
+    waves, nnUNetPredictor back to back, the batched network floor, the fold models' batch statistics and
+    the ``nnunet_host_fallbacks_total`` counter, each against its goal (enforced on cuda).
 """
 
 from __future__ import annotations
@@ -38,16 +45,14 @@ import contextlib
 import importlib.util
 import json
 import logging
+import os
 import platform
 import shutil
-import statistics
-import subprocess
 import sys
-import threading
+import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,9 +60,12 @@ from typing import Any
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+for _path in (REPO_ROOT / "src", REPO_ROOT):  # also where nnunet_triton is not installed (the GPU machine)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+from tools.gpu_goals import DICE_GOAL  # noqa: E402
+
 LOGGER = logging.getLogger("gpu_check")
-DICE_GOAL = 0.999
-GOALS = {"latency_vs_predictor": 0.5, "latency_vs_floor": 1.2, "throughput_c4_vs_predictor": 3.0}
 
 
 @dataclass
@@ -77,6 +85,8 @@ class Setup:
     workload: str  # "fixture" or "realistic"
     out: Path
     reps: int
+    waves: int = 3
+    bundle_root: Path | None = None  # the unpacked bundle, when --bundle
 
     @property
     def gpu(self) -> bool:
@@ -108,15 +118,6 @@ class _Skip(Exception):
 def _needs(module: str, why: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise _Skip(f"{module} is not installed ({why})")
-
-
-def _max_abs(a: Any, b: Any) -> float:
-    from nnunet_triton.numerics._xp import to_numpy
-
-    a, b = to_numpy(a).astype(np.float64), to_numpy(b).astype(np.float64)
-    if a.shape != b.shape:
-        raise AssertionError(f"shapes differ: {a.shape} vs {b.shape}")
-    return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
 # --- environment -----------------------------------------------------------------------------------------
@@ -153,72 +154,6 @@ def _device_xp(setup: Setup) -> Any:
     return cupy
 
 
-def stage_parity(stage: Stage, setup: Setup, model_dir: Path, case: Any) -> None:
-    import torch
-
-    from nnunet_triton import io_names
-    from nnunet_triton.numerics._xp import to_numpy
-    from nnunet_triton.numerics.model_folder import read_model_folder
-    from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
-    from nnunet_triton.numerics.preprocess import preprocess_case
-    from nnunet_triton.numerics.resampling import resample_data_or_seg_to_shape, resize, resize_segmentation
-    from nnunet_triton.numerics.sliding_window import predict_sliding_window
-    from nnunet_triton.pipeline.fold_runner import load_runner
-
-    xp = _device_xp(setup)
-    config = read_model_folder(model_dir)
-    backend = "cupy" if setup.gpu else "numpy (dry run: NumPy against itself)"
-
-    def row(function: str, diff: float, tolerance: float, what: str = "max abs") -> None:
-        stage.rows.append({"function": function, "backend": backend, "metric": what, "value": diff,
-                           "tolerance": tolerance, "ok": diff <= tolerance})
-
-    data, props = preprocess_case(case.image, case.spacing, config)
-    data_d, props_d = preprocess_case(xp.asarray(case.image), case.spacing, config)
-    row("preprocess_case (crop, normalize, resample)", _max_abs(data, data_d), 1e-4)
-    image = case.image[0].astype(np.float32)
-    shape = tuple(max(2, s * 3 // 4) for s in image.shape)
-    row("resize (order 3)", _max_abs(resize(image, shape, 3), resize(xp.asarray(image), shape, 3)), 1e-4)
-    labels = (image > np.median(image)).astype(np.uint8)
-    seg, seg_d = resize_segmentation(labels, shape, 1), resize_segmentation(xp.asarray(labels), shape, 1)
-    row("resize_segmentation (order 1)", float(np.count_nonzero(to_numpy(seg) != to_numpy(seg_d))), 0,
-        "differing voxels")
-    anisotropic = (3.0, 0.8, 0.8)
-    sep = resample_data_or_seg_to_shape(image[None], shape, anisotropic, (1.0,) * 3, order=3)
-    sep_d = resample_data_or_seg_to_shape(xp.asarray(image[None]), shape, anisotropic, (1.0,) * 3, order=3)
-    row("resample_data_or_seg_to_shape (separate z)", _max_abs(sep, sep_d), 1e-4)
-
-    torch_device = "cuda:0" if setup.gpu else "cpu"
-    fold = io_names.fold_model_name(config.folds[0])  # the repository stages (b)/(c) serve, built once
-    torchscript = _repository(setup, model_dir) / fold / io_names.VERSION_DIR / io_names.TORCHSCRIPT_FILE
-    runner = load_runner(torchscript, device=torch_device, max_forward_batch=1)
-
-    def network(x: Any) -> Any:  # the same device forward for both loops: only the loops differ
-        if isinstance(x, np.ndarray):
-            return runner.forward(torch.from_numpy(x).to(torch_device)).cpu().numpy()
-        return runner.forward(x)
-
-    kwargs = dict(patch_size=config.patch_size, num_heads=config.labels.num_segmentation_heads,
-                  mirror_axes=config.mirror_axes, batch_size=4)
-    logits = predict_sliding_window(data, network, **kwargs)
-    logits_d = predict_sliding_window(torch.from_numpy(data).to(torch_device), network, **kwargs)
-    stage.rows.append({"function": "predict_sliding_window (tiles, TTA, Gaussian, fp16 sums)",
-                       "backend": f"torch on {torch_device}", "metric": "max abs (fp16 logits)",
-                       "value": _max_abs(logits, logits_d), "tolerance": 0.0,
-                       "ok": _max_abs(logits, logits_d) == 0.0})
-    seg, probs = convert_logits_to_segmentation(logits, props, config, return_probabilities=True)
-    seg_d, probs_d = convert_logits_to_segmentation(xp.asarray(logits), props_d, config,
-                                                    return_probabilities=True)
-    row("convert_logits_to_segmentation: probabilities", _max_abs(probs, probs_d), 1e-4)
-    row("convert_logits_to_segmentation: labels", float(np.count_nonzero(to_numpy(seg) != to_numpy(seg_d))),
-        0, "differing voxels")
-    if not all(r["ok"] for r in stage.rows):
-        stage.status = "failed"
-
-
-# --- (b) endpoint and (c) timings --------------------------------------------------------------------------
-
-
 def _repository(setup: Setup, model_dir: Path) -> Path:
     import torch
 
@@ -228,24 +163,30 @@ def _repository(setup: Setup, model_dir: Path) -> Path:
 
     if setup.gpu:  # the embedded server has the Python backend only: the Python fold runner, on KIND_GPU;
         # fp16 (traced under CUDA autocast, what `make deploy TARGET=docker` builds and nnU-Net runs on cuda)
+        # orchestrator instances and fold batch limits: the builder's defaults for target gpu, read back
+        # from the served configs by the timings stage (nothing assumed here)
         options = BuildOptions(target="gpu", fold_runner=FoldRunner.PYTHON, fold_precision="fp16",
-                               orchestrator_instances=4, serving_torch=torch_minor_text(torch.__version__))
-    else:
+                               serving_torch=torch_minor_text(torch.__version__))
+    else:  # the dry run: 4 orchestrator instances so that concurrent requests can share fold batches
         options = BuildOptions(orchestrator_instances=4)
     return pipeline_repository(model_dir, f"gpu-check-{setup.workload}", variant=setup.device,
                                options=options)
 
 
 @contextlib.contextmanager
-def _server(repository: Path, out: Path) -> Iterator[Any]:
+def _server(repository: Path, out: Path, name: str) -> Iterator[Any]:
+    """The embedded server on ``repository``: its logs in ``out`` (few files: the GPU machine returns at
+    most 8), pid and state files in a temporary folder."""
     from nnunet_triton.server import embedded
 
-    handle = embedded.start(repository, log_file=out / "tritonserver.log", pid_file=out / "tritonserver.pid",
-                            state_file=out / "server.json", ready_timeout_s=900.0, exit_timeout_s=5)
-    try:
-        yield handle
-    finally:
-        handle.stop()
+    with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as run:
+        handle = embedded.start(repository, log_file=out / f"tritonserver-{name}.log",
+                                pid_file=Path(run) / "tritonserver.pid", state_file=Path(run) / "server.json",
+                                ready_timeout_s=900.0, exit_timeout_s=5)
+        try:
+            yield handle
+        finally:
+            handle.stop()
 
 
 def stage_endpoint(stage: Stage, setup: Setup, model_dir: Path, case: Any, handle: Any) -> None:
@@ -277,107 +218,36 @@ def stage_endpoint(stage: Stage, setup: Setup, model_dir: Path, case: Any, handl
         stage.status = "failed"
 
 
-class _GpuSampler:
-    """nvidia-smi utilisation samples (percent) while active; nothing on CPU."""
+def stage_provenance(stage: Stage, setup: Setup, handle: Any) -> None:
+    """Where tritonserver and its stubs came from (``/proc``); with a bundle, all of it must be the bundle's,
+    and no process may have SimpleITK mapped."""
+    from tools.gpu_env import process_provenance
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and shutil.which("nvidia-smi") is not None
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> _GpuSampler:
-        if self.enabled:
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "--id=0"]
-            out = subprocess.run(query, capture_output=True, text=True, timeout=10)
-            with contextlib.suppress(ValueError):
-                self.samples.append(float(out.stdout.strip().splitlines()[0]))
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=15)
-
-    def summary(self) -> str:
-        if not self.enabled:
-            return "n/a (no GPU)"
-        if not self.samples:
-            return "no samples"
-        return f"mean {statistics.mean(self.samples):.0f} %, max {max(self.samples):.0f} %"
-
-
-def _timed(fn: Callable[[], Any], reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def stage_timings(stage: Stage, setup: Setup, model_dir: Path, repository: Path, case: Any,
-                  handle: Any) -> None:
-    import torch
-
-    from nnunet_triton.client.client import NnunetClient
-    from nnunet_triton.numerics.model_folder import read_model_folder
-    from nnunet_triton.validate.oracle import nnunet_predictor
-    from tools.perf.baselines import _Floor
-
-    folds = tuple(read_model_folder(model_dir).folds)
-    mirroring = setup.gpu  # nnU-Net's default; the CPU dry run leaves it off (8 network inputs per tile)
-    stage.notes.append(f"case {case.name} {tuple(case.image.shape)}, folds {list(folds)}, "
-                       f"mirroring {'on' if mirroring else 'off'}, repository {repository}")
-    def one(_: object = None) -> Any:  # one request on its own connection
-        with NnunetClient(handle.grpc_url, protocol="grpc", timeout_s=3600) as client:
-            return client.segment(case.image, case.spacing, mirroring=mirroring)
-
-    one()  # warm-up (CUDA contexts, cuDNN autotuning, CuPy kernels)
-    with _GpuSampler(setup.gpu) as c1_gpu:
-        c1 = _timed(one, setup.reps)
-    c4_requests = 4 * max(1, setup.reps // 2)
-    with _GpuSampler(setup.gpu) as c4_gpu, ThreadPoolExecutor(max_workers=4) as pool:
-        start = time.perf_counter()
-        list(pool.map(one, range(c4_requests)))
-        c4_s = time.perf_counter() - start
-    predictor = nnunet_predictor(model_dir, folds=folds, mirroring=mirroring, device=setup.device)
-
-    def predict() -> Any:
-        predictor.predict_single_npy_array(case.image, {"spacing": list(case.spacing)})
-        if setup.gpu:
-            torch.cuda.synchronize()
-
-    predict()
-    predictor_s = _timed(predict, setup.reps)
-    floor = _Floor(repository, folds, 0.5, "cuda:0" if setup.gpu else "cpu")
-    floor.run(case, folds, mirroring)  # warm-up
-    floor_s = [floor.run(case, folds, mirroring) for _ in range(setup.reps)]
-    endpoint, nnunet, net = statistics.median(c1), statistics.median(predictor_s), statistics.median(floor_s)
-    throughput_c4, throughput_predictor = c4_requests / c4_s, 1.0 / nnunet
-    ratios = {"latency_vs_predictor": endpoint / nnunet, "latency_vs_floor": endpoint / net,
-              "throughput_c4_vs_predictor": throughput_c4 / throughput_predictor}
-    stage.rows.extend([
-        {"measure": "endpoint latency, concurrency 1 (median s)", "value": endpoint, "gpu": c1_gpu.summary()},
-        {"measure": "endpoint throughput, concurrency 4 (requests/s)", "value": throughput_c4,
-         "gpu": c4_gpu.summary()},
-        {"measure": "nnUNetPredictor latency, back to back (median s)", "value": nnunet, "gpu": ""},
-        {"measure": "network-only floor (median s of forwards)", "value": net, "gpu": ""},
-    ])
-    for name, value in ratios.items():
-        goal = GOALS[name]
-        met = value >= goal if name.startswith("throughput") else value <= goal
-        stage.rows.append({"measure": f"ratio {name}", "value": value,
-                           "gpu": f"goal {'>=' if name.startswith('throughput') else '<='} {goal}: "
-                                  f"{'met' if met else 'missed'}" if setup.gpu else "goal applies on a GPU"})
-
-
-# --- report ----------------------------------------------------------------------------------------------
+    home = Path(handle.server_bin).parents[2]  # <home>/server/bin/tritonserver
+    marker = json.loads((home / "server" / ".prepared.json").read_text())
+    stage.notes.append(f"tritonserver {handle.server_bin}, home prepared from {marker['source']} "
+                       f"(nvidia-pytriton {marker['pytriton']}, Python {marker['python']})")
+    root = str(setup.bundle_root) if setup.bundle_root is not None else None
+    for row in process_provenance(handle.pid):
+        problems = ["SimpleITK mapped"] if row["simpleitk"] else []
+        if root is not None:
+            problems += [] if row["exe"].startswith(root) else ["executable not from the bundle"]
+            problems += [] if all(p.startswith(root) for p in row["libtritonserver"]) else \
+                ["libtritonserver not from the bundle"]
+        stage.rows.append({"process": "tritonserver" if row["exe"].endswith("/tritonserver") else
+                           f"stub {row['model']}", "pid": row["pid"], "exe": row["exe"],
+                           "libpython": ", ".join(row["libpython"]) or "-",
+                           "libtritonserver": ", ".join(row["libtritonserver"]) or "-",
+                           "simpleitk": ", ".join(row["simpleitk"]) or "none",
+                           "ok": not problems, "problems": "; ".join(problems)})
+    if root is not None and not marker["source"].startswith(root):
+        stage.notes.append(f"the server home was prepared from {marker['source']}, not from the bundle")
+        stage.status = "failed"
+    if not any(r["process"].startswith("stub") for r in stage.rows):
+        stage.notes.append("no Python-backend stub process found under tritonserver")
+        stage.status = "failed"
+    if not all(r["ok"] for r in stage.rows):
+        stage.status = "failed"
 
 
 def _fmt(value: Any) -> str:
@@ -417,52 +287,112 @@ def _parser() -> argparse.ArgumentParser:
                    help="cuda: the GPU check; cpu: the dry run (same stages, CPU tensors)")
     p.add_argument("--workload", choices=("fixture", "realistic"), default=None,
                    help="timings workload (default: realistic on cuda, fixture on cpu)")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "gpu-check")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "gpu-check", help="report folder")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per measure")
+    p.add_argument("--waves", type=int, default=3,
+                   help="waves of 4 concurrent requests in the throughput run")
     p.add_argument("--stages", default="parity,endpoint,timings", help="comma list of stages to run")
+    p.add_argument("--bundle", type=Path, default=None,
+                   help="run from this bundle (make gpu-bundle): server, stubs, packages, cases, plans")
+    p.add_argument("--unpack-dir", type=Path, default=None, help="where the bundle's temporary folder goes")
+    p.add_argument("--keep-unpacked", action="store_true", help="keep the unpacked bundle")
+    p.add_argument("--libpython", choices=("auto", "bundle"), default="auto",
+                   help="the stub's libpython: the machine's if it has one (auto), or the bundle's fallback")
+    p.add_argument("--emulate-device", action="store_true",
+                   help="dry run: refuse imports of packages the GPU machine lacks and the bundle does not "
+                        "carry, and run without SimpleITK")
     return p
+
+
+def _activate_bundle(args: argparse.Namespace, stack: contextlib.ExitStack, env: dict[str, str]) -> Path:
+    from nnunet_triton.server.triton_install import HOME_ENV
+    from tools import gpu_bundle
+
+    dest = Path(tempfile.mkdtemp(prefix="nnunet-gpu-bundle-", dir=args.unpack_dir))
+    if not args.keep_unpacked:
+        stack.callback(shutil.rmtree, dest, True)
+    root = gpu_bundle.unpack(args.bundle, dest)
+    activation = gpu_bundle.activate(root, libpython=args.libpython)
+    os.environ[HOME_ENV] = str(root / "triton-home")  # never a home prepared from another tritonserver
+    manifest = json.loads((root / "MANIFEST.json").read_text())
+    env.update({"bundle": f"{args.bundle} ({args.bundle.stat().st_size / 2**20:.1f} MiB) unpacked in {root}",
+                "bundle inputs": manifest["inputs_digest"][:16],
+                "libpython for the stub": f"{activation.libpython.path} ({activation.libpython.source})"})
+    return root
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup = Setup(device=args.device, workload=args.workload or ("realistic" if args.device == "cuda"
-                                                                  else "fixture"),
-                  out=args.out, reps=max(1, args.reps))
-    wanted = set(args.stages.split(","))
-    env = environment(setup)
+    with contextlib.ExitStack() as stack:
+        extra: dict[str, str] = {}
+        root = _activate_bundle(args, stack, extra) if args.bundle is not None else None
+        from tools.gpu_env import DeviceOnly, guard_simpleitk
+
+        emulation = None
+        if args.emulate_device:
+            from tools import gpu_bundle
+
+            allowed = {*gpu_bundle.DEVICE_PACKAGES, *gpu_bundle.DEVICE_PURE, *gpu_bundle.DEVICE_COMPILED,
+                       "nvidia-pytriton", "nnunet-triton"}
+            emulation = DeviceOnly(allowed).install()
+        extra["SimpleITK"] = guard_simpleitk(force=args.emulate_device)  # ahead of the emulation's finder
+        setup = Setup(device=args.device, workload=args.workload or ("realistic" if args.device == "cuda"
+                                                                      else "fixture"),
+                      out=args.out, reps=max(1, args.reps), waves=args.waves, bundle_root=root)
+        env = {**environment(setup), **extra}
+        stages: list[Stage] = []
+
+        def report() -> Path:
+            if emulation is not None:
+                refused = ", ".join(sorted(emulation.refused)) or "none"
+                env["imports refused (not on the GPU machine)"] = refused
+            return write_report(setup, env, stages)
+
+        _run_stages(setup, set(args.stages.split(",")), stages, report)
+        report_file = report()
+    print(report_file.read_text())
+    print(f"report: {report_file}")
+    return 0 if all(stage.status != "failed" for stage in stages) else 1
+
+
+def _run_stages(setup: Setup, wanted: set[str], stages: list[Stage], report: Any) -> None:
+    from nnunet_triton import io_names
+    from nnunet_triton.numerics.model_folder import read_model_folder
+    from tools import gpu_bundle, gpu_parity, gpu_timings
     from tools.perf import workloads
 
     fixture_dir = workloads.fixture_model_dir()
-    fixture = workloads.fixture_case(fixture_dir)
-    stages: list[Stage] = []
+    fixture = (gpu_bundle.fixture_cases(setup.bundle_root)[0] if setup.bundle_root is not None
+               else workloads.fixture_case(fixture_dir))  # the latter reads NIfTI with SimpleITK
     if "parity" in wanted:
         with _stage(stages, "(a) parity: NumPy vs device backend") as stage:
-            stage_parity(stage, setup, fixture_dir, fixture)
-    for name, model_dir, case, run in (
-        ("(b) endpoint vs nnUNetPredictor", fixture_dir, fixture, "endpoint"),
-        ("(c) timings", None, None, "timings"),
-    ):
-        if run not in wanted:
-            continue
-        with _stage(stages, name) as stage:
+            fold = io_names.fold_model_name(read_model_folder(fixture_dir).folds[0])  # what (b) serves
+            version_dir = _repository(setup, fixture_dir) / fold / io_names.VERSION_DIR
+            torchscript = version_dir / io_names.TORCHSCRIPT_FILE
+            gpu_parity.stage_parity(stage, setup, fixture_dir, fixture, _device_xp(setup), torchscript)
+        report()
+    if "endpoint" in wanted:
+        with _stage(stages, "(b) endpoint vs nnUNetPredictor") as stage:
             _needs("pytriton", "it ships the embedded tritonserver")
-            if run == "timings":
-                realistic = setup.workload == "realistic"
-                model_dir = workloads.ensure_realistic_model() if realistic else fixture_dir
-                case = workloads.realistic_case(model_dir, "small") if realistic else fixture
+            with _server(_repository(setup, fixture_dir), setup.out, "endpoint") as handle:
+                stage_endpoint(stage, setup, fixture_dir, fixture, handle)
+                with _stage(stages, "(b) provenance: tritonserver and its stubs") as inner:
+                    stage_provenance(inner, setup, handle)
+        report()
+    if "timings" in wanted:
+        with _stage(stages, "(c) timings") as stage:
+            _needs("pytriton", "it ships the embedded tritonserver")
+            if setup.workload == "realistic":
+                model_dir = (gpu_bundle.materialize_realistic_model(setup.bundle_root)
+                             if setup.bundle_root is not None else workloads.ensure_realistic_model())
+            else:
+                model_dir = fixture_dir
+            case = gpu_timings.cube_case(model_dir)
             repository = _repository(setup, model_dir)
-            run_dir = setup.out / f"server-{run}"
-            run_dir.mkdir(parents=True, exist_ok=True)
-            with _server(repository, run_dir) as handle:
-                if run == "endpoint":
-                    stage_endpoint(stage, setup, model_dir, case, handle)
-                else:
-                    stage_timings(stage, setup, model_dir, repository, case, handle)
-    report = write_report(setup, env, stages)
-    print(report.read_text())
-    print(f"report: {report}")
-    return 0 if all(stage.status != "failed" for stage in stages) else 1
+            with _server(repository, setup.out, "timings") as handle:
+                gpu_timings.stage_timings(stage, setup, model_dir, repository, case, handle)
+        report()
 
 
 if __name__ == "__main__":
