@@ -166,3 +166,13 @@ def test_plan_memory_multiplies_python_instances_when_gpu_target_has_several_gpu
     one, two = (sizing.plan_memory(info, volume, gpus=n) for n in (1, 2))
     assert two.shm_bytes - 256 * MiB == 2 * (one.shm_bytes - 256 * MiB)
     assert two.cuda_pool_bytes == one.cuda_pool_bytes  # per GPU
+
+
+def test_the_orchestrators_torch_is_counted_in_host_memory_whatever_the_fold_runner(tmp_path: Path) -> None:
+    """The orchestrator imports torch on every target; the Python fold runner too; preprocess/stitch not."""
+    libtorch = RepositoryInfo.from_repository(write_repository(tmp_path / "gpu"))
+    python = RepositoryInfo.from_repository(write_repository(tmp_path / "cpu", BuildOptions(target="cpu")))
+    GiB = 2**30
+    assert sizing.stub_bytes(libtorch) == 2 * 1 * GiB + 1 * 3 * GiB
+    assert sizing.stub_bytes(python) == 2 * 1 * GiB + (1 + len(python.fold_models)) * 3 * GiB
+    assert sizing.stub_bytes(libtorch, per_gpu=2) == 2 * sizing.stub_bytes(libtorch)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from nnunet_triton.numerics.resampling import compute_new_shape
 from nnunet_triton.server.deploy.repository_info import ModelGeometry, RepositoryInfo
 
-__all__ = ["MiB", "GiB", "VolumeSpec", "TensorBytes", "MemoryPlan", "tensor_bytes", "plan_memory"]
+__all__ = ["MiB", "GiB", "VolumeSpec", "TensorBytes", "MemoryPlan", "tensor_bytes", "stub_bytes",
+           "plan_memory"]
 
 MiB = 2**20
 GiB = 2**30
@@ -44,7 +45,7 @@ CUDA_POOL_MIN_BYTES = 64 * MiB  # tritonserver defaults
 PINNED_POOL_MIN_BYTES = 256 * MiB
 HEADROOM = 1.25  # alignment and fragmentation inside the CUDA and pinned pools
 STUB_BYTES = 1 * GiB  # one Python stub: interpreter + numpy/scipy/cupy, CUDA context on the host side
-TORCH_STUB_BYTES = 3 * GiB  # a stub that imports torch (the Python fold runner)
+TORCH_STUB_BYTES = 3 * GiB  # a stub that imports torch (the orchestrator, the Python fold runner)
 SERVER_BYTES = 2 * GiB  # tritonserver itself (+ libtorch backend)
 
 
@@ -190,6 +191,16 @@ def _working_bytes(info: RepositoryInfo, t: TensorBytes, volume: VolumeSpec) -> 
     return preprocess + orchestrator + stitch
 
 
+def stub_bytes(info: RepositoryInfo, per_gpu: int = 1) -> int:
+    """Host memory of the Python stubs: torch is imported by the orchestrator (always: its fold loop runs
+    on torch tensors) and by the Python fold runner, NumPy/SciPy (and CuPy) alone by preprocess and stitch."""
+    torch_stubs = info.orchestrator_instances
+    if info.fold_runner == "python":
+        torch_stubs += info.fold_instances * len(info.fold_models)
+    plain_stubs = info.preprocess_instances + info.stitch_instances
+    return per_gpu * (plain_stubs * STUB_BYTES + torch_stubs * TORCH_STUB_BYTES)
+
+
 def plan_memory(info: RepositoryInfo, volume: VolumeSpec, *, gpus: int = 1,
                 in_flight_requests: int | None = None) -> MemoryPlan:
     """Size shm, pools and host memory for ``info`` serving ``volume``.
@@ -219,10 +230,7 @@ def plan_memory(info: RepositoryInfo, volume: VolumeSpec, *, gpus: int = 1,
         cuda_pool = max(CUDA_POOL_MIN_BYTES, _round_up((all_tiles + volumes) * HEADROOM, 64 * MiB))
         staged = all_tiles + requests * (t.image + t.segmentation + t.probabilities)
         pinned = max(PINNED_POOL_MIN_BYTES, _round_up(staged * HEADROOM, 64 * MiB))
-    n_stubs = sum(n for n, _ in stubs[:3]) * per_gpu
-    stub_memory = n_stubs * STUB_BYTES
-    if info.fold_runner == "python":
-        stub_memory += stubs[3][0] * per_gpu * TORCH_STUB_BYTES
+    stub_memory = stub_bytes(info, per_gpu)
     working = requests * _working_bytes(info, t, volume)
     host = _round_up(shm + pinned + SERVER_BYTES + stub_memory + working, 256 * MiB)
     return MemoryPlan(tensors=t, shm_bytes=shm, cuda_pool_bytes=cuda_pool, pinned_pool_bytes=pinned,
