@@ -497,36 +497,45 @@ def libpython_plan(root: Path, *, force: str = "auto", python_libdir: str | None
 
 @dataclass(frozen=True)
 class Activation:
-    """What :func:`activate` put on the paths."""
+    """The environment :func:`activation_env` made for a process running from the bundle."""
 
     root: str
     python_paths: tuple[str, ...]
     libpython: LibpythonPlan
-    triton_tree: str
+    env: dict[str, str]
 
 
-def activate(root: Path, *, libpython: str = "auto") -> Activation:
-    """Put the bundle's packages first on ``sys.path`` and ``PYTHONPATH`` (the stubs inherit it) and its
-    libpython fallback, when needed, on ``LD_LIBRARY_PATH``; check that pytriton now resolves to it."""
+ACTIVE_ENV = "NNUNET_TRITON_GPU_BUNDLE"  # the unpacked bundle a process runs from
+
+
+def activation_env(root: Path, *, libpython: str = "auto", base: dict[str, str] | None = None) -> Activation:
+    """The environment of a process (and the stubs it starts) that runs from the unpacked bundle ``root``:
+    its packages first on ``PYTHONPATH``, then this checkout's ``src/`` and root, and its libpython fallback,
+    when needed, on ``LD_LIBRARY_PATH``. A new process gets it (nothing of the running one's paths is
+    changed): :func:`check_active` in that process confirms it."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     paths = [root / "site"] + ([root / "site-cp312"] if version == DEVICE_PYTHON else [])
     paths += [REPO_ROOT / "src", REPO_ROOT]
-    for path in reversed(paths):
-        sys.path.insert(0, str(path))
-    os.environ["PYTHONPATH"] = os.pathsep.join([*map(str, paths),
-                                                *filter(None, [os.environ.get("PYTHONPATH")])])
-    importlib.invalidate_caches()
-    for name in [m for m in sys.modules if m == "pytriton" or m.startswith("pytriton.")]:
-        del sys.modules[name]
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *filter(None, [env.get("PYTHONPATH")])])
+    plan = libpython_plan(root, force=libpython)
+    if plan.lib_dir:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([plan.lib_dir, *filter(None, [env.get("LD_LIBRARY_PATH")])])
+    env[ACTIVE_ENV] = str(root)
+    return Activation(str(root), tuple(map(str, paths)), plan, env)
+
+
+def check_active(root: Path) -> Path:
+    """In a process started with :func:`activation_env`: pytriton (the tritonserver tree) is the bundle's.
+
+    Raises:
+        BundleError: it resolves elsewhere (the process was not started from the bundle).
+    """
     tree = _pytriton_dir() / "tritonserver"
     if not tree.is_relative_to(root):
         raise BundleError(f"pytriton resolves to {tree}, not to the bundle in {root}.")
-    plan = libpython_plan(root, force=libpython)
-    if plan.lib_dir:
-        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
-            [plan.lib_dir, *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
-    LOGGER.info("bundle %s active; libpython %s (%s)", root, plan.path, plan.source)
-    return Activation(str(root), tuple(map(str, paths)), plan, str(tree))
+    LOGGER.info("running from the bundle %s (tritonserver tree %s)", root, tree)
+    return tree
 
 
 def fixture_cases(root: Path) -> list[Any]:

@@ -53,19 +53,19 @@ import tempfile
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tools.gpu_goals import DICE_GOAL
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-for _path in (REPO_ROOT / "src", REPO_ROOT):  # also where nnunet_triton is not installed (the GPU machine)
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-from tools.gpu_goals import DICE_GOAL  # noqa: E402
 
 LOGGER = logging.getLogger("gpu_check")
+UNPACKED_ENV = "NNUNET_TRITON_GPU_BUNDLE_UNPACKED"  # the temporary folder the bundle was unpacked into
+LIBPYTHON_ENV = "NNUNET_TRITON_GPU_BUNDLE_LIBPYTHON"  # the stub's libpython plan, for the report
 
 
 @dataclass
@@ -304,29 +304,47 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _activate_bundle(args: argparse.Namespace, stack: contextlib.ExitStack, env: dict[str, str]) -> Path:
-    from nnunet_triton.server.triton_install import HOME_ENV
+def _run_from_bundle(args: argparse.Namespace, argv: list[str]) -> None:
+    """Unpack the bundle and run this command again in a process started from it (its paths and libpython
+    in the environment: nothing of this process's import paths is changed); does not return."""
     from tools import gpu_bundle
 
     dest = Path(tempfile.mkdtemp(prefix="nnunet-gpu-bundle-", dir=args.unpack_dir))
-    if not args.keep_unpacked:
-        stack.callback(shutil.rmtree, dest, True)
     root = gpu_bundle.unpack(args.bundle, dest)
-    activation = gpu_bundle.activate(root, libpython=args.libpython)
+    activation = gpu_bundle.activation_env(root, libpython=args.libpython)
+    env = {**activation.env, UNPACKED_ENV: str(dest), LIBPYTHON_ENV: json.dumps(asdict(activation.libpython))}
+    os.execve(sys.executable, [sys.executable, "-m", "tools.gpu_check", *argv], env)
+
+
+def _bundle_in_use(args: argparse.Namespace, stack: contextlib.ExitStack, env: dict[str, str]) -> Path:
+    """The bundle this process was started from (by :func:`_run_from_bundle`), checked and noted."""
+    from nnunet_triton.server.triton_install import HOME_ENV
+    from tools import gpu_bundle
+
+    root = Path(os.environ[gpu_bundle.ACTIVE_ENV])
+    if not args.keep_unpacked:
+        stack.callback(shutil.rmtree, os.environ.get(UNPACKED_ENV, str(root)), True)
+    gpu_bundle.check_active(root)
     os.environ[HOME_ENV] = str(root / "triton-home")  # never a home prepared from another tritonserver
     manifest = json.loads((root / "MANIFEST.json").read_text())
+    libpython = json.loads(os.environ.get(LIBPYTHON_ENV, "{}"))
     env.update({"bundle": f"{args.bundle} ({args.bundle.stat().st_size / 2**20:.1f} MiB) unpacked in {root}",
                 "bundle inputs": manifest["inputs_digest"][:16],
-                "libpython for the stub": f"{activation.libpython.path} ({activation.libpython.source})"})
+                "libpython for the stub": f"{libpython.get('path')} ({libpython.get('source')})"})
     return root
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tools.gpu_bundle import ACTIVE_ENV
+
+    if args.bundle is not None and ACTIVE_ENV not in os.environ:
+        _run_from_bundle(args, argv)
     with contextlib.ExitStack() as stack:
         extra: dict[str, str] = {}
-        root = _activate_bundle(args, stack, extra) if args.bundle is not None else None
+        root = _bundle_in_use(args, stack, extra) if args.bundle is not None else None
         from tools.gpu_env import DeviceOnly, guard_simpleitk
 
         emulation = None

@@ -60,9 +60,9 @@ def test_build_writes_every_model_and_metadata_when_target_cpu(built) -> None:
         "stitch_model/1/inference_config.json", "stitch_model/1/model.py", "stitch_model/config.pbtxt",
     ]
     assert (out / "nnunet" / "1").is_dir()
-    for adapter, copied in (("repository/orchestrator/model.py", "orchestrator_model/1/model.py"),
-                            ("network_models/python_runner/model.py", "fold_0/1/model.py")):
-        assert (out / copied).read_bytes() == (REPO_ROOT / adapter).read_bytes()
+    for step, written in (("orchestrator", "orchestrator_model/1/model.py"),
+                          ("fold_runner", "fold_0/1/model.py")):
+        assert (out / written).read_text() == build_inputs.adapter_source(step)
     for config in out.glob("*/config.pbtxt"):
         message = text_format.Parse(config.read_text(), model_config_pb2.ModelConfig())
         assert message.name == config.parent.name
@@ -125,13 +125,14 @@ def test_build_leaves_previous_repository_untouched_when_export_fails(monkeypatc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "repo"]
 
 
-def test_build_raises_naming_missing_adapter_when_model_py_is_absent(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Path) -> None:
-    monkeypatch.setitem(build_inputs.ADAPTERS, "stitch_model", Path("stitch_model/no_such_model.py"))
-    expected = r"adapters are missing .*'stitch_model': 'stitch_model/no_such_model\.py'"
-    with pytest.raises(PlansError, match=expected):
-        build.build_repository(MODEL_DIR, tmp_path / "repo", folds=(0,))
-    assert not (tmp_path / "repo").exists()
+def test_the_input_hash_covers_every_module_the_builder_runs_and_the_adapters() -> None:
+    """Computed, not listed: prediction_export decides the SEGMENTATION dtype of the generated config."""
+    modules = build_inputs.generating_code()
+    assert {"nnunet_triton.builder.repository", "nnunet_triton.numerics.prediction_export",
+            "nnunet_triton.parameters", "nnunet_triton"} <= set(modules)
+    assert not any(name.startswith(("nnunet_triton.serving", "nnunet_triton.client", "nnunet_triton.cli"))
+                   for name in modules)  # what a build writes does not depend on them
+    assert all(path.is_file() for path in modules.values())
 
 
 def test_build_refuses_to_replace_a_directory_it_did_not_build(tmp_path: Path) -> None:

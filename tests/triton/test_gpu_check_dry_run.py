@@ -154,7 +154,7 @@ import json, sys
 from pathlib import Path
 from tools import gpu_bundle, gpu_env, gpu_timings
 root, models = Path(sys.argv[1]), Path(sys.argv[2])
-gpu_bundle.activate(root)
+gpu_bundle.check_active(root)
 allowed = {*gpu_bundle.DEVICE_PACKAGES, *gpu_bundle.DEVICE_PURE, *gpu_bundle.DEVICE_COMPILED, "nnunet-triton"}
 emulation = gpu_env.DeviceOnly(allowed).install()
 gpu_env.guard_simpleitk(force=True)
@@ -171,8 +171,9 @@ def test_the_realistic_model_is_made_from_the_bundle_as_on_the_device_and_its_vo
     GPU machine's packages and the bundle's), and the geometry of the goal's volume."""
     import torch
 
+    env = gpu_bundle.activation_env(unpacked).env  # the process runs from the bundle, as on the device
     proc = subprocess.run([sys.executable, "-c", REALISTIC, str(unpacked), str(tmp_path)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     model_dir = Path(result["model_dir"])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from deploy_support import REPO_ROOT, MiB, docker_spec, write_repository
+from test_steps import SOURCE_ADAPTERS
 
 from nnunet_triton.builder.build_inputs import ADAPTERS, COMBINE_ADAPTER, FOLD_RUNNER_ADAPTER
 from nnunet_triton.builder.model_specs import BuildOptions
@@ -65,8 +66,8 @@ def test_dockerfile_is_one_recipe_whose_serving_stage_checks_adapters_and_the_fi
     check = text[text.index("FROM runtime AS serving"):]
     assert "nnunet_triton.server.deploy.image_check" in check and "--fixture /fixture" in check
     adapters = re.findall(r"/context/(\S+/model\.py)", check)
-    every = (*ADAPTERS.values(), FOLD_RUNNER_ADAPTER, COMBINE_ADAPTER)  # every adapter the builder uses
-    assert sorted(adapters) == sorted(str(path) for path in every)
+    every = (*ADAPTERS.values(), FOLD_RUNNER_ADAPTER, COMBINE_ADAPTER)  # every step the builder writes
+    assert sorted(adapters) == sorted(SOURCE_ADAPTERS[step] for step in every)
     assert not re.search(r"^(ADD|CMD|ENTRYPOINT) ", text, flags=re.MULTILINE)  # keep NGC's entrypoint
 
 

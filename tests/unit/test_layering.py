@@ -119,3 +119,29 @@ def test_no_module_manipulates_sys_path():
                  if "sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text()]
     offenders = [o for o in offenders if not o.endswith("test_layering.py")]
     assert offenders == []
+
+
+TOP_LEVEL = PACKAGE.parents[1]
+# the source tree's Triton model files import their serving step only; its `python -m` entry points the CLI
+MODEL_FILES = sorted(p for folder in ("preprocess_model", "stitch_model", "network_models", "repository")
+                     for p in (TOP_LEVEL / folder).rglob("model.py"))
+ENTRY_FILES = [TOP_LEVEL / "repository" / "build.py", TOP_LEVEL / "network_models" / "export.py"]
+
+
+def test_the_top_level_folders_hold_the_six_model_files_and_two_entry_points():
+    assert [str(p.relative_to(TOP_LEVEL)) for p in MODEL_FILES] == [
+        "network_models/python_runner/model.py", "preprocess_model/model.py",
+        "repository/ensemble_combine/model.py",
+        "repository/monolith/model.py", "repository/orchestrator/model.py", "stitch_model/model.py"]
+    assert all(p.is_file() for p in ENTRY_FILES)
+
+
+@pytest.mark.parametrize("path", MODEL_FILES, ids=lambda p: str(p.relative_to(TOP_LEVEL)))
+def test_a_model_file_imports_nothing_but_its_serving_step(path: Path):
+    (target,) = imports_of(path)
+    assert target.startswith("nnunet_triton.serving.steps.")
+
+
+@pytest.mark.parametrize("path", ENTRY_FILES, ids=lambda p: str(p.relative_to(TOP_LEVEL)))
+def test_an_entry_point_imports_nothing_but_the_cli(path: Path):
+    assert {layer_of(t) for t in imports_of(path)} == {"cli"}

@@ -23,6 +23,7 @@ from nnunet_triton.builder import (
     config_gen,
     model_specs,
 )
+from nnunet_triton.builder.build_inputs import adapter_source
 from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME, parse_fold, read_model_folder
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.parameters import FORCE_CPU_ONLY_INPUT_TENSORS, PARAM_TORCH_NUM_THREADS
@@ -32,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 __all__ = ["MONOLITH_MODEL", "ADAPTER", "monolith_spec", "build_monolith_repository", "main"]
 
 MONOLITH_MODEL = "nnunet_monolith"
-ADAPTER = REPO_ROOT / "repository" / "monolith" / "model.py"
+ADAPTER = "monolith"  # the serving step its model.py imports
 MODEL_DIR = "nnunet_model"
 
 
@@ -77,7 +78,7 @@ def build_monolith_repository(model_dir: Path, out: Path, *, folds: Sequence[int
     config_gen.write_config(spec, model_root)
     version = model_root / "1"
     version.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(ADAPTER, version / "model.py")
+    (version / "model.py").write_text(adapter_source(ADAPTER))
     config.save(version)
     for name in ("plans.json", "dataset.json"):
         _link_or_copy(model_dir / name, version / MODEL_DIR / name)

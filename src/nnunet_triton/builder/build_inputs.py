@@ -1,16 +1,20 @@
 """What a built repository depends on, and how a build lands: input hash, adapters, atomic replacement.
 
 ``compute_input_hash`` covers the plans, dataset.json, the checkpoints, the build options, the model.py
-adapters and the generating code, so a re-run with the same inputs is a no-op and any change rebuilds.
+adapters (generated from the package, :func:`adapter_source`), the package version and the source of every
+module the builder runs (its import closure, computed: :func:`generating_code`), so a re-run with the same
+inputs is a no-op and any change rebuilds.
 The build happens in a temporary sibling directory (``staging``) that replaces the output only when
 complete: a failure leaves the previous repository (or nothing) in place.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import shutil
@@ -34,56 +38,94 @@ from nnunet_triton.numerics.postprocessing import (
 
 __all__ = [
     "ADAPTERS",
+    "adapter_source",
+    "generating_code",
     "compute_input_hash",
 ]
 
 LOGGER = logging.getLogger(__name__)
 
 
-# The model.py adapters live in the source checkout (preprocess_model/, repository/, network_models/ ...):
-# src/nnunet_triton/builder/build_inputs.py -> the checkout root.
-REPO_ROOT = Path(__file__).resolve().parents[3]
-
-
 METADATA_FILE = io_names.REPOSITORY_METADATA_FILE
 
-
-# model name -> its model.py adapter, relative to the source tree root
+# model name -> the serving step its model.py imports (nnunet_triton.serving.steps.<step>)
 ADAPTERS = {
-    io_names.PREPROCESS_MODEL: Path("preprocess_model/model.py"),
-    io_names.ORCHESTRATOR_MODEL: Path("repository/orchestrator/model.py"),
-    io_names.STITCH_MODEL: Path("stitch_model/model.py"),
+    io_names.PREPROCESS_MODEL: "preprocess",
+    io_names.ORCHESTRATOR_MODEL: "orchestrator",
+    io_names.STITCH_MODEL: "stitch",
 }
+FOLD_RUNNER_ADAPTER = "fold_runner"
+COMBINE_ADAPTER = "combine"
+# what each model does, for its model.py's docstring
+_WHAT = {
+    "preprocess": ("preprocess_model", "IMAGE + SPACING -> PREPROCESSED + CASE_PROPERTIES"),
+    "orchestrator": ("orchestrator_model", "PREPROCESSED -> LOGITS, tiles fanned out to the folds by BLS"),
+    "fold_runner": ("fold_<k>", "INPUT__0 -> OUTPUT__0, one fold's TorchScript network (Python backend)"),
+    "stitch": ("stitch_model", "LOGITS + CASE_PROPERTIES -> SEGMENTATION (+ PROBABILITIES)"),
+    "combine": ("combine_model", "the members' PROBABILITIES -> SEGMENTATION (ensemble of configurations)"),
+    "monolith": ("nnunet_monolith", "nnUNetPredictor whole, the benchmarks' one-model baseline"),
+}
+# the modules whose code decides what a build writes: their import closure is hashed into input_hash
+_BUILDER_ENTRIES = ("nnunet_triton.builder.repository", "nnunet_triton.builder.build_inputs")
 
 
-FOLD_RUNNER_ADAPTER = Path("network_models/python_runner/model.py")
+def adapter_source(step: str) -> str:
+    """The ``model.py`` a repository holds for ``step``: a few lines importing the step's
+    ``TritonPythonModel`` from the installed package (``nnunet_triton.serving.steps.<step>``).
+
+    Raises:
+        KeyError: ``step`` is not a serving step.
+    """
+    model, what = _WHAT[step]
+    return (f'"""Triton model ``{model}``: {what}.\n\n'
+            f"The step lives in the installed package: :mod:`nnunet_triton.serving.steps.{step}`.\n"
+            '"""\n\n'
+            f"from nnunet_triton.serving.steps.{step} import TritonPythonModel  # noqa: F401\n")
 
 
-COMBINE_ADAPTER = Path("repository/ensemble_combine/model.py")
-
-
-# code whose change changes the built repository (hashed into input_hash)
-GENERATING_CODE = (
-    *sorted(p.relative_to(REPO_ROOT) for p in (REPO_ROOT / "src/nnunet_triton/builder").glob("*.py")),
-    Path("src/nnunet_triton/numerics/plans.py"),
-    Path("src/nnunet_triton/numerics/model_folder.py"),
-    Path("src/nnunet_triton/numerics/postprocessing.py"),
-    Path("src/nnunet_triton/io_names.py"),
-    Path("src/nnunet_triton/parameters.py"),
-    Path("src/nnunet_triton/dtypes.py"),
-)
-
-
-def adapters_needed(options: BuildOptions, folds_only: bool) -> dict[str, Path]:
+def adapters_needed(options: BuildOptions, folds_only: bool) -> dict[str, str]:
+    """Model name (or ``"fold runner"``) -> the step its model.py imports."""
     adapters = {} if folds_only else dict(ADAPTERS)
     if options.runner is FoldRunner.PYTHON:
         adapters["fold runner"] = FOLD_RUNNER_ADAPTER
-    missing = {name: str(path) for name, path in adapters.items() if not (REPO_ROOT / path).is_file()}
-    if missing:
-        raise PlansError(
-            f"cannot build the repository: model.py adapters are missing from the source tree: {missing}."
-        )
-    return {name: REPO_ROOT / path for name, path in adapters.items()}
+    return adapters
+
+
+def _imported(module: str) -> tuple[Path | None, set[str]]:
+    """``module``'s file and the ``nnunet_triton`` modules it imports (lazy imports included)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None, set()
+    path = Path(spec.origin)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("nnunet_triton")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(
+                "nnunet_triton"):
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # a submodule, or a name (skipped below)
+    return path, found
+
+
+def generating_code() -> dict[str, Path]:
+    """Every ``nnunet_triton`` module the builder runs (its import closure, lazy imports included)."""
+    seen: dict[str, Path] = {}
+    todo = list(_BUILDER_ENTRIES)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        try:
+            path, imports = _imported(module)
+        except ModuleNotFoundError:  # ``from package import name``: a name, not a module
+            continue
+        if path is None:
+            continue
+        seen[module] = path
+        parents = {".".join(module.split(".")[:i]) for i in range(2, module.count(".") + 1)}
+        todo += sorted((imports | parents) - set(seen))
+    return dict(sorted(seen.items()))
 
 
 def compute_input_hash(model_dir: Path, config: InferenceConfig, options: BuildOptions, *, folds_only: bool,
@@ -107,10 +149,10 @@ def compute_input_hash(model_dir: Path, config: InferenceConfig, options: BuildO
         add(name, sha256_file(model_dir / name))
     for fold in config.folds:
         add(f"fold_{fold}", sha256_file(model_dir / f"fold_{fold}" / checkpoint_name))
-    for name, path in sorted(adapters_needed(options, folds_only).items()):
-        add(f"adapter:{name}", sha256_file(path))
-    for path in GENERATING_CODE:
-        add(f"code:{path}", sha256_file(REPO_ROOT / path))
+    for name, step in sorted(adapters_needed(options, folds_only).items()):
+        add(f"adapter:{name}", adapter_source(step))
+    for module, path in generating_code().items():
+        add(f"code:{module}", sha256_file(path))
     return digest.hexdigest()
 
 

@@ -30,7 +30,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -44,7 +43,7 @@ from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.build_inputs import (
     COMBINE_ADAPTER,
     METADATA_FILE,
-    REPO_ROOT,
+    adapter_source,
     adapters_needed,
     compute_input_hash,
     sha256_file,
@@ -85,10 +84,10 @@ class BuildResult:
     seconds: float
 
 
-def _write_python_model(model_dir: Path, adapter: Path, config: InferenceConfig) -> None:
+def _write_python_model(model_dir: Path, step: str, config: InferenceConfig) -> None:
     version = model_dir / VERSION_DIR
     version.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(adapter, version / "model.py")
+    (version / "model.py").write_text(adapter_source(step))
     config.save(version)
 
 
@@ -98,7 +97,7 @@ def _export_options(options: BuildOptions, export_device: str | None) -> export.
 
 
 def _export_fold_models(tmp: Path, model_dir: Path, config: InferenceConfig, options: BuildOptions,
-                        export_options: export.ExportOptions, adapters: dict[str, Path], *,
+                        export_options: export.ExportOptions, adapters: dict[str, str], *,
                         prefix: str = "") -> list[dict[str, Any]]:
     """Export every fold to ``<prefix>fold_<k>/1/model.pt`` (+ the Python runner's model.py)."""
     exports = []
@@ -331,7 +330,7 @@ def build_ensemble_repository(
         member_hash = compute_input_hash(model_dir, config, options, folds_only=False,
                                          export_options=export_options)
         digest.update(f"member{index}={member_hash}\n".encode())
-    digest.update(f"combine={sha256_file(REPO_ROOT / COMBINE_ADAPTER)}\n".encode())
+    digest.update(f"combine={adapter_source(COMBINE_ADAPTER)}\n".encode())
     digest.update(f"postprocessing={pp_plan.to_json() if pp_plan else 'none'}\n".encode())
     input_hash = digest.hexdigest()
     if up_to_date(out, input_hash, force):
@@ -344,7 +343,7 @@ def build_ensemble_repository(
             members.append(_metadata(model_dir, config, options, "", exports, folds_only=False, seconds=0.0))
         combine = composite_specs.combine_spec(configs, options)
         config_gen.write_config(combine, tmp / combine.name)
-        _write_python_model(tmp / combine.name, REPO_ROOT / COMBINE_ADAPTER, configs[0])
+        _write_python_model(tmp / combine.name, COMBINE_ADAPTER, configs[0])
         if pp_plan is not None:
             (tmp / combine.name / VERSION_DIR / POSTPROCESSING_FILE).write_text(pp_plan.to_json())
         endpoint = composite_specs.configuration_ensemble_spec(configs)
