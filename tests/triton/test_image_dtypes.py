@@ -53,13 +53,41 @@ def test_int16_case_through_its_endpoint_equals_nnunet(server):
     np.testing.assert_array_equal(result.segmentation, reference(SYNTHCT, case.name, True).segmentation)
 
 
+def _executions(url: str) -> dict[str, int]:
+    """Requests each endpoint (``nnunet``, ``nnunet_int16``, ...) has answered, from Triton's statistics."""
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(url)
+    try:
+        stats = client.get_inference_statistics()["model_stats"]
+    finally:
+        client.close()
+    typed = (io_names.typed_endpoint(d) for d in io_names.IMAGE_DTYPES if d != "FP32")
+    endpoints = {io_names.ENDPOINT_MODEL, *typed}
+    return {s["name"]: int(s["inference_stats"]["success"]["count"]) for s in stats if s["name"] in endpoints}
+
+
+def _routed(url: str, send) -> dict[str, int]:
+    """Which endpoints answered the requests ``send()`` made (their success counts' increase)."""
+    before = _executions(url)
+    send()
+    after = _executions(url)
+    return {name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)}
+
+
 def test_native_dtype_off_sends_float32_to_the_fp32_endpoint(server):
     case = probe_case(SYNTHCT)
     with NnunetClient(server.http_url, native_dtype=False) as client:
-        result = client.segment(case.image.astype(np.int16), case.spacing, mirroring=False)
+        answers = {}
+        route = _routed(server.http_url, lambda: answers.setdefault(
+            "result", client.segment(case.image.astype(np.int16), case.spacing, mirroring=False)))
+    assert route == {io_names.ENDPOINT_MODEL: 1}
     with NnunetClient(server.http_url) as client:
+        native = _routed(server.http_url, lambda: client.segment(case.image.astype(np.int16), case.spacing,
+                                                                  mirroring=False))
         expected = client.segment(case.image, case.spacing, mirroring=False)
-    np.testing.assert_array_equal(result.segmentation, expected.segmentation)
+    assert native == {io_names.typed_endpoint("INT16"): 1}  # the default route, for contrast
+    np.testing.assert_array_equal(answers["result"].segmentation, expected.segmentation)
 
 
 def _preprocess_request(url: str, inputs: dict[str, np.ndarray]) -> None:
@@ -93,8 +121,11 @@ def test_preprocess_refuses_a_request_without_exactly_one_image(server, images):
 
 def test_an_unknown_typed_endpoint_falls_back_to_fp32(server):
     case = probe_case(SYNTHCT)
+    answers = {}
     with NnunetClient(server.http_url) as client:
         client._typed_ready[io_names.typed_endpoint("INT16")] = False  # as on an older repository
-        fallback = client.segment(case.image.astype(np.int16), case.spacing, mirroring=False)
+        route = _routed(server.http_url, lambda: answers.setdefault(
+            "fallback", client.segment(case.image.astype(np.int16), case.spacing, mirroring=False)))
         direct = client.segment(case.image, case.spacing, mirroring=False)
-    np.testing.assert_array_equal(fallback.segmentation, direct.segmentation)
+    assert route == {io_names.ENDPOINT_MODEL: 1}
+    np.testing.assert_array_equal(answers["fallback"].segmentation, direct.segmentation)
