@@ -130,9 +130,20 @@ def test_the_simpleitk_guard_lets_imports_succeed_and_every_use_fail(monkeypatch
         SimpleITK.ReadImage("x.nii.gz")
 
 
-def test_the_device_emulation_refuses_a_distribution_the_gpu_machine_lacks(monkeypatch):
-    _forget(monkeypatch, "yaml")
+@pytest.fixture
+def import_cache_restored(monkeypatch):
+    """The emulation drops every module of a refused distribution from the import cache (pytest's own,
+    protobuf's, torch's ...); put the whole cache back, or later tests re-import C extensions."""
+    saved = dict(sys.modules)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    yield
+    sys.modules.clear()
+    sys.modules.update(saved)
+
+
+def test_the_device_emulation_refuses_a_distribution_the_gpu_machine_lacks(import_cache_restored):
     emulation = gpu_env.DeviceOnly({"numpy"}).install()
+    assert "yaml" not in sys.modules
     with pytest.raises(ModuleNotFoundError, match="emulating the GPU machine"):
         import yaml  # noqa: F401 - PyYAML is installed here, and not allowed in this emulation
     import numpy  # noqa: F401 - allowed

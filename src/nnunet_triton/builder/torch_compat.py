@@ -84,7 +84,7 @@ def check_export_torch(export_torch: str, serving_torch: str | None, *, runner: 
         f"nvcr.io/nvidia/tritonserver:{DEFAULT_TRITON_RELEASE}-py3 is {DEFAULT_LIBTORCH}) but this "
         f"environment exports with torch {export_torch}, which is newer: a TorchScript file from a "
         "newer torch may not load in an older one. Export with a matching torch: `make deploy "
-        "TARGET=docker` (or `python tools/deploy.py --target docker --execute`) builds the repository "
+        "TARGET=docker` (or `nnunet-triton deploy --target docker --execute`) builds the repository "
         f"in a container with torch {DEFAULT_LIBTORCH}.x; or pass --serving-torch X.Y if the server's "
         "libtorch is X.Y."
     )

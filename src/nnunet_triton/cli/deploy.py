@@ -33,7 +33,7 @@ from typing import Any
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server import deploy
 from nnunet_triton.server.deploy import docker, k8s
-from nnunet_triton.server.deploy import engine as container_images
+from nnunet_triton.server.deploy import engine as container_engine
 from nnunet_triton.server.deploy.repository_info import METADATA_FILE
 
 LOGGER = logging.getLogger(__name__)
@@ -187,9 +187,9 @@ def _variant(args: argparse.Namespace) -> str:
 
 def _engine(args: argparse.Namespace) -> tuple[str, bool]:
     """The engine to name in the commands, and whether to run them (an engine works, no --dry-run)."""
-    if shutil.which("podman") and not container_images.engine_works("docker"):
-        container_images.ensure_podman()  # this host's containers.conf drop-in, when it needs one
-    found = container_images.find_engine(args.engine)
+    if shutil.which("podman") and not container_engine.engine_works("docker"):
+        container_engine.ensure_podman()  # this host's containers.conf drop-in, when it needs one
+    found = container_engine.find_engine(args.engine)
     if args.execute and found is None:
         raise NnunetTritonError(f"--execute needs a working container engine ({args.engine}); none answers "
                                 "here (docker: is the daemon running? podman: `podman info`).")
@@ -211,17 +211,17 @@ def _deploy_docker(args: argparse.Namespace) -> int:
 def _cpu_image(args: argparse.Namespace, engine: str, info: deploy.RepositoryInfo) -> docker.DeploySpec:
     """The cpu image (and its export stage) built, or printed: the base image and wheels made here first."""
     if args.base_image is None and engine == "podman":
-        args.base_image = container_images.LOCAL_BASE_IMAGE
+        args.base_image = container_engine.LOCAL_BASE_IMAGE
     spec = _docker_spec(args, info, variant="cpu", engine=engine)
     wheels = None
     if args.execute:
-        if spec.base_image == container_images.LOCAL_BASE_IMAGE:
-            took = container_images.ensure_base_image(engine)
+        if spec.base_image == container_engine.LOCAL_BASE_IMAGE:
+            took = container_engine.ensure_base_image(engine)
             if took:
                 print(f"made the base image {spec.base_image} (debootstrap + import) in {took:.0f} s")
-        wheels = str(container_images.fill_wheels())
+        wheels = str(container_engine.fill_wheels())
     print(f"build the cpu image {spec.image_tag} and its export stage (base {spec.base_image}):")
-    source = container_images.source_root()
+    source = container_engine.source_root()
     builds = [docker.docker_build_command(spec, context=str(source), target=target, wheels=wheels,
                                           dockerfile=str(source / "docker" / "Dockerfile"))
               for target in ("export", None)]
@@ -246,7 +246,7 @@ def _build_cpu_repository(args: argparse.Namespace, engine: str) -> docker.Deplo
                                   export_device=None)
     if args.execute:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-    _run([docker.cpu_export_command(spec, source_root=str(container_images.source_root()),
+    _run([docker.cpu_export_command(spec, source_root=str(container_engine.source_root()),
                                     model_dir=str(args.model.absolute()),
                                     out_dir=str(args.out.absolute()), builder_args=builder, uid=os.getuid(),
                                     gid=os.getgid())], args.execute, tool=engine)
@@ -287,7 +287,7 @@ def _deploy_docker_gpu(args: argparse.Namespace, engine: str) -> int:
               f"libtorch of Triton {args.triton_release} or has no CUDA for the fp16 export):")
         builder = docker.builder_args(options, folds=args.folds, configuration=args.configuration)
         _run([docker.export_container_command(
-            source_root=str(container_images.source_root()), model_dir=str(args.model.absolute()),
+            source_root=str(container_engine.source_root()), model_dir=str(args.model.absolute()),
             out_dir=str(args.out.absolute()), builder_args=builder, gpu=args.gpus[0], uid=os.getuid(),
             gid=os.getgid(), engine=engine)], args.execute, tool=engine)
     # the repository as built now (locally or by the executed export step), else as it will be built
@@ -295,7 +295,7 @@ def _deploy_docker_gpu(args: argparse.Namespace, engine: str) -> int:
     spec = _docker_spec(args, deploy.RepositoryInfo.from_repository(args.out) if built
                         else deploy.RepositoryInfo.planned(config, options), engine=engine)
     print("2. build the serving image:")
-    _run([docker.docker_build_command(spec, context=str(container_images.source_root()))], args.execute,
+    _run([docker.docker_build_command(spec, context=str(container_engine.source_root()))], args.execute,
          tool=engine)
     print("3.", end=" ")
     return _start_container(args, spec)
@@ -328,7 +328,7 @@ def _wait_http_ready(http: str, timeout_s: float, spec: docker.DeploySpec) -> No
 
 def _kube_play(args: argparse.Namespace) -> int:
     """The cpu Deployment run here by ``podman kube play``: repository, images, models image, manifests."""
-    problem = container_images.ensure_podman()
+    problem = container_engine.ensure_podman()
     if problem:
         raise NnunetTritonError(f"--kube-play needs podman: {problem}")
     args.execute, manifests_dir = True, args.out
@@ -397,7 +397,7 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
     print(f"wrote {', '.join(files)} to {args.out}")
     if source.kind == "image":
         print("model repository image (push both images where the cluster pulls from):")
-        recipe = container_images.source_root() / "docker" / "Dockerfile.models"
+        recipe = container_engine.source_root() / "docker" / "Dockerfile.models"
         print(f"  docker build --file {recipe} --tag {source.ref} {repo}")
     print("apply (prometheus-adapter needs prometheus-adapter-values.yaml for the HPA metric):")
     _run([("kubectl", "apply", "--kustomize", str(args.out))], args.execute, tool="kubectl")
@@ -412,7 +412,7 @@ def _undeploy(args: argparse.Namespace) -> int:
         (resolve_home(None) / "run" / DEPLOYED_FILE).unlink(missing_ok=True)
         return embedded_cli.main(["stop"])
     if args.target == "docker":
-        engine = container_images.find_engine(args.engine)
+        engine = container_engine.find_engine(args.engine)
         execute = args.execute or (engine is not None and not args.dry_run)
         _run(list(docker.docker_stop_commands(args.container_name, engine=engine or "docker")), execute,
              tool=engine or "docker")
@@ -469,7 +469,7 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
                      help="the image: gpu (NGC base) or cpu (Debian base); auto: gpu where a GPU is visible")
     gpu.add_argument("--base-image", default=None,
                      help="the Dockerfile's BASE_IMAGE (cpu default with podman: the local debootstrapped "
-                          f"{container_images.LOCAL_BASE_IMAGE}, made when missing)")
+                          f"{container_engine.LOCAL_BASE_IMAGE}, made when missing)")
     gpu.add_argument("--triton-release", default=docker.DEFAULT_TRITON_RELEASE)
     gpu.add_argument("--image-torch-version", default=None, help="libtorch X.Y of a release not known here")
     gpu.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")

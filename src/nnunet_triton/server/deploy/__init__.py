@@ -8,7 +8,8 @@ Pure functions of typed frozen specs; nothing here needs Docker or a cluster.
 * :mod:`.docker` -- tritonserver flags, Dockerfile build args, ``docker build``/``docker run`` lines.
 * :mod:`.k8s` -- Deployment, Service, HPA, ServiceMonitor (a kustomize base) as dicts and YAML.
 
-``tools/deploy.py`` is the command line (``make deploy`` / ``make undeploy``); docs/deploy.md the guide.
+``nnunet-triton deploy`` / ``undeploy`` (``cli.deploy``; ``make deploy`` / ``make undeploy``) is the
+command line; docs/deploy.md the guide.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ VARIANTS = ("gpu", "cpu")
 # torch in each image's Python (requirements/image-<variant>.txt; a unit test keeps them equal)
 IMAGE_TORCH = {"gpu": "2.5.1", "cpu": "2.13.0+cpu"}
 DEFAULT_RUNNER_TORCH = IMAGE_TORCH["gpu"]
-# any Debian bookworm (here: the debootstrapped localhost/debian:bookworm of tools/container_images.py)
+# any Debian bookworm (here: the debootstrapped localhost/debian:bookworm of server.deploy.engine)
 CPU_BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
 # a killed or crashed server is restarted (up to 5 times: docker and podman never reset the count); a
 # repository the entry point refuses exits with EXIT_BAD_REPOSITORY each time and then stays down

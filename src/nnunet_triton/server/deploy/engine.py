@@ -128,7 +128,7 @@ def engine_config() -> str | None:
                   f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]']
     if _hybrid_cgroups() and shutil.which("runc"):
         lines += ["[engine]", "# crun fails on this hybrid cgroup layout", 'runtime = "runc"']
-    return "\n".join(["# written by nnunet-triton tools/container_images.py", *lines, ""]) if lines else None
+    return "\n".join(["# written by nnunet-triton (server.deploy.engine)", *lines, ""]) if lines else None
 
 
 def ensure_podman() -> str | None:
@@ -227,7 +227,7 @@ def fill_wheels(directory: Path | None = None) -> Path:
 
 
 def main() -> int:
-    """``python tools/container_images.py``: prepare podman, the base image and the wheels; print them."""
+    """``python -m nnunet_triton.server.deploy.engine``: podman, the base image and the wheels made."""
     problem = ensure_podman()
     if problem:
         sys.stderr.write(f"{problem}\n")

@@ -201,7 +201,7 @@ def check_torch_compatible(info: RepositoryInfo, runtime_torch: str, runtime: st
         raise DeployError(
             f"{what} was exported with torch {version}, newer than torch {limit[0]}.{limit[1]} ({runtime}); "
             "a TorchScript file from a newer torch may fail to load in an older one. Re-export with torch "
-            f"{limit[0]}.{limit[1]}.x: `python tools/deploy.py --target docker ...` prints (with --execute "
+            f"{limit[0]}.{limit[1]}.x: `nnunet-triton deploy --target docker ...` prints (with --execute "
             "runs) a container step that builds the repository with that torch (see docs/deploy.md, "
             "'Exporting with a matching torch')."
         )
