@@ -149,8 +149,9 @@ def test_an_instance_is_fsynced_and_its_folder_too_before_the_c_store_is_answere
     renamed = next(i for i, line in enumerate(lines) if re.search(r"rename", line) and final in line)
     answered = next(i for i, line in enumerate(lines[renamed:], renamed)
                     if "sendto(" in line and "TCP" in line)
+    received = str(tmp_path / "spool" / "tmp" / "rx-")  # the spool's receive file, before its rename
     synced_file = [i for i, line in enumerate(lines[:renamed]) if line.split()[1].startswith("fsync(")
-                   and "/tmp/rx-" in line]
+                   and received in line]
     synced_dirs = {re.search(r"fsync\(\d+<([^>]+)>", line)[1] for line in lines[renamed:answered]
                    if "fsync(" in line}
     assert synced_file, "the instance's data were not fsynced before its rename"
