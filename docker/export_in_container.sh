@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a GPU model repository with a torch that matches the serving image's libtorch.
 #
-# Runs inside `python:3.11-slim` (started by the command `python tools/deploy.py --target docker` prints):
+# Runs inside `python:3.11-slim` (started by the command `nnunet-triton deploy --target docker` prints):
 #   /src    this source tree (read-only)        /models the results folder's parent (read-only: a cascade
 #                                                       stage needs its sibling previous-stage folder)
 #   /out    parent of the output repository     REPOSITORY_OUT  the repository path under /out

@@ -81,7 +81,7 @@ def test_killed_combine_model_is_reloaded_and_ensemble_answers_stay_correct_unde
 
 def test_validate_refuses_to_compare_an_ensemble_of_configurations_with_one_member(ensemble_server, tmp_path,
                                                                                    capsys):
-    from nnunet_triton.client import cli
+    from nnunet_triton import cli
 
     member = FIXTURES / MEMBERS[0]
     code = cli.main(["validate", "--url", ensemble_server.http_url, "--model", str(member),

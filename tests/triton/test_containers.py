@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from pipeline_support import REPO_ROOT, SYNTHCT, cases, probe_case, reference
+from pipeline_support import REPO_ROOT, SYNTHCT, cases, model_dir, probe_case, reference
 from recovery_support import RECOVERY_LIMIT_S, REQUEST_TIMEOUT_S, paused, wait_until
 
 from nnunet_triton.cli import deploy as deploy_tool
@@ -115,7 +115,8 @@ def _deploy(argv: list[str], what: str) -> float:
 @pytest.fixture(scope="module")
 def cpu_container(engine, tmp_path_factory):
     ports = _free_ports(3)
-    argv = ["--target", "docker", "--variant", "cpu", "--engine", engine, "--container-name", CONTAINER,
+    argv = ["--target", "docker", "--model", str(model_dir(SYNTHCT)), "--variant", "cpu", "--engine", engine,
+            "--container-name", CONTAINER,
             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
             "--max-volume", "64", "128", "128", "--execute"]
     took = _deploy(argv, "make deploy TARGET=docker (cpu image, podman)")
@@ -212,7 +213,8 @@ def test_kube_play_runs_the_deployment_with_truthful_probes_a_healed_kill_and_a_
         engine, cpu_container, tmp_path, record_property):
     ports = _free_ports(3)
     out = tmp_path / "k8s"
-    argv = ["--target", "k8s", "--kube-play", "--out", str(out), "--container-name", POD,
+    argv = ["--target", "k8s", "--model", str(model_dir(SYNTHCT)), "--kube-play", "--out", str(out),
+            "--container-name", POD,
             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
             "--max-volume", "64", "128", "128"]
     try:
