@@ -66,3 +66,21 @@ def test_health_probe_and_watchdog_import_only_the_standard_library():
     result = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120,
                             env=env, check=True)
     assert set(json.loads(result.stdout)) - {"__main__"} == {"nnunet_triton"}
+
+
+def test_the_builder_command_runs_without_the_dicom_packages_the_serving_image_lacks():
+    # the image's export stage runs `python -m repository.build` with the serving image's packages only
+    code = ("import sys, importlib.abc\n"
+            "class Refuse(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('pydicom', 'highdicom', 'pynetdicom', 'dicomweb_client'):\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Refuse())\n"
+            "import repository.build, nnunet_triton.cli.build, nnunet_triton.cli.serve\n"
+            "import nnunet_triton.cli.export, nnunet_triton.cli.deploy\n"
+            "print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(SRC.parent)])}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=env, check=False, cwd=SRC.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "ok"

@@ -9,25 +9,27 @@
     nnunet-triton listen   --spool DIR --destination ... / requeue / node-status         (cli.listen)
 
 Each module mounts its subcommands with ``add_parsers(sub)`` and sets ``run`` (``args -> exit code``);
-the library (``client``, ``validate``, ``builder``, ``server``) imports nothing from here. Errors of the
+they are imported when the parser is made, not with this package, so ``python -m repository.build`` (which
+imports :mod:`.build`) runs where the DICOM packages are not installed (the serving image's export stage).
+The library (``client``, ``validate``, ``builder``, ``server``) imports nothing from here. Errors of the
 project end the command with exit code 2 and one line naming what was wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import signal
 from typing import Any
 
 from nnunet_triton import __version__
-from nnunet_triton.cli import build, deploy, export, listen, predict, serve, validate
 from nnunet_triton.cli.common import say
 from nnunet_triton.errors import ClientError, NnunetTritonError
 
 __all__ = ["main", "parser"]
 
-_COMMANDS = (build, export, serve, deploy, predict, validate, listen)
+_COMMANDS = ("build", "export", "serve", "deploy", "predict", "validate", "listen")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,8 +39,8 @@ def parser() -> argparse.ArgumentParser:
                                                "validate, listen.")
     root.add_argument("--version", action="version", version=f"nnunet-triton {__version__}")
     sub = root.add_subparsers(dest="command", required=True)
-    for module in _COMMANDS:
-        module.add_parsers(sub)
+    for name in _COMMANDS:
+        importlib.import_module(f"{__name__}.{name}").add_parsers(sub)
     return root
 
 
