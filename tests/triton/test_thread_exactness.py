@@ -40,6 +40,7 @@ def _repository(root: Path, network: type) -> tuple[Path, tuple[int, ...], int]:
         write_config(python_fold_spec(config, k, BuildOptions()), model)
         save(network(config.labels.num_segmentation_heads), model / io_names.VERSION_DIR / "model.pt")
         shutil.copy(RUNNER, model / io_names.VERSION_DIR / "model.py")
+        config.save(model / io_names.VERSION_DIR)  # every step reads it, as the builder writes it
     return root, (config.num_input_channels, *config.patch_size), config.labels.num_segmentation_heads
 
 
