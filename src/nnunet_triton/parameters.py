@@ -184,7 +184,7 @@ class StitchParameters(PipelineParameters):
 
 @dataclass(frozen=True)
 class FoldRunnerParameters:
-    """``fold_<k>`` on the Python runner (``network_models/python_runner/model.py``).
+    """``fold_<k>`` on the Python runner (``serving.steps.fold_runner``).
 
     Attributes:
         torch_num_threads: ``torch.set_num_threads``; 0 keeps torch's default.

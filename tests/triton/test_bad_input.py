@@ -170,7 +170,7 @@ def _bad_requests() -> dict[str, BadRequest]:
             r"spacing entries must be finite and > 0, "
             rf"got \({z}, inf, {x}\)",
         ),
-        # --- rejected by the request-option parser (orchestration.parse_request_options)
+        # --- rejected by the request-option parser (options.RequestOptions.from_parameters)
         "tile_step_size_zero": BadRequest(
             image,
             spacing,

@@ -106,7 +106,7 @@ class BuildOptions:
         max_voxels: preprocess_model's ``max_voxels`` parameter: the most voxels an IMAGE, and the
             volume it resamples to, may have (``nnunet_triton.numerics.limits``); 0 = no limit.
         max_request_bytes: preprocess_model's ``max_request_bytes`` parameter: the most bytes a request's
-            float32 logits or probabilities may take (``validation.check_request_memory``); 0 = none.
+            float32 logits or probabilities may take (``numerics.limits.check_request_memory``); 0 = none.
         metrics: the Python pipeline models export the custom ``nnunet_*`` metrics (``serving.metrics``);
             False writes their ``metrics`` parameter as "false".
         serving_torch: major.minor of the torch that loads the fold models where they are served

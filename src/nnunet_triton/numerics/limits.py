@@ -8,7 +8,7 @@ other request down with it. The checks are pure functions on shapes so they run 
 
 Where they are called (see ``docs/reliability.md``):
 
-* ``preprocess_model/model.py``: ``check_voxel_limit("IMAGE", image.shape, limit)`` right after the
+* ``serving.steps.preprocess``: ``check_voxel_limit("IMAGE", image.shape, limit)`` right after the
   IMAGE input is read; ``preprocess_case(..., max_voxels=limit)`` checks
   ``("resampled image", (C, *new_shape))`` on the shape it is about to resample to (after cropping,
   before normalization and resampling).

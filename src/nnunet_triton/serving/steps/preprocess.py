@@ -15,7 +15,7 @@ Config parameter ``max_voxels`` (``nnunet_triton.numerics.limits``; 0 = no limit
 resampled volume (C x the shape nnU-Net resamples to) may hold at most that many voxels; larger requests
 get INVALID_ARG naming the tensor, its voxel count and the limit before preprocessing allocates anything.
 Config parameter ``max_request_bytes`` (0 = none): the request's float32 logits and probabilities may
-not exceed it (``validation.check_request_memory``), checked at the same point.
+not exceed it (``numerics.limits.check_request_memory``), checked at the same point.
 
 In a cascade stage (``previous_stage`` in the configuration) the previous stage's SEGMENTATION arrives as
 PREVIOUS_SEGMENTATION and :func:`nnunet_triton.numerics.preprocess.preprocess_case` appends its one-hot
