@@ -9,7 +9,6 @@ differ from a 1-thread forward. Two elementwise networks keep ``split``.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +19,10 @@ import tritonclient.http as httpclient
 from nnunet_triton import io_names
 from nnunet_triton.builder.config_gen import write_config
 from nnunet_triton.builder.model_specs import BuildOptions, python_fold_spec
+from nnunet_triton.builder.repository import _write_python_model
 from nnunet_triton.pipeline import threads
 from nnunet_triton.server.thread_budget import available_cpus
 from tests.unit.fake_networks import Elementwise, ThreadDependent, save
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RUNNER = REPO_ROOT / "network_models" / "python_runner" / "model.py"
 
 pytestmark = pytest.mark.skipif(available_cpus().cpus < 2, reason="on 1 CPU nnU-Net's count is 1 thread: "
                                                                   "there is no other budget to refuse")
@@ -38,9 +35,8 @@ def _repository(root: Path, network: type) -> tuple[Path, tuple[int, ...], int]:
     for k in range(2):
         model = root / io_names.fold_model_name(k)
         write_config(python_fold_spec(config, k, BuildOptions()), model)
+        _write_python_model(model, "fold_runner", config)  # model.py + inference_config.json, as built
         save(network(config.labels.num_segmentation_heads), model / io_names.VERSION_DIR / "model.pt")
-        shutil.copy(RUNNER, model / io_names.VERSION_DIR / "model.py")
-        config.save(model / io_names.VERSION_DIR)  # every step reads it, as the builder writes it
     return root, (config.num_input_channels, *config.patch_size), config.labels.num_segmentation_heads
 
 

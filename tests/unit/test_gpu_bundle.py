@@ -112,33 +112,24 @@ def test_an_unpinned_package_names_itself_and_the_lock(tmp_path):
         gpu_bundle.lock_versions(["numpy", "nnunetv2"], lock)
 
 
-def _forget(monkeypatch, top: str) -> None:
-    """Take ``top`` and its submodules out of the import cache for this test (put back afterwards)."""
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, top, None)  # restored (deleted again) when the test ends
-    del sys.modules[top]
-
-
-def test_the_simpleitk_guard_lets_imports_succeed_and_every_use_fail(monkeypatch):
-    _forget(monkeypatch, "SimpleITK")
-    assert gpu_env.guard_simpleitk(force=True).startswith("absent")
-    import SimpleITK  # noqa: F401 - what nnU-Net's modules do at import
-
-    with pytest.raises(ModuleNotFoundError, match=r"something used SimpleITK.ReadImage"):
-        SimpleITK.ReadImage("x.nii.gz")
-
-
 @pytest.fixture
 def import_cache_restored(monkeypatch):
     """The emulation drops every module of a refused distribution from the import cache (pytest's own,
-    protobuf's, torch's ...); put the whole cache back, or later tests re-import C extensions."""
+    protobuf's, torch's ...), the guard SimpleITK's: put the whole cache back, or later tests re-import
+    C extensions."""
     saved = dict(sys.modules)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     yield
     sys.modules.clear()
     sys.modules.update(saved)
+
+
+def test_the_simpleitk_guard_lets_imports_succeed_and_every_use_fail(import_cache_restored):
+    assert gpu_env.guard_simpleitk(force=True).startswith("absent")
+    import SimpleITK  # noqa: F401 - what nnU-Net's modules do at import
+
+    with pytest.raises(ModuleNotFoundError, match=r"something used SimpleITK.ReadImage"):
+        SimpleITK.ReadImage("x.nii.gz")
 
 
 def test_the_device_emulation_refuses_a_distribution_the_gpu_machine_lacks(import_cache_restored):
