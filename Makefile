@@ -30,6 +30,8 @@ MODEL_REPOSITORY ?= build/model_repository
 # An nnU-Net results folder (dataset.json, plans.json, fold_k/checkpoint_final.pth); default: the committed fixture.
 FIXTURE_MODEL := tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny
 MODEL ?=
+# deploy: endpoint names, one per MODEL folder (MODEL="A B" NAME="liver lung": two endpoints, one server)
+NAME ?=
 CONFIG ?=
 FOLDS ?=
 TARGET ?= embedded
@@ -53,7 +55,7 @@ SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
 .PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy container-engine demo pacs-demo validate perf \
-	perf-defaults soak gpu-check gpu-bundle
+	perf-defaults perf-two-models soak gpu-check gpu-bundle
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' \
@@ -126,6 +128,9 @@ perf: $(SETUP_STAMP) $(PERF_STAMP) ## perf_analyzer benchmark vs nnUNetPredictor
 perf-defaults: $(SETUP_STAMP) ## Default-launch benchmark: build time, first answer, latency/throughput vs nnUNetPredictor, folder CLI vs nnUNetv2_predict
 	$(PY) -m tools.perf.defaults $(PERF_ARGS)
 
+perf-two-models: $(SETUP_STAMP) $(PERF_STAMP) ## Two models (ct, multi) on one server: latency of each when both are loaded vs alone vs two servers on the same cores -> benchmarks/results, BENCHMARKS.md (~10 min; QUICK=1: ~3-4 min, no BENCHMARKS.md)
+	$(PY) -m tools.perf.two_models $(if $(QUICK),--quick) $(PERF_ARGS)
+
 gpu-check: ## On an NVIDIA GPU: parity, the endpoint vs nnUNetPredictor on cuda, timings and their goals -> build/gpu-check/ (from build/gpu-bundle/ when built: no SimpleITK needed)
 	PYTHONPATH="$(CURDIR)/src:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m tools.gpu_check \
 		$(if $(wildcard $(GPU_BUNDLE)),--bundle $(GPU_BUNDLE)) $(GPU_CHECK_ARGS)
@@ -149,8 +154,9 @@ fixtures: $(SETUP_STAMP) ## Regenerate the committed nnU-Net fixture models unde
 	$(PY) -m tools.make_variety_fixtures --out tests/fixtures
 	$(PY) -m tools.make_cascade_fixture --out tests/fixtures
 
-deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (TARGET=embedded|docker|k8s; docker: runs with docker or podman, cpu image without a GPU; DEPLOY_ARGS=--dry-run prints, --kube-play runs k8s here)
-	$(PY) -m nnunet_triton.cli deploy --model $(or $(MODEL),$(FIXTURE_MODEL)) --target $(TARGET) \
+deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (MODEL="A B" NAME="liver lung": one endpoint per folder, one server; TARGET=embedded|docker|k8s; docker: runs with docker or podman, cpu image without a GPU; DEPLOY_ARGS=--dry-run prints, --kube-play runs k8s here)
+	$(PY) -m nnunet_triton.cli deploy --model $(or $(MODEL),$(FIXTURE_MODEL)) $(if $(NAME),--name $(NAME)) \
+		--target $(TARGET) \
 		$(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS)) \
 		--host $(TRITON_HOST) --http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
 		--metrics-port $(TRITON_METRICS_PORT) $(DEPLOY_ARGS)

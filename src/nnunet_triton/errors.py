@@ -21,6 +21,7 @@ __all__ = [
     "ClientError",
     "DeployError",
     "PacsError",
+    "RepositoryError",
     "RequestCancelledError",
     "NOT_RUNNING_MESSAGES",
 ]
@@ -124,6 +125,13 @@ class DeployError(NnunetTritonError):
     """
 
     triton_code = "UNSUPPORTED"
+
+
+class RepositoryError(NnunetTritonError):
+    """A model repository cannot do what was asked: an unknown endpoint name or version, a registry that is
+    malformed or from an older nnunet-triton, removing the promoted version, a repository locked too long."""
+
+    triton_code = "NOT_FOUND"
 
 
 class RequestCancelledError(NnunetTritonError):

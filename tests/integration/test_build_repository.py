@@ -1,4 +1,5 @@
-"""repository/build.py: layout, metadata, no-op re-runs, rebuilds on change, nothing half-written."""
+"""repository/build.py: layout, registry, no-op re-runs, rebuilds on change, nothing half-written; endpoint
+names and versions side by side in one repository."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from nnunet_triton.builder import build_inputs
 from nnunet_triton.builder import repository as build
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.cli import build as repository_cli
-from nnunet_triton.errors import ExportError, PlansError, UnsupportedModelError
+from nnunet_triton.errors import ExportError, PlansError, RepositoryError, UnsupportedModelError
+from nnunet_triton.registry import read_registry, version_metadata
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get(
@@ -50,7 +52,9 @@ def test_build_writes_every_model_and_metadata_when_target_cpu(built) -> None:
     assert result.rebuilt
     assert _files(out) == [
         "fold_0/1/inference_config.json", "fold_0/1/model.pt", "fold_0/1/model.py", "fold_0/config.pbtxt",
-        "nnunet/config.pbtxt", "nnunet_fp16/config.pbtxt", "nnunet_int16/config.pbtxt",
+        "nnunet/config.pbtxt", "nnunet__v1/config.pbtxt", "nnunet__v1_fp16/config.pbtxt",
+        "nnunet__v1_int16/config.pbtxt", "nnunet__v1_uint16/config.pbtxt", "nnunet__v1_uint8/config.pbtxt",
+        "nnunet_fp16/config.pbtxt", "nnunet_int16/config.pbtxt",
         "nnunet_uint16/config.pbtxt", "nnunet_uint8/config.pbtxt",
         "orchestrator_model/1/inference_config.json", "orchestrator_model/1/model.py",
         "orchestrator_model/config.pbtxt",
@@ -59,7 +63,10 @@ def test_build_writes_every_model_and_metadata_when_target_cpu(built) -> None:
         "repository_metadata.json",
         "stitch_model/1/inference_config.json", "stitch_model/1/model.py", "stitch_model/config.pbtxt",
     ]
-    assert (out / "nnunet" / "1").is_dir()
+    assert (out / "nnunet" / "1").is_dir() and (out / "nnunet__v1" / "1").is_dir()
+    # the public endpoint is the pinned endpoint of the promoted version under its own name
+    assert (out / "nnunet" / "config.pbtxt").read_text() == (out / "nnunet__v1" / "config.pbtxt").read_text(
+        ).replace('name: "nnunet__v1"', 'name: "nnunet"')
     for step, written in (("orchestrator", "orchestrator_model/1/model.py"),
                           ("fold_runner", "fold_0/1/model.py")):
         assert (out / written).read_text() == build_inputs.adapter_source(step)
@@ -70,15 +77,19 @@ def test_build_writes_every_model_and_metadata_when_target_cpu(built) -> None:
 
 def test_build_metadata_records_versions_hashes_and_export_checks(built) -> None:
     out, result = built
-    metadata = json.loads((out / "repository_metadata.json").read_text())
+    registry = json.loads((out / "repository_metadata.json").read_text())
+    assert (registry["format"], list(registry["endpoints"])) == (2, ["nnunet"])
+    entry = registry["endpoints"]["nnunet"]
+    assert (entry["promoted"], entry["previous"]) == (1, None)
+    metadata = registry["endpoints"]["nnunet"]["versions"]["1"]
     assert metadata["input_hash"] == result.input_hash
     assert metadata["plans_sha256"] == build_inputs.sha256_file(MODEL_DIR / "plans.json")
     assert metadata["torch_version"] == torch.__version__
     assert (metadata["folds"], metadata["target"], metadata["fold_runner"], metadata["fold_precision"]) == (
         [0], "cpu", "python", "fp32")
     assert metadata["models"] == [
-        "fold_0", "nnunet", "nnunet_fp16", "nnunet_int16", "nnunet_uint16", "nnunet_uint8",
-        "orchestrator_model", "preprocess_model", "stitch_model"
+        "fold_0", "nnunet__v1", "nnunet__v1_fp16", "nnunet__v1_int16", "nnunet__v1_uint16",
+        "nnunet__v1_uint8", "orchestrator_model", "preprocess_model", "stitch_model"
     ]
     (fold,) = metadata["exports"]
     assert (fold["path"], fold["max_abs_diff"]) == ("fold_0/1/model.pt", [[2, 0.0], [1, 0.0], [3, 0.0]])
@@ -139,7 +150,7 @@ def test_build_refuses_to_replace_a_directory_it_did_not_build(tmp_path: Path) -
     out = tmp_path / "repo"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    with pytest.raises(PlansError, match="exists but has no repository_metadata.json"):
+    with pytest.raises(PlansError, match="exists but has no repository_metadata.json; refusing to replace"):
         build.build_repository(MODEL_DIR, out, folds=(0,), folds_only=True)
     assert _files(out) == ["precious.txt"]
 
@@ -177,7 +188,7 @@ def test_build_deploys_postprocessing_found_in_nnunets_crossval_folder_and_rebui
     deployed = json.loads((out / "stitch_model" / "1" / "postprocessing.json").read_text())
     assert deployed["steps"] == [{"function": "remove_all_but_largest_component_from_segmentation",
                                   "labels_or_regions": [1, 2], "background_label": 0}]
-    metadata = json.loads((out / build_inputs.METADATA_FILE).read_text())
+    metadata = version_metadata(out)
     assert metadata["postprocessing"]["steps"] == deployed["steps"]
     _write_pp_pkl(pkl, [{"labels_or_regions": 2}])
     second = build.build_repository(model, out, folds=(0,))
@@ -218,3 +229,111 @@ def test_input_hash_changes_with_max_voxels_and_build_writes_it_into_preprocess_
     preprocess = text_format.Parse((out / "preprocess_model" / "config.pbtxt").read_text(),
                                    model_config_pb2.ModelConfig())
     assert preprocess.parameters["max_voxels"].string_value == str(2**28)
+
+
+def _description(out: Path, model: str) -> dict:
+    config = text_format.Parse((out / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    return json.loads(config.parameters["nnunet_description"].string_value)
+
+
+def test_a_second_name_lands_beside_the_first_in_its_own_namespace_and_leaves_it_untouched(tmp_path) -> None:
+    out = tmp_path / "repo"
+    build.build_repository(MODEL_DIR, out, folds=(0,))
+    before = {str(p): p.read_bytes() for p in out.rglob("*")
+              if p.is_file() and p.name != "repository_metadata.json"}
+    liver = build.build_repository(MODEL_DIR, out, folds=(0,), endpoint=build.VersionChoice(name="liver"))
+    assert (liver.name, liver.version, liver.promoted, liver.rebuilt) == ("liver", 1, True, True)
+    assert {str(p): p.read_bytes() for p in out.rglob("*") if str(p) in before} == before
+    registry = read_registry(out)
+    assert sorted(registry.endpoints) == ["liver", "nnunet"]
+    assert registry.endpoint("liver").version(1).models == (
+        "liver__v1", "liver__v1__fold_0", "liver__v1__orchestrator_model", "liver__v1__preprocess_model",
+        "liver__v1__stitch_model", "liver__v1_fp16", "liver__v1_int16", "liver__v1_uint16", "liver__v1_uint8")
+    on_disk = {p.parent.name for p in out.glob("*/config.pbtxt")}
+    assert on_disk == set(registry.models())
+    orchestrator = (out / "liver__v1__orchestrator_model" / "config.pbtxt").read_text()
+    assert 'string_value: "liver__v1__fold_0"' in orchestrator  # the BLS callees are in the namespace
+    steps = text_format.Parse((out / "liver" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert [s.model_name for s in steps.ensemble_scheduling.step] == [
+        "liver__v1__preprocess_model", "liver__v1__orchestrator_model", "liver__v1__stitch_model"]
+    assert (_description(out, "liver")["endpoint"], _description(out, "liver")["version"]) == ("liver", 1)
+    assert version_metadata(out, "liver")["exports"][0]["path"] == "liver__v1__fold_0/1/model.pt"
+
+
+def test_a_new_version_keeps_the_promoted_one_until_promotion_and_equal_inputs_make_none(tmp_path) -> None:
+    model, out = _copy_model(tmp_path), tmp_path / "repo"
+    first = build.build_repository(model, out)
+    again = build.build_repository(model, out, endpoint=build.VersionChoice(new_version=True))
+    assert (again.rebuilt, again.version) == (False, 1)  # the same inputs are version 1 already
+    second = build.build_repository(model, out, postprocessing="none",
+                                    options=BuildOptions(tile_batch_size=2),
+                                    endpoint=build.VersionChoice(new_version=True))
+    assert (second.version, second.promoted, second.rebuilt) == (2, False, True)
+    assert "not promoted: call it as 'nnunet__v2'" in second.summary()
+    entry = read_registry(out).endpoint("nnunet")
+    assert (entry.promoted, sorted(entry.versions)) == (1, [1, 2])
+    assert _description(out, "nnunet")["version"] == 1 and _description(out, "nnunet__v2")["version"] == 2
+    assert "max_batch_size: 2" in (out / "nnunet__v2__fold_0" / "config.pbtxt").read_text()
+    assert "max_batch_size: 4" in (out / "fold_0" / "config.pbtxt").read_text()
+    third = build.build_repository(model, out, options=BuildOptions(tile_batch_size=3),
+                                   endpoint=build.VersionChoice(new_version=True, promote=True))
+    entry = read_registry(out).endpoint("nnunet")
+    assert (third.version, entry.promoted, entry.previous) == (3, 3, 1)
+    assert _description(out, "nnunet")["version"] == 3
+    assert first.input_hash == read_registry(out).endpoint("nnunet").version(1).input_hash
+
+
+def test_rebuilding_a_version_in_place_replaces_only_its_folders(tmp_path) -> None:
+    model, out = _copy_model(tmp_path), tmp_path / "repo"
+    build.build_repository(model, out, endpoint=build.VersionChoice(name="liver"))
+    build.build_repository(model, out, options=BuildOptions(tile_batch_size=2),
+                           endpoint=build.VersionChoice(name="liver", new_version=True))
+    v1 = {str(p): p.read_bytes() for p in out.glob("liver__v1*/**/*") if p.is_file()}
+    rebuilt = build.build_repository(model, out, options=BuildOptions(tile_batch_size=3),
+                                     endpoint=build.VersionChoice(name="liver", version=2))
+    assert (rebuilt.version, rebuilt.rebuilt) == (2, True)
+    assert {str(p): p.read_bytes() for p in out.glob("liver__v1*/**/*") if p.is_file()} == v1
+    assert "max_batch_size: 3" in (out / "liver__v2__fold_0" / "config.pbtxt").read_text()
+    assert {p.parent.name for p in out.glob("*/config.pbtxt")} == set(read_registry(out).models())
+
+
+def test_remove_deletes_a_version_or_a_name_and_refuses_the_promoted_version(tmp_path) -> None:
+    model, out = _copy_model(tmp_path), tmp_path / "repo"
+    build.build_repository(model, out)
+    build.build_repository(model, out, options=BuildOptions(tile_batch_size=2),
+                           endpoint=build.VersionChoice(new_version=True))
+    build.build_repository(model, out, endpoint=build.VersionChoice(name="liver"))
+    with pytest.raises(RepositoryError, match="version 1 of 'nnunet' is promoted"):
+        build.remove_endpoint(out, "nnunet", 1)
+    with pytest.raises(RepositoryError, match=r"has no version 7 \(versions: \[1, 2\], promoted: 1\)"):
+        build.remove_endpoint(out, "nnunet", 7)
+    removed = build.remove_endpoint(out, "nnunet", 2)
+    assert "nnunet__v2__fold_0" in removed and not (out / "nnunet__v2__fold_0").exists()
+    build.remove_endpoint(out, "liver")
+    assert sorted(read_registry(out).endpoints) == ["nnunet"]
+    assert {p.parent.name for p in out.glob("*/config.pbtxt")} == set(read_registry(out).models())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "repo"]
+
+
+def test_names_that_would_clash_with_other_models_are_refused_before_anything_is_built(tmp_path) -> None:
+    for bad, rule in (("liver_int16", "typed-endpoint suffix"), ("fold_3", "reserved"), ("a__b", "lowercase"),
+                      ("Liver", "lowercase")):
+        with pytest.raises(ValueError, match=rule):
+            build.VersionChoice(name=bad)
+    with pytest.raises(SystemExit) as exit_info:
+        repository_cli.main(["--model", str(MODEL_DIR), "--out", str(tmp_path / "r"), "--name", "x__v1"])
+    assert exit_info.value.code == 2 and not (tmp_path / "r").exists()
+
+
+def test_an_older_single_model_repository_is_rebuilt_as_the_default_name_and_kept_from_other_names(
+        tmp_path) -> None:
+    out = tmp_path / "repo"
+    out.mkdir()
+    (out / "repository_metadata.json").write_text(json.dumps({"input_hash": "ab" * 32, "models": ["nnunet"]}))
+    (out / "nnunet").mkdir()
+    with pytest.raises(PlansError, match="was built by an older nnunet-triton .* building 'liver' beside it"):
+        build.build_repository(MODEL_DIR, out, folds=(0,), folds_only=True,
+                               endpoint=build.VersionChoice(name="liver"))
+    assert sorted(p.name for p in out.iterdir()) == ["nnunet", "repository_metadata.json"]
+    build.build_repository(MODEL_DIR, out, folds=(0,), folds_only=True)  # the default name: as it always was
+    assert sorted(p.name for p in out.iterdir()) == ["fold_0", "repository_metadata.json"]

@@ -66,14 +66,14 @@ def test_cascade_endpoint_equals_nnunet_cascade_in_one_call(cascade_server, inde
 
 
 def test_cascade_repository_holds_both_stages_and_chains_them(cascade_server):
-    import json
+    from nnunet_triton.registry import version_metadata
 
-    metadata = json.loads((BUILD_ROOT / "cascade" / "repository_metadata.json").read_text())
+    metadata = version_metadata(BUILD_ROOT / "cascade")
     assert metadata["previous_stage"] == {"model_folder": "nnUNetTrainer__nnUNetPlans__3d_lowres_tiny",
                                           "configuration": "3d_lowres_tiny", "folds": ["all"]}
     expected = {"previous_stage_preprocess_model", "previous_stage_orchestrator_model",
                 "previous_stage_fold_all", "previous_stage_stitch_model", "preprocess_model", "fold_all",
-                "nnunet"}
+                "nnunet__v1"}
     assert expected <= set(metadata["models"])
     # only the cascade stage answers probabilities=true; the previous stage's are never computed
     previous_stitch = (BUILD_ROOT / "cascade" / "previous_stage_stitch_model" / "config.pbtxt").read_text()

@@ -1,18 +1,22 @@
 """Fakes for the deploy tests: an nnU-Net configuration and a repository laid out like the builder's output.
 
-``write_repository`` follows the pipeline contract: ``repository_metadata.json`` (models, folds, target,
-runner, precision, tile batch size, build options, exporting torch per fold), one ``config.pbtxt`` per
-model and ``preprocess_model/1/inference_config.json``; deploy reads nothing else.
+``write_repository`` follows the builder's contract: the registry ``repository_metadata.json`` (format 2:
+per endpoint name and version the models, folds, target, runner, precision, tile batch size, build
+options, exporting torch per fold), one ``config.pbtxt`` per model (the version's namespaced models, its
+pinned and the name's public endpoints) and ``<namespace>preprocess_model/1/inference_config.json``;
+deploy reads nothing else. Called again on the same root it adds another endpoint (or version).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 from pathlib import Path
 
-from nnunet_triton.builder.model_specs import BuildOptions, repository_specs
+from nnunet_triton.builder.model_specs import BuildOptions, namespaced_specs, repository_specs
+from nnunet_triton.io_names import ENDPOINT_MODEL, model_namespace, public_endpoints
 from nnunet_triton.numerics.model_folder import load_inference_config
 from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.registry import Registry, read_registry, write_registry
 from nnunet_triton.server.deploy import docker, k8s, sizing
 from nnunet_triton.server.deploy.repository_info import ModelGeometry, RepositoryInfo
 
@@ -74,20 +78,32 @@ def write_repository(
     torch_version: str = "2.5.1",
     extra_dirs: tuple[str, ...] = (),
     drop: tuple[str, ...] = (),
+    *,
+    name: str = ENDPOINT_MODEL,
+    version: int = 1,
+    promote: bool = False,
+    input_hash: str | None = None,
 ) -> Path:
-    """A fake built repository following the builder's layout and metadata contract."""
+    """A fake built repository following the builder's layout and registry contract: version ``version`` of
+    endpoint ``name`` added to ``root`` (other endpoints already there stay), its models in the version's
+    namespace, the public endpoints of ``name``, the registry written by ``nnunet_triton.registry``."""
     config = make_config()
-    models = sorted(spec.name for spec in repository_specs(config, options))
-    for name in [*models, *extra_dirs]:
-        if name not in drop:
-            (root / name / "1").mkdir(parents=True)
-            (root / name / "config.pbtxt").write_text(f'name: "{name}"\n')
-    (root / "preprocess_model" / "1" / "inference_config.json").write_text(config.to_json())
+    specs = repository_specs(config, options)
+    _, renaming = namespaced_specs(specs, name, version)
+    models = sorted(renaming.values())
+    for model in [*models, *public_endpoints(name), *extra_dirs]:
+        if model not in drop:
+            (root / model / "1").mkdir(parents=True, exist_ok=True)
+            (root / model / "config.pbtxt").write_text(f'name: "{model}"\n')
+    namespace = model_namespace(name, version)
+    if namespace + "preprocess_model" not in drop:
+        (root / f"{namespace}preprocess_model" / "1" / "inference_config.json").write_text(config.to_json())
     exports = [
-        {"fold": f, "path": f"fold_{f}/1/model.pt", "torch_version": torch_version} for f in config.folds
+        {"fold": f, "path": f"{namespace}fold_{f}/1/model.pt", "torch_version": torch_version}
+        for f in config.folds
     ]
     metadata = {
-        "input_hash": "ab" * 32,
+        "input_hash": input_hash or hashlib.sha256(f"{name} {version}".encode()).hexdigest(),
         "torch_version": torch_version,
         "nnunetv2_version": "2.8.1",
         "configuration": "3d_fullres",
@@ -107,7 +123,8 @@ def write_repository(
             "stitch_instances": 1,
         },
     }
-    (root / "repository_metadata.json").write_text(json.dumps(metadata))
+    registry = read_registry(root) or Registry()
+    write_registry(root, registry.with_version(name, version, metadata, promote=promote))
     return root
 
 
@@ -122,15 +139,22 @@ def geometry() -> ModelGeometry:
     )
 
 
-def docker_spec(root: Path, **overrides: object) -> docker.DeploySpec:
-    """A DeploySpec for a fake GPU repository under ``root`` sized for a 600 x 512 x 512 volume."""
-    info = RepositoryInfo.from_repository(write_repository(root))
+def two_endpoints(root: Path, options: BuildOptions = GPU_OPTIONS) -> Path:
+    """One repository with two endpoints, ``liver`` and ``lung`` (version 1 each, same fake model)."""
+    write_repository(root, options, name="liver")
+    return write_repository(root, options, name="lung")
+
+
+def docker_spec(root: Path, *, built: bool = False, **overrides: object) -> docker.DeploySpec:
+    """A DeploySpec for a fake GPU repository under ``root`` (``built``: the one already there; default: the
+    default endpoint written there) sized for a 600 x 512 x 512 volume."""
+    info = RepositoryInfo.from_repository(root if built else write_repository(root))
     plan = sizing.plan_memory(info, sizing.VolumeSpec(shape=(600, 512, 512)))
     return docker.DeploySpec(info=info, plan=plan, repository="/srv/repo", **overrides)
 
 
-def k8s_spec(root: Path, **overrides: object) -> k8s.K8sSpec:
-    spec = docker_spec(root)
+def k8s_spec(root: Path, *, built: bool = False, **overrides: object) -> k8s.K8sSpec:
+    spec = docker_spec(root, built=built)
     values = {
         "info": spec.info,
         "plan": spec.plan,

@@ -144,9 +144,20 @@ def node_config(spool: Path, destination: Destination | StoreDestination, model:
         ae_title=NODE_AE, port=free_port(), spool=spool, destination=target, segment=model,
         idle_timeout_s=0.3, retry_delay_s=0.1, max_retry_delay_s=0.4, poll_s=0.05, heartbeat_s=0.2,
         rescan_s=0.2, network_timeout_s=10)
+    if "models" in overrides:  # several models (one per endpoint name): no single segment callable
+        config["segment"] = None
     config.update(overrides)
     known = set(NodeConfig.__dataclass_fields__)
     return NodeConfig(**{k: v for k, v in config.items() if k in known})
+
+
+def threshold_models(*names: str) -> tuple[dict[str, Any], dict[str, Threshold]]:
+    """One threshold "model" per endpoint name, each counting its own calls: the ``NodeConfig.models``
+    (name -> NodeModel) and the thresholds to look at (name -> Threshold)."""
+    from nnunet_triton.client.dicom.node import NodeModel
+
+    thresholds = {name: Threshold() for name in names}
+    return {name: NodeModel(t) for name, t in thresholds.items()}, thresholds
 
 
 def running(config: NodeConfig) -> DicomNode:

@@ -8,55 +8,78 @@ resampled shape with nnU-Net's own ``compute_new_shape``.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from deploy_support import GPU_OPTIONS, PATCH, MiB, geometry, make_config, write_repository
+from deploy_support import GPU_OPTIONS, PATCH, MiB, geometry, make_config, two_endpoints, write_repository
 from nnunetv2.preprocessing.resampling.default_resampling import compute_new_shape
 
+from nnunet_triton import io_names
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.errors import DeployError
 from nnunet_triton.server.deploy import docker, sizing
-from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible
+from nnunet_triton.server.deploy.repository_info import PipelineInfo, RepositoryInfo, check_torch_compatible
 
 # --- repository info and the torch check ------------------------------------------------------------------
 
 
-def test_repository_info_equals_metadata_when_repository_is_built(tmp_path: Path) -> None:
-    info = RepositoryInfo.from_repository(write_repository(tmp_path))
-    assert info == RepositoryInfo(
-        models=("fold_0", "fold_1", "nnunet", "nnunet_fp16", "nnunet_int16", "nnunet_uint16", "nnunet_uint8",
-                "orchestrator_model", "preprocess_model", "stitch_model"),
-        folds=(0, 1),
-        target="gpu",
-        fold_runner="libtorch",
-        fold_precision="fp16",
-        tile_batch_size=4,
-        max_inflight=4,
-        preprocess_instances=1,
-        orchestrator_instances=1,
-        stitch_instances=1,
-        fold_instances=1,
-        geometry=geometry(),
-        torch_versions=(
-            ("fold_0/1/model.pt", "2.5.1"),
-            ("fold_1/1/model.pt", "2.5.1"),
-            ("the repository build", "2.5.1"),
-        ),
-        input_hash="ab" * 32,
-    )
+NNUNET_MODELS = ("fold_0", "fold_1", "nnunet", "nnunet__v1", "nnunet__v1_fp16", "nnunet__v1_int16",
+                 "nnunet__v1_uint16", "nnunet__v1_uint8", "nnunet_fp16", "nnunet_int16", "nnunet_uint16",
+                 "nnunet_uint8", "orchestrator_model", "preprocess_model", "stitch_model")
+
+
+def _pipeline(**changes: object) -> PipelineInfo:
+    """The pipeline ``write_repository`` records for the default endpoint, with ``changes``."""
+    values = {
+        "models": tuple(m for m in NNUNET_MODELS if m not in io_names.public_endpoints("nnunet")),
+        "folds": (0, 1), "target": "gpu", "fold_runner": "libtorch", "fold_precision": "fp16",
+        "tile_batch_size": 4, "max_inflight": 4, "preprocess_instances": 1, "orchestrator_instances": 1,
+        "stitch_instances": 1, "fold_instances": 1, "geometry": geometry(),
+        "torch_versions": (("fold_0/1/model.pt", "2.5.1"), ("fold_1/1/model.pt", "2.5.1"),
+                           ("the build of nnunet version 1", "2.5.1")),
+        "input_hash": "ab" * 32,
+    }
+    return PipelineInfo(**{**values, **changes})
+
+
+def test_repository_info_equals_the_registry_when_repository_is_built(tmp_path: Path) -> None:
+    info = RepositoryInfo.from_repository(write_repository(tmp_path, input_hash="ab" * 32))
+    assert info.pipelines == (_pipeline(),)
+    assert info.models == NNUNET_MODELS  # the version's models and the name's public endpoints
+    assert (info.target, info.fold_runner, info.endpoints, info.first) == ("gpu", "libtorch", ("nnunet",),
+                                                                          _pipeline())
+    assert info.input_hash is not None and len(info.input_hash) == 64
 
 
 def test_planned_info_equals_built_info_when_builder_options_match(tmp_path: Path) -> None:
     built = RepositoryInfo.from_repository(write_repository(tmp_path))
     planned = RepositoryInfo.planned(make_config(), GPU_OPTIONS)
-    assert planned == RepositoryInfo(**{**built.__dict__, "torch_versions": (), "input_hash": None})
+    assert planned == RepositoryInfo(
+        pipelines=tuple(replace(p, torch_versions=(), input_hash=None) for p in built.pipelines),
+        models=built.models, input_hash=None)
+
+
+def test_repository_info_lists_every_endpoint_and_version_promoted_first(tmp_path: Path) -> None:
+    two_endpoints(tmp_path)
+    write_repository(tmp_path, name="liver", version=2)  # built, not promoted
+    info = RepositoryInfo.from_repository(tmp_path)
+    assert [p.label for p in info.pipelines] == ["liver v1", "lung v1", "liver v2"]
+    assert info.endpoints == ("liver", "lung")
+    namespaced = [m for m in info.models if "__" in m]
+    assert info.models == tuple(sorted({*namespaced, *io_names.public_endpoints("liver"),
+                                        *io_names.public_endpoints("lung")}))
+    assert all(m.startswith(f"{p.name}__v{p.version}") for p in info.pipelines for m in p.models)
+    assert info.pipelines[0].fold_models == ("liver__v1__fold_0", "liver__v1__fold_1")
+    promoted = RepositoryInfo.from_repository(write_repository(tmp_path, name="liver", version=2,
+                                                               promote=True))
+    assert promoted.input_hash != info.input_hash  # what the public endpoints run is part of the hash
 
 
 def test_repository_info_refuses_when_a_model_dir_is_missing_or_unlisted(tmp_path: Path) -> None:
-    with pytest.raises(DeployError, match=r"without config.pbtxt \['fold_1'\], .* not in the metadata \[\]"):
+    with pytest.raises(DeployError, match=r"without config.pbtxt \['fold_1'\], .* not in the registry \[\]"):
         RepositoryInfo.from_repository(write_repository(tmp_path / "a", drop=("fold_1",)))
-    with pytest.raises(DeployError, match=r"without config.pbtxt \[\], .* not in the metadata \['fold_2'\]"):
+    with pytest.raises(DeployError, match=r"without config.pbtxt \[\], .* not in the registry \['fold_2'\]"):
         RepositoryInfo.from_repository(write_repository(tmp_path / "b", extra_dirs=("fold_2",)))
 
 
@@ -104,7 +127,7 @@ def test_resampled_shape_equals_nnunet_compute_new_shape_when_axes_are_transpose
 
 
 def test_tensor_bytes_equal_per_tensor_formulas_when_volume_is_resampled(tmp_path: Path) -> None:
-    info = RepositoryInfo.from_repository(write_repository(tmp_path))
+    info = RepositoryInfo.from_repository(write_repository(tmp_path)).first
     volume = sizing.VolumeSpec(shape=(40, 60, 80), spacing=(4.0, 0.5, 3.0), probabilities=True)
     v_in, v_res, patch = 40 * 60 * 80, 120 * 160 * 30, math.prod(PATCH)
     assert sizing.tensor_bytes(info, volume) == sizing.TensorBytes(
@@ -148,7 +171,7 @@ def test_plan_memory_counts_tiles_and_runner_stubs_in_shm_when_cpu_target(tmp_pa
     info = RepositoryInfo.from_repository(write_repository(tmp_path, options))
     volume = sizing.VolumeSpec(shape=(80, 96, 96))
     plan = sizing.plan_memory(info, volume, gpus=4)  # gpus are ignored for KIND_CPU models
-    t = sizing.tensor_bytes(info, volume)
+    t = sizing.tensor_bytes(info.first, volume)
     tiles = 6 * t.tile_batch  # 6 in-flight batches of 8 fp32 tiles = 28.3 MiB > half the default region
     assert t.tile_batch == 8 * math.prod(PATCH) * (2 * 4 + 3 * 4)
     regions = [
@@ -170,9 +193,48 @@ def test_plan_memory_multiplies_python_instances_when_gpu_target_has_several_gpu
 
 def test_the_orchestrators_torch_is_counted_in_host_memory_whatever_the_fold_runner(tmp_path: Path) -> None:
     """The orchestrator imports torch on every target; the Python fold runner too; preprocess/stitch not."""
-    libtorch = RepositoryInfo.from_repository(write_repository(tmp_path / "gpu"))
-    python = RepositoryInfo.from_repository(write_repository(tmp_path / "cpu", BuildOptions(target="cpu")))
+    libtorch = RepositoryInfo.from_repository(write_repository(tmp_path / "gpu")).first
+    cpu = write_repository(tmp_path / "cpu", BuildOptions(target="cpu"))
+    python = RepositoryInfo.from_repository(cpu).first
     GiB = 2**30
     assert sizing.stub_bytes(libtorch) == 2 * 1 * GiB + 1 * 3 * GiB
     assert sizing.stub_bytes(python) == 2 * 1 * GiB + (1 + len(python.fold_models)) * 3 * GiB
     assert sizing.stub_bytes(libtorch, per_gpu=2) == 2 * sizing.stub_bytes(libtorch)
+
+
+# --- several endpoints behind one server ------------------------------------------------------------------
+
+
+def test_plan_memory_adds_up_every_endpoint_with_the_server_and_shm_margin_once(tmp_path: Path) -> None:
+    """Two endpoints in one repository: each keeps the share it has alone; stubs, shm regions, working memory
+    and the pools are summed; tritonserver itself and the shm margin are counted once."""
+    volume = sizing.VolumeSpec(shape=(600, 512, 512))
+    one = sizing.plan_memory(RepositoryInfo.from_repository(write_repository(tmp_path / "one")), volume)
+    two = sizing.plan_memory(RepositoryInfo.from_repository(two_endpoints(tmp_path / "two")), volume)
+    ((label, share),) = one.pipelines
+    assert label == "nnunet v1"
+    assert two.pipelines == (("liver v1", share), ("lung v1", share))
+    voxels, GiB = 600 * 512 * 512, 2**30
+    image = pre = 2 * voxels * 4
+    logits, seg, tiles = 3 * voxels * 2, voxels, 4 * 4 * math.prod(PATCH) * (2 * 4 + 3 * 2)
+    assert two.shm_bytes - 256 * MiB == 2 * (one.shm_bytes - 256 * MiB) == 2 * share["shm_mib"] * MiB
+    assert two.cuda_pool_bytes == _pool(2 * (tiles + pre + logits)) > one.cuda_pool_bytes
+    assert two.pinned_pool_bytes == _pool(2 * (tiles + image + seg)) > one.pinned_pool_bytes
+    stubs = 2 * 1 * GiB + 1 * 3 * GiB  # preprocess + stitch, the orchestrator (torch)
+    working = 2 * image + 2 * pre + (1 + 2) * logits + 2 * logits + 2 * 3 * voxels * 4  # one request
+    host = two.shm_bytes + two.pinned_pool_bytes + 2 * GiB + 2 * (stubs + working)
+    assert two.host_memory_bytes == -(-host // (256 * MiB)) * 256 * MiB
+    assert two.host_memory_bytes > one.host_memory_bytes + stubs + working
+    assert two.summary()["per_endpoint_version"] == {"liver v1": share, "lung v1": share}
+
+
+def test_a_repository_whose_endpoints_mix_targets_is_refused_naming_each(tmp_path: Path) -> None:
+    write_repository(tmp_path, name="liver")
+    write_repository(tmp_path, BuildOptions(target="cpu"), name="lung")
+    info = RepositoryInfo.from_repository(tmp_path)
+    message = r"mixes targets \['cpu', 'gpu'\] \(liver v1: gpu, lung v1: cpu\).*same --target"
+    with pytest.raises(DeployError, match=message):
+        sizing.plan_memory(info, sizing.VolumeSpec())
+    with pytest.raises(DeployError, match=message):
+        docker.DeploySpec(info=info, plan=sizing.plan_memory(info.first, sizing.VolumeSpec()),
+                          repository="/r")

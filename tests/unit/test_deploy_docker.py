@@ -13,13 +13,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from deploy_support import REPO_ROOT, MiB, docker_spec, write_repository
+from deploy_support import GPU_OPTIONS, REPO_ROOT, MiB, docker_spec, two_endpoints, write_repository
 from test_steps import SOURCE_ADAPTERS
 
+from nnunet_triton import io_names
 from nnunet_triton.builder.build_inputs import ADAPTERS, COMBINE_ADAPTER, FOLD_RUNNER_ADAPTER
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.errors import DeployError
-from nnunet_triton.server.deploy import docker, sizing
+from nnunet_triton.server.deploy import docker, entrypoint, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
@@ -109,12 +110,13 @@ def test_dockerfiles_pass_hadolint(dockerfile: str) -> None:
 
 def test_builder_args_rebuild_the_same_options_on_the_export_host() -> None:
     options = BuildOptions(target="gpu", fold_precision="fp16", tile_batch_size=8, orchestrator_instances=2)
-    assert docker.builder_args(options, folds=(0, "all"), configuration="3d_fullres") == (
+    assert docker.builder_args(options, folds=(0, "all"), configuration="3d_fullres", name="liver") == (
         "--target", "gpu", "--precision", "fp16", "--export-device", "cuda", "--tile-batch-size", "8",
         "--fold-instances", "1", "--orchestrator-instances", "2", "--max-inflight", "4",
-        "--folds", "0", "all", "--configuration", "3d_fullres",
+        "--folds", "0", "all", "--configuration", "3d_fullres", "--name", "liver",
     )  # fmt: skip
-    flags = [arg for arg in docker.builder_args(options) if arg.startswith("--")]
+    assert "--name" not in docker.builder_args(options)  # no name: the builder's default endpoint
+    flags = [arg for arg in docker.builder_args(options, name="liver") if arg.startswith("--")]
     build_help = subprocess.run(
         [sys.executable, "-m", "repository.build", "--help"],
         cwd=REPO_ROOT,
@@ -345,3 +347,76 @@ def test_docker_run_publishes_on_loopback_unless_a_network_address_is_given(tmp_
     spec = docker_spec(tmp_path)
     assert published(spec) == ["127.0.0.1:8000:8000", "127.0.0.1:8001:8001", "127.0.0.1:8002:8002"]
     assert published(replace(spec, publish_host="0.0.0.0"))[0] == "0.0.0.0:8000:8000"
+
+
+# --- several endpoints behind one server ------------------------------------------------------------------
+
+
+def _loaded(argv: tuple[str, ...]) -> list[str]:
+    return [arg.split("=", 1)[1] for arg in argv if arg.startswith("--load-model=")]
+
+
+def test_one_docker_run_serves_every_model_of_two_endpoints_sized_for_both(tmp_path: Path) -> None:
+    alone = docker_spec(tmp_path / "one")
+    spec = docker_spec(two_endpoints(tmp_path / "two"), built=True)
+    argv = docker.docker_run_command(spec)
+    assert argv.count("run") == 1 and argv.count(spec.image_tag) == 1  # one container, one server
+    loaded = _loaded(argv)
+    on_disk = sorted(p.parent.name for p in (tmp_path / "two").glob("*/config.pbtxt"))
+    assert loaded == on_disk == list(spec.info.models)
+    for name in ("liver", "lung"):  # public endpoints, pinned version, composing and BLS fold models
+        assert set(io_names.public_endpoints(name)) <= set(loaded)
+        assert {f"{name}__v1", f"{name}__v1__orchestrator_model", f"{name}__v1__fold_1"} <= set(loaded)
+    # both endpoints' shm regions, the margin once
+    assert spec.plan.shm_mib == 2 * (alone.plan.shm_mib - 256) + 256 == 11872
+    assert [a for a in argv if a.startswith("--shm-size=")] == ["--shm-size=11872m"]
+    pools = [a for a in argv if a.startswith(("--cuda-memory-pool-byte-size", "--pinned-memory-pool"))]
+    assert pools == [f"--cuda-memory-pool-byte-size=0:{spec.plan.cuda_pool_bytes}",
+                     f"--pinned-memory-pool-byte-size={spec.plan.pinned_pool_bytes}"]
+    assert spec.plan.cuda_pool_bytes > alone.plan.cuda_pool_bytes
+    assert spec.plan.pinned_pool_bytes > alone.plan.pinned_pool_bytes
+
+
+def test_each_endpoint_version_is_checked_against_the_torch_of_its_own_fold_runner(tmp_path: Path) -> None:
+    """The image's pip torch loads the Python runner's folds, its libtorch the libtorch runner's."""
+    python_runner = BuildOptions(target="gpu", fold_precision="fp16", fold_runner="python",
+                                 orchestrator_instances=1)
+    write_repository(tmp_path / "ok", GPU_OPTIONS, torch_version="2.5.1", name="liver")
+    write_repository(tmp_path / "ok", python_runner, torch_version="2.6.0", name="lung")
+    write_repository(tmp_path / "bad", GPU_OPTIONS, torch_version="2.6.0", name="liver")
+    write_repository(tmp_path / "bad", python_runner, torch_version="2.6.0", name="lung")
+    pip_torch_2_6 = {"runner_torch_version": "2.6.0"}  # libtorch stays 2.5 (Triton 24.10)
+    docker.check_image_compatible(docker_spec(tmp_path / "ok", built=True, **pip_torch_2_6))
+    refused = (r"^liver__v1__fold_0/1/model.pt was exported with torch 2.6.0, newer than torch 2.5 "
+               r"\(libtorch of nvcr.io/nvidia/tritonserver:24.10-py3\)")
+    with pytest.raises(DeployError, match=refused):
+        docker.check_image_compatible(docker_spec(tmp_path / "bad", built=True, **pip_torch_2_6))
+
+
+def test_the_container_refuses_a_repository_whose_endpoints_mix_targets(tmp_path: Path, capsys) -> None:
+    assert entrypoint.repository_problem(two_endpoints(tmp_path / "two")) is None
+    mixed = tmp_path / "mixed"
+    write_repository(mixed, name="liver")
+    write_repository(mixed, BuildOptions(target="cpu"), name="lung")
+    problem = entrypoint.repository_problem(mixed)
+    assert problem is not None and "mixes targets ['cpu', 'gpu'] (liver v1: gpu, lung v1: cpu)" in problem
+    assert entrypoint.main(["--model-repository", str(mixed), "--", "tritonserver"]) == 78
+    assert capsys.readouterr().err.startswith(f"nnunet-triton: cannot serve the model repository {mixed}: ")
+
+
+def test_endpoint_usage_lists_every_endpoint_with_its_url_versions_and_call(tmp_path: Path) -> None:
+    root = two_endpoints(tmp_path)
+    write_repository(root, name="liver", version=2)  # built, not promoted: callable as liver__v2
+    info = RepositoryInfo.from_repository(root)
+    text = docker.endpoint_usage(info, "h:8000", "h:8001", "h:8002", undeploy="make undeploy")
+    lines = text.splitlines()
+    assert lines[1] == ("2 endpoint(s) on one server, each IMAGE fp32 [C, z, y, x] + SPACING fp64 [3] -> "
+                        "SEGMENTATION:")
+    assert lines[2].split() == ["liver", "http://h:8000/v2/models/liver", "(runs", "version", "1;", "pinned:",
+                                "liver__v1,", "liver__v2)"]
+    assert lines[3].split() == ["lung", "http://h:8000/v2/models/lung", "(runs", "version", "1;", "pinned:",
+                                "lung__v1)"]
+    for name in ("liver", "lung"):
+        assert (f"nnunet-triton predict --model {name} -i <images> -o build/predictions/{name} --url h:8000"
+                in text)
+    assert "NnunetClient('h:8000', model='liver')" in text and text.endswith("stop it:\n  make undeploy")

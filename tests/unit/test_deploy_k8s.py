@@ -1,16 +1,26 @@
 """Kubernetes manifests (validated offline with kubernetes-validate's bundled schemas) and ``nnunet-triton
-deploy`` (k8s rendering, printed docker commands, undeploy) without a cluster or Docker.
+deploy`` (k8s rendering, printed docker commands, undeploy, several endpoints behind one server with
+``--name`` / ``make deploy NAME=...``) without a cluster or Docker.
 """
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
-from deploy_support import GPU_OPTIONS, k8s_spec, make_config, write_repository
+from deploy_support import REPO_ROOT, k8s_spec, two_endpoints, write_repository
+from test_makefile_variables import _make, _value
 
-from nnunet_triton.server.deploy import docker, k8s
+from nnunet_triton import io_names
+from nnunet_triton.builder.model_specs import BuildOptions
+from nnunet_triton.cli import deploy as tool
+from nnunet_triton.numerics.model_folder import read_model_folder
+from nnunet_triton.server.deploy import docker, k8s, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
+
+FIXTURE = REPO_ROOT / "tests" / "fixtures" / "Dataset901_SynthCT" / "nnUNetTrainer__nnUNetPlans__3d_tiny"
 
 # --- Kubernetes ---------------------------------------------------------------------------------------------
 
@@ -77,9 +87,6 @@ def test_k8s_deployment_has_gpu_shm_probes_and_repository_volume(tmp_path: Path)
 
 
 def test_k8s_cpu_deployment_has_no_gpu_and_publishes_host_ports_on_loopback(tmp_path: Path) -> None:
-    from nnunet_triton.builder.model_specs import BuildOptions
-    from nnunet_triton.server.deploy import sizing
-
     info = RepositoryInfo.from_repository(write_repository(tmp_path, BuildOptions(target="cpu")))
     spec = k8s.K8sSpec(info=info, plan=sizing.plan_memory(info, sizing.VolumeSpec()), image="img:1",
                        model_source=k8s.ModelSource("image", "models:1"), gpus=0,
@@ -112,10 +119,23 @@ def test_k8s_hpa_scales_on_the_metric_the_adapter_rule_defines(tmp_path: Path) -
             },
         }
     ]
-    assert (
-        'model="orchestrator_model"' in rule["seriesQuery"]
-        and "nv_inference_request_success" in rule["metricsQuery"]
-    )
+    assert k8s.ORCHESTRATOR_MODELS in rule["seriesQuery"]
+    assert "nv_inference_request_success" in rule["metricsQuery"]
+    assert rule["metricsQuery"].count(k8s.ORCHESTRATOR_MODELS) == 2  # queue time and requests: same models
+
+
+def test_k8s_queue_metric_covers_the_orchestrator_of_every_endpoint_version_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    spec = k8s_spec(two_endpoints(tmp_path / "two"), built=True)
+    pattern = re.fullmatch(r'model=~"(.+)"', k8s.ORCHESTRATOR_MODELS).group(1)  # Prometheus anchors it
+    matched = [m for m in spec.info.models if re.fullmatch(pattern, m)]
+    assert matched == ["liver__v1__orchestrator_model", "lung__v1__orchestrator_model"]
+    default = k8s_spec(tmp_path / "one").info.models
+    assert [m for m in default if re.fullmatch(pattern, m)] == ["orchestrator_model"]
+    other = k8s_spec(tmp_path / "other")  # the HPA and its adapter rule do not depend on the endpoints
+    assert k8s.autoscaler(spec) == k8s.autoscaler(other)
+    assert k8s.adapter_rules(spec) == k8s.adapter_rules(other)
 
 
 def test_k8s_manifest_files_round_trip_through_yaml_and_list_every_resource(tmp_path: Path) -> None:
@@ -134,8 +154,6 @@ def test_k8s_manifest_files_round_trip_through_yaml_and_list_every_resource(tmp_
 
 
 def test_deploy_tool_renders_k8s_files_when_repository_is_built(tmp_path: Path, capsys) -> None:
-    from nnunet_triton.cli import deploy as tool
-
     repo = write_repository(tmp_path / "repo")
     assert (
         tool.main(
@@ -163,47 +181,173 @@ def test_deploy_tool_renders_k8s_files_when_repository_is_built(tmp_path: Path, 
 
 
 def test_deploy_tool_refuses_k8s_when_export_torch_is_newer(tmp_path: Path, caplog) -> None:
-    from nnunet_triton.cli import deploy as tool
-
     repo = write_repository(tmp_path / "repo", torch_version="2.14.1")
     assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1
     assert "exported with torch 2.14.1, newer than torch 2.5" in caplog.text
     assert not (tmp_path / "k8s").exists()
 
 
+def _printed_commands(printed: str, engine: str = "docker") -> list[str]:
+    return [line.strip() for line in printed.splitlines() if line.startswith(f"  {engine} ")]
+
+
 def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
     tmp_path, monkeypatch, capsys
 ) -> None:
-    from nnunet_triton.cli import deploy as tool
-
-    monkeypatch.setattr(tool, "_read_config", lambda args: make_config())
-    monkeypatch.setattr(
-        tool, "_local_torch_fits", lambda args: False
-    )  # torch 2.14 here: export in a container
+    monkeypatch.setattr(tool, "_local_torch_fits", lambda args: False)  # whatever torch is here: a container
     out = tmp_path / "repo_gpu"
-    assert tool.main(["--target", "docker", "--model", str(tmp_path), "--out", str(out), "--gpus", "1",
+    assert tool.main(["--target", "docker", "--model", str(FIXTURE), "--out", str(out), "--gpus", "1",
                       "--variant", "gpu", "--engine", "docker", "--dry-run"]) == 0
-    printed = capsys.readouterr().out
-    lines = [line.strip() for line in printed.splitlines() if line.startswith("  docker ")]
+    lines = _printed_commands(capsys.readouterr().out)
     assert [line.split()[:3] for line in lines] == [
         ["docker", "run", "--rm"],
         ["docker", "build", "--file"],
         ["docker", "run", "--detach"],
     ]
-    assert (f"bash /src/docker/export_in_container.sh --model /models/{tmp_path.name} --target gpu "
+    assert (f"bash /src/docker/export_in_container.sh --model /models/{FIXTURE.name} --target gpu "
             "--precision fp16") in lines[0]
     assert "--serving-torch 2.5" in lines[0]  # the image's libtorch: the builder there checks its torch
+    assert lines[0].endswith("--name nnunet")
     assert f"--volume {out}:/models:ro" in lines[2] and "--gpus device=1" in lines[2]
-    assert all(
-        f"--load-model={name}" in lines[2]
-        for name in RepositoryInfo.planned(make_config(), GPU_OPTIONS).models
-    )
+    options = BuildOptions(target="gpu", fold_precision="fp16")
+    planned = RepositoryInfo.planned(read_model_folder(FIXTURE), options)
+    assert re.findall(r"--load-model=(\S+)", lines[2]) == list(planned.models)
     assert not out.exists()  # nothing ran
 
 
-def test_deploy_tool_undeploy_prints_docker_stop_and_remove(capsys) -> None:
-    from nnunet_triton.cli import deploy as tool
+def test_deploy_tool_with_two_names_exports_each_endpoint_and_starts_one_container_for_both(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setattr(tool, "_local_torch_fits", lambda args: False)
+    out = tmp_path / "repo_gpu"
+    assert tool.main(["--target", "docker", "--model", str(FIXTURE), str(FIXTURE), "--name", "liver", "lung",
+                      "--out", str(out), "--variant", "gpu", "--engine", "docker", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    lines = _printed_commands(printed)
+    assert [line.split()[:3] for line in lines] == [["docker", "run", "--rm"]] * 2 + [
+        ["docker", "build", "--file"], ["docker", "run", "--detach"]]
+    assert [line.split()[-2:] for line in lines[:2]] == [["--name", "liver"], ["--name", "lung"]]
+    assert all(f"REPOSITORY_OUT=/out/{out.name}" in line for line in lines[:2])  # one repository
+    loaded = re.findall(r"--load-model=(\S+)", lines[3])
+    for name in ("liver", "lung"):
+        assert set(io_names.public_endpoints(name)) | {f"{name}__v1__orchestrator_model"} <= set(loaded)
+    options = BuildOptions(target="gpu", fold_precision="fp16")
+    one = RepositoryInfo.planned(read_model_folder(FIXTURE), options, name="liver")
+    assert len(loaded) == 2 * len(one.models)
+    shm = int(re.search(r"--shm-size=(\d+)m", lines[3]).group(1))
+    alone = sizing.plan_memory(one, sizing.VolumeSpec(shape=(600, 512, 512))).shm_mib
+    assert shm == 2 * (alone - 256) + 256  # both endpoints' stubs, the margin once
+    assert "2 endpoint(s) on one server" in printed and "http://127.0.0.1:8000/v2/models/lung" in printed
+    assert not out.exists()
 
+
+def test_deploy_tool_with_two_names_builds_both_in_the_cpu_images_export_stage(
+    tmp_path, capsys
+) -> None:
+    out = tmp_path / "repo_cpu"
+    assert tool.main(["--target", "docker", "--model", str(FIXTURE), str(FIXTURE), "--name", "liver", "lung",
+                      "--out", str(out), "--variant", "cpu", "--engine", "podman", "--dry-run",
+                      "--base-image", "localhost/debian:bookworm"]) == 0
+    lines = _printed_commands(capsys.readouterr().out, "podman")
+    exports = [line for line in lines if " -m repository.build " in line]
+    assert [line.split()[-2:] for line in exports] == [["--name", "liver"], ["--name", "lung"]]
+    assert all(f"--out /out/{out.name}" in line and "-export python3 -m repository.build" in line
+               for line in exports)
+    (run,) = [line for line in lines if line.startswith("podman run --detach")]
+    assert {"--load-model=liver", "--load-model=lung"} <= set(run.split())
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--name", "liver", "lung", "kidney"],
+     r"--name takes one name .* or one name per --model folder .*: got 3 names \['liver', 'lung', 'kidney'\] "
+     r"for 2 --model folder\(s\) \['/m/a', '/m/b'\]\."),
+    (["--name", "liver", "liver"], r"gives the endpoint name\(s\) \['liver'\] more than once"),
+    (["--configuration", "2d", "3d_lowres", "3d_fullres"],
+     r"--configuration takes one value or one per --model folder \(2: \['/m/a', '/m/b'\]\), got \['2d', "),
+])
+def test_deploy_tool_refuses_names_or_configurations_that_do_not_pair_with_the_models(
+    tmp_path: Path, caplog, argv: list[str], message: str
+) -> None:
+    for target in ("embedded", "docker", "k8s"):
+        caplog.clear()
+        assert tool.main(["--target", target, "--model", "/m/a", "/m/b", *argv, "--out", str(tmp_path / "o"),
+                          "--dry-run"]) == 1
+        assert re.search(message, caplog.text), caplog.text
+    assert not (tmp_path / "o").exists()
+
+
+def test_endpoint_plans_pair_names_with_models_or_keep_one_endpoint() -> None:
+    a, b = Path("/m/a"), Path("/m/b")
+    assert tool.endpoint_plans([a, b], ["liver", "lung"], ["3d_fullres"]) == (
+        tool.EndpointPlan("liver", (a,), ("3d_fullres",)), tool.EndpointPlan("lung", (b,), ("3d_fullres",)))
+    assert tool.endpoint_plans([a, b]) == (tool.EndpointPlan("nnunet", (a, b), (None, None)),)  # an ensemble
+    assert tool.endpoint_plans([a, b], ["liver"], ["2d", "3d_fullres"]) == (
+        tool.EndpointPlan("liver", (a, b), ("2d", "3d_fullres")),)
+    assert tool.endpoint_plans([], ["liver"]) == ()  # k8s with a built --repository
+
+
+def test_make_deploy_passes_names_that_pair_with_the_models(tmp_path: Path) -> None:
+    (deploy,) = _make(tmp_path, "deploy", "MODEL=/m/a /m/b", "NAME=liver lung")
+    assert deploy[:3] == ["-m", "nnunet_triton.cli", "deploy"]
+    assert _value(deploy, "--model") == ["/m/a", "/m/b"] and _value(deploy, "--name") == ["liver", "lung"]
+    args = tool._parser(undeploy=False).parse_args(deploy[3:])
+    assert tool.endpoint_plans(args.model, args.name) == (
+        tool.EndpointPlan("liver", (Path("/m/a"),), (None,)),
+        tool.EndpointPlan("lung", (Path("/m/b"),), (None,)))
+    (plain,) = _make(tmp_path, "deploy", "MODEL=/m/a")
+    assert "--name" not in plain
+    help_text = _make_help()
+    assert 'NAME="liver lung"' in help_text.split("\n  deploy ", 1)[1].splitlines()[0]
+
+
+def _make_help() -> str:
+    return subprocess.run(["make", "--no-print-directory", "-C", str(REPO_ROOT), "help"], check=True,
+                          capture_output=True, text=True, timeout=60).stdout
+
+
+def test_deploy_tool_renders_one_deployment_for_every_endpoint_of_a_repository(
+    tmp_path: Path, capsys
+) -> None:
+    yaml = pytest.importorskip("yaml")
+    repo = two_endpoints(tmp_path / "repo")
+    assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s"),
+                      "--name", "liver", "lung", "--image", "reg/nnunet-triton:1"]) == 0
+    info = RepositoryInfo.from_repository(repo)
+    (deployment,) = list(yaml.safe_load_all((tmp_path / "k8s" / "deployment.yaml").read_text()))
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["annotations"] == {"nnunet-triton/input-hash": info.input_hash,
+                                                   "nnunet-triton/endpoints": "liver,lung"}
+    (container,) = template["spec"]["containers"]
+    loaded = [a.removeprefix("--load-model=") for a in container["args"] if a.startswith("--load-model=")]
+    assert loaded == list(info.models)
+    plan = sizing.plan_memory(info, sizing.VolumeSpec(shape=(600, 512, 512)))
+    assert container["resources"]["limits"]["memory"] == f"{plan.host_memory_mib}Mi"
+    shm = next(v for v in template["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["sizeLimit"] == f"{plan.shm_mib}Mi" == "11872Mi"  # both endpoints
+    assert f"nnunet-triton-models:{info.input_hash[:12]}" in capsys.readouterr().out
+    hpa = yaml.safe_load((tmp_path / "k8s" / "hpa.yaml").read_text())
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == k8s.QUEUE_METRIC
+
+
+def test_deploy_tool_refuses_k8s_names_the_repository_does_not_hold(tmp_path: Path, caplog) -> None:
+    repo = two_endpoints(tmp_path / "repo")
+    assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s"),
+                      "--name", "liver", "kidney"]) == 1
+    assert f"the repository {repo} has no endpoint(s) ['kidney'] (it holds ['liver', 'lung'])" in caplog.text
+    assert not (tmp_path / "k8s").exists()
+
+
+def test_deploy_tool_refuses_k8s_when_the_repository_mixes_targets(tmp_path: Path, caplog) -> None:
+    repo = tmp_path / "repo"
+    write_repository(repo, name="liver")
+    write_repository(repo, BuildOptions(target="cpu"), name="lung")
+    assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1
+    assert "the repository mixes targets ['cpu', 'gpu'] (liver v1: gpu, lung v1: cpu)" in caplog.text
+    assert "build every endpoint with the same --target" in caplog.text
+    assert not (tmp_path / "k8s").exists()
+
+
+def test_deploy_tool_undeploy_prints_docker_stop_and_remove(capsys) -> None:
     assert tool.main(["undeploy", "--target", "docker", "--engine", "docker", "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "  docker stop --time 40 nnunet-triton",
@@ -212,9 +356,6 @@ def test_deploy_tool_undeploy_prints_docker_stop_and_remove(capsys) -> None:
 
 
 def test_deploy_tool_refuses_k8s_when_repository_targets_cpu(tmp_path: Path, caplog) -> None:
-    from nnunet_triton.builder.model_specs import BuildOptions
-    from nnunet_triton.cli import deploy as tool
-
     repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))
     assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1
     assert "was built for target 'cpu'; the pods get one GPU each" in caplog.text

@@ -11,6 +11,7 @@ retries lasted, non-conformant patient data. The sender and the destination are 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import shutil
 import tempfile
@@ -525,3 +526,189 @@ def test_node_config_copies_are_independent_of_the_caller(tmp_path, dest, model)
     config = peers.node_config(tmp_path / "spool", dest, model)
     assert isinstance(copy.copy(config), NodeConfig) and config.retry_window_s == 3600.0
     assert config.retries is None  # an hour of outage is survived by default
+
+
+# --- 10. each series to its model (routes) ---------------------------------------------------------------
+LIVER_AE, LUNG_AE = "NNUNET_LIVER", "NNUNET_LUNG"
+ROUTES = {"default": "nnunet", "called_ae_titles": {LIVER_AE: "liver", LUNG_AE: "lung"},
+          "rules": [{"match": {"Modality": "MR"}, "model": "prostate"}]}
+
+
+def _routes(**changes):
+    from nnunet_triton.client.dicom.routing import Routes
+
+    return Routes.from_json(json.dumps({**ROUTES, **changes}))
+
+
+@pytest.fixture
+def routed_factory(tmp_path, dest):
+    """A node with the four models of ROUTES (thresholds that count their own calls)."""
+    started = []
+
+    def make(spool="spool", routes=None, models=None, **overrides):
+        names = ("nnunet", "liver", "lung", "prostate")
+        made, thresholds = peers.threshold_models(*names)
+        node = peers.running(peers.node_config(tmp_path / spool, dest, None, routes=routes or _routes(),
+                                               models=models or made, **overrides))
+        started.append(node)
+        return node, thresholds
+
+    yield make
+    for node in started:
+        node.stop()
+
+
+def _referenced(seg):
+    return seg.ReferencedSeriesSequence[0].SeriesInstanceUID
+
+
+def test_one_node_sends_each_series_to_the_model_of_its_called_ae_title_or_rule_or_the_default(
+        routed_factory, dest, tmp_path):
+    liver, lung = _series(tmp_path, "liver", n=3), _series(tmp_path, "lung", n=4, seed=1)
+    mr, other = _series(tmp_path, "mr", n=3, seed=2, modality="MR"), _series(tmp_path, "ct", n=3, seed=3)
+    node, models = routed_factory()
+
+    assert peers.send(node.config.port, liver.files, called=LIVER_AE) == [0] * 3
+    assert peers.send(node.config.port, lung.files, called=LUNG_AE) == [0] * 4
+    assert peers.send(node.config.port, mr.files) == [0] * 3  # to the node's own AE title: the rule
+    assert peers.send(node.config.port, other.files) == [0] * 3  # nothing matches: the default
+    segs = dest.wait(4)
+
+    assert {name: t.calls for name, t in models.items()} == {
+        "liver": [liver.series_uid], "lung": [lung.series_uid], "prostate": [mr.series_uid],
+        "nnunet": [other.series_uid]}
+    assert sorted(_referenced(s) for s in segs) == sorted(
+        s.series_uid for s in (liver, lung, mr, other))
+    def status_of_four():
+        healthy, status = read_status(tmp_path / "spool")
+        return (healthy, status) if len(status.get("recent", [])) == 4 else None
+
+    healthy, status = peers.wait_for(status_of_four, what="the four outcomes in status.json")
+    shown = {r["series"]: (r["model"], r["outcome"]) for r in status["recent"]}
+    assert healthy and shown == {liver.series_uid: ("liver", "sent"), lung.series_uid: ("lung", "sent"),
+                                 mr.series_uid: ("prostate", "sent"), other.series_uid: ("nnunet", "sent")}
+    record = json.loads((tmp_path / "spool" / "done" / f"{lung.series_uid}.json").read_text())
+    assert (record["model"], record["route"], record["called_ae"]) == ("lung", f"called AE title {LUNG_AE}",
+                                                                       LUNG_AE)
+    assert status["models"] == ["nnunet", "liver", "lung", "prostate"]
+
+
+def test_node_accepts_the_called_ae_titles_of_its_routes_and_still_rejects_unknown_ones(routed_factory):
+    node, _ = routed_factory()
+
+    unknown = peers.associate(node.config.port, called="NNUNET_BRAIN")
+    mapped = [peers.associate(node.config.port, called=title) for title in (LIVER_AE, LUNG_AE, "NNUNET")]
+
+    assert unknown.is_rejected and unknown.acceptor.primitive.diagnostic == 7  # called AE not recognised
+    assert all(a.is_established for a in mapped)
+    for assoc in mapped:
+        assoc.release()
+
+
+def test_a_series_keeps_the_route_of_its_first_instance_when_later_ones_come_to_another_called_ae(
+        routed_factory, dest, tmp_path, caplog):
+    series = _series(tmp_path, n=6)
+    caplog.set_level(logging.INFO, logger="nnunet_triton")
+    node, models = routed_factory(idle_timeout_s=1.0)
+
+    peers.send(node.config.port, series.files[:3], called=LIVER_AE)
+    peers.send(node.config.port, series.files[3:], called=LUNG_AE)  # the same series, within the idle time
+    (seg,) = dest.wait(1)
+
+    assert _frames(seg) == 6 and models["liver"].calls == [series.series_uid]
+    assert models["lung"].calls == [] and models["nnunet"].calls == []
+    assert f"came to called AE title '{LUNG_AE}'; the series follows the route of its first instance" in (
+        caplog.text)
+
+
+def test_the_route_is_recorded_before_the_c_store_is_answered_and_survives_a_restart(
+        routed_factory, dest, tmp_path):
+    series = _series(tmp_path, n=3)
+    first, _ = routed_factory(idle_timeout_s=600)  # never complete while this node runs
+    peers.send(first.config.port, series.files, called=LIVER_AE)
+    state = json.loads((tmp_path / "spool" / "incoming" / series.series_uid / ".state.json").read_text())
+    first.stop()
+
+    second, models = routed_factory()  # the same spool; the called AE title is known from the state only
+    (seg,) = dest.wait(1)
+
+    assert (state["model"], state["called_ae"], state["route"]) == ("liver", LIVER_AE,
+                                                                    f"called AE title {LIVER_AE}")
+    assert _referenced(seg) == series.series_uid
+    assert models["liver"].calls == [series.series_uid] and models["nnunet"].calls == []
+
+
+def test_a_late_instance_under_another_called_ae_follows_the_model_of_the_seg_already_sent(
+        routed_factory, dest, tmp_path):
+    series = _series(tmp_path, n=4)
+    node, models = routed_factory()
+
+    peers.send(node.config.port, series.files[:2], called=LUNG_AE)
+    dest.wait(1)
+    peers.send(node.config.port, series.files[2:])  # later, to the node's own title (default: nnunet)
+    first, second = dest.wait(2)
+
+    assert [_frames(first), _frames(second)] == [2, 4]
+    assert second.SeriesInstanceUID == first.SeriesInstanceUID
+    assert models["lung"].calls == [series.series_uid] * 2 and models["nnunet"].calls == []
+
+
+def test_a_series_nothing_routes_is_set_aside_with_the_reason_and_no_patient_data(
+        routed_factory, dest, tmp_path, caplog):
+    series = _series(tmp_path, n=3)
+    _with(series.files, PatientName=NAME, SeriesDescription=f"portal {NAME}")
+    caplog.set_level(logging.DEBUG, logger="nnunet_triton")
+    node, models = routed_factory(routes=_routes(default=None))
+
+    peers.send(node.config.port, series.files)  # CT to the node's own AE title: no rule, no default
+    peers.wait_for(lambda: node.processed, what="the refusal")
+
+    error = (tmp_path / "spool" / "failed" / series.series_uid / "error.txt").read_text()
+    assert "no route: the called AE title NNUNET is not one of called_ae_titles, none of the 1 rule(s) " \
+           "matches (Modality CT)" in error and "has no default model" in error
+    assert not any(t.calls for t in models.values()) and dest.received == []
+    assert "Doe" not in error and "Doe" not in caplog.text and "portal" not in caplog.text
+    assert f"series {series.series_uid}: no route" in caplog.text
+
+
+def test_a_series_of_an_earlier_node_without_a_recorded_route_is_routed_by_the_rules_when_processed(
+        tmp_path, routed_factory, dest):
+    mr = _series(tmp_path, "mr", n=3, modality="MR")
+    folder = tmp_path / "spool" / "incoming" / mr.series_uid
+    folder.mkdir(parents=True)
+    for path, sop in zip(mr.files, mr.sop_uids, strict=True):  # what a node before routes left behind
+        shutil.copyfile(path, folder / f"{sop}.dcm")
+
+    node, models = routed_factory()
+    dest.wait(1)
+
+    assert models["prostate"].calls == [mr.series_uid] and models["nnunet"].calls == []
+
+
+def test_each_model_checks_that_a_series_fits_it(tmp_path, routed_factory, dest):
+    from nnunet_triton.client.dicom.node import NodeModel
+
+    mr = _series(tmp_path, "mr", n=3, modality="MR")
+    made, thresholds = peers.threshold_models("nnunet", "liver", "lung", "prostate")
+    made["liver"] = NodeModel(thresholds["liver"], modalities=ModalityRule(frozenset({"CT"})))
+    node, _ = routed_factory(models=made)
+
+    peers.send(node.config.port, mr.files, called=LIVER_AE)  # an MR series sent to the liver (CT) model
+    peers.wait_for(lambda: node.processed, what="the refusal")
+
+    error = (tmp_path / "spool" / "failed" / mr.series_uid / "error.txt").read_text()
+    assert "Modality MR does not fit the model: the model's channel names expect CT (model liver)" in error
+    assert f"model: liver (called AE title {LIVER_AE})" in error
+    assert not any(t.calls for t in thresholds.values())
+
+
+def test_node_config_refuses_routes_to_a_model_it_does_not_have(tmp_path, dest, model):
+    made, _ = peers.threshold_models("nnunet", "liver")
+    with pytest.raises(PacsError, match=r"model 'lung' \(called_ae_titles\['NNUNET_LUNG'\] of routes\) but "
+                                        r"the node has no such model"):
+        peers.node_config(tmp_path / "s", dest, None, routes=_routes(rules=[]), models=made)
+    with pytest.raises(PacsError, match=r"one segment callable is the routes' default model \(nnunet\) only"):
+        peers.node_config(tmp_path / "s", dest, model, routes=_routes(rules=[]))
+    with pytest.raises(PacsError, match=r"one model \(segment, labels, modalities\) or several"):
+        NodeConfig(ae_title="NNUNET", port=1, spool=tmp_path, destination=dest.destination(), segment=model,
+                   models=made)

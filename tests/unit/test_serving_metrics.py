@@ -92,6 +92,8 @@ def pb(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 LABELS = {
     "model": "orchestrator_model",
+    "endpoint": "nnunet",
+    "endpoint_version": "1",
     "dataset": "Dataset903_Deploy",
     "configuration": "nnUNetTrainer__nnUNetPlans__3d_fullres",
 }
@@ -121,6 +123,12 @@ def _values(name: str, **labels: str) -> list:
 
 def test_metric_labels_name_model_dataset_and_results_folder() -> None:
     assert metrics.metric_labels("orchestrator_model", make_config()) == LABELS
+
+
+def test_metric_labels_name_the_endpoint_version_of_a_namespaced_model() -> None:
+    labels = metrics.metric_labels("liver__v2__orchestrator_model", make_config())
+    assert (labels["model"], labels["endpoint"], labels["endpoint_version"]) == (
+        "liver__v2__orchestrator_model", "liver", "2")
 
 
 def test_create_registers_step_and_count_families_with_zeroed_metrics() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
 from nnunet_triton.builder.repository import build_repository
 from nnunet_triton.builder.torch_compat import check_export_torch, torch_minor, torch_minor_text
 from nnunet_triton.errors import ConfigParameterError, ExportError
-from nnunet_triton.io_names import REPOSITORY_METADATA_FILE
+from nnunet_triton.registry import version_metadata
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "Dataset901_SynthCT" / \
     "nnUNetTrainer__nnUNetPlans__3d_tiny"
@@ -54,7 +53,7 @@ def test_gpu_build_records_exporting_and_serving_torch_when_serving_torch_matche
     serving = torch_minor_text(torch.__version__)
     options = BuildOptions(target="gpu", serving_torch=serving)
     result = build_repository(FIXTURE, tmp_path / "repo", options=options, folds_only=True)
-    metadata = json.loads((result.out / REPOSITORY_METADATA_FILE).read_text())
+    metadata = version_metadata(result.out)
     assert (metadata["torch_version"], metadata["serving_torch"], metadata["fold_runner"]) == (
         torch.__version__, serving, "libtorch")
     assert all(e["torch_version"] == torch.__version__ for e in metadata["exports"])

@@ -108,6 +108,21 @@ def test_recorded_reference_round_trips_and_refuses_changed_input_tampering_and_
         recorded.answer("a", image, (1.0, 1.0, 1.0))
 
 
+def test_a_new_version_of_the_same_labels_is_compared_only_when_allowed_and_other_labels_never(tmp_path):
+    image = np.arange(24, dtype=np.int16).reshape(1, 2, 3, 4)
+    recorded = RecordedReference.open(_recorded(tmp_path, image))
+    retrained = {"dataset_name": "D", "configuration": "3d_lowres"}
+    with pytest.raises(ReferenceError, match=r"configuration: recorded None, served '3d_lowres'\) \(a new "
+                                             r"version of the same labels: --allow-model-change\)"):
+        recorded.check_compatible(retrained, {"mirroring": True})
+    assert recorded.check_compatible(retrained, {"mirroring": True}, allow_model_change=True) == [
+        "configuration: recorded None, served '3d_lowres'"]
+    with pytest.raises(ReferenceError,
+                       match=r"another model \(labels: recorded None, served \{'a': 1\}\)\.$"):
+        recorded.check_compatible({**retrained, "labels": {"a": 1}}, {"mirroring": True},
+                                  allow_model_change=True)
+
+
 def test_reference_sets_are_never_overwritten_and_an_incomplete_one_is_refused(tmp_path):
     image = np.zeros((1, 2, 2, 2), np.float32)
     folder = _recorded(tmp_path, image)

@@ -4,6 +4,8 @@ Why these settings (perf_analyzer 2.48.0, installed by ``make setup`` as ``.venv
 
 - ``--measurement-mode count_windows`` + ``--measurement-request-count``: a window closes after N
   requests, not after a fixed time, so multi-second requests still fill each window.
+  ``time_windows`` (``measurement_mode``): every window lasts ``--measurement-interval``; two runs
+  started together then load the server for the same time (``tools.perf.two_models``).
 - ``--stability-percentage 1000``: on a shared 2-core machine consecutive windows never agree within
   the default 10 %; perf_analyzer then merges the last three windows (``--max-trials 3`` windows at
   most) and reports percentiles over all their requests.
@@ -28,10 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PROTOCOLS", "AnalyzerSettings", "AnalyzerResult", "perf_analyzer_path", "command", "run",
-           "parse_csv", "parse_log"]
+__all__ = ["PROTOCOLS", "MEASUREMENT_MODES", "AnalyzerSettings", "AnalyzerResult", "perf_analyzer_path",
+           "command", "run", "parse_csv", "parse_log"]
 
 PROTOCOLS = ("grpc", "http")
+MEASUREMENT_MODES = ("count_windows", "time_windows")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _PARAMETER_TYPES = ("bool", "int", "string")
 # CSV column -> our key (microseconds in the CSV)
@@ -55,7 +58,9 @@ class AnalyzerSettings:
         concurrency: concurrent requests (one level per run).
         measurement_request_count: requests per count window.
         request_count: > 0: exactly this many requests in one window (long requests).
-        measurement_interval_ms: first count window length; it grows until the count is reached.
+        measurement_interval_ms: first count window length; it grows until the count is reached
+            (``time_windows``: the length of every window).
+        measurement_mode: ``count_windows`` (default) or ``time_windows``.
         request_parameters: ``(name, value, type)`` sent with every request (gRPC only).
         bls_composing_models: models the BLS orchestrator calls, ``name[:version]`` (reported by
             perf_analyzer).
@@ -79,6 +84,7 @@ class AnalyzerSettings:
     shared_memory: str = "none"
     output_shared_memory_size: int = 64 * 2**20
     model_version: str = "1"
+    measurement_mode: str = "count_windows"
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -102,6 +108,9 @@ class AnalyzerSettings:
             raise ValueError(f"request_parameters must be (name, value, bool|int|string), got {bad}.")
         if self.shared_memory not in ("none", "system"):
             raise ValueError(f"shared_memory must be 'none' or 'system', got {self.shared_memory!r}.")
+        if self.measurement_mode not in MEASUREMENT_MODES:
+            raise ValueError(
+                f"measurement_mode must be one of {MEASUREMENT_MODES}, got {self.measurement_mode!r}.")
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,7 @@ def command(settings: AnalyzerSettings, csv_path: Path, *, binary: Path | None =
         "--sync",
         "-b", "1",  # max_batch_size 0 models: one case per request
         "--concurrency-range", f"{s.concurrency}:{s.concurrency}:1",
-        "--measurement-mode", "count_windows",
+        "--measurement-mode", s.measurement_mode,
         "--measurement-request-count", str(s.measurement_request_count),
         "--measurement-interval", str(s.measurement_interval_ms),
         "--stability-percentage", str(s.stability_percentage),

@@ -49,6 +49,7 @@ from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.builder.model_specs import BuildOptions
+from nnunet_triton.registry import version_metadata
 from tools.perf import analyzer, baselines, repos, server_stats, workloads
 from tools.perf.monolith import MONOLITH_MODEL
 from tools.perf.resources import ProcessTreeSampler, ResourceUsage
@@ -676,7 +677,7 @@ def _run_workload(plan: WorkloadPlan, args: argparse.Namespace, out_dir: Path, m
         folds = (0,) if not benchmark and plan.name == "realistic" else None  # tuning: one fold, less memory
         pipeline = repos.pipeline_repository(ctx.model_dir, plan.name, options=options, folds=folds,
                                              variant=variant if benchmark else f"tune-{variant}")
-        ctx.served_folds = tuple(json.loads((pipeline / "repository_metadata.json").read_text())["folds"])
+        ctx.served_folds = tuple(version_metadata(pipeline)["folds"])
         meta["build_options"][f"{plan.name}/{variant}"] = json.loads(json.dumps(asdict(options), default=str))
         served = [pipeline] + ([monolith] if monolith is not None else [])
         server = _server(served, ctx.work_dir, _file_label(variant))

@@ -1,26 +1,23 @@
-"""What a built repository depends on, and how a build lands: input hash, adapters, atomic replacement.
+"""What a built repository depends on: input hash, adapters, the builder's own code.
 
 ``compute_input_hash`` covers the plans, dataset.json, the checkpoints, the build options, the model.py
 adapters (generated from the package, :func:`adapter_source`), the package version and the source of every
 module the builder runs (its import closure, computed: :func:`generating_code`), so a re-run with the same
 inputs is a no-op and any change rebuilds.
-The build happens in a temporary sibling directory (``staging``) that replaces the output only when
-complete: a failure leaves the previous repository (or nothing) in place.
+How a version lands in the repository (staged in a sibling folder, moved in under the lock, the registry
+last): ``builder.repository``.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import shutil
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,7 +26,6 @@ from nnunet_triton import io_names
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
 from nnunet_triton.builder.torchscript import sha256_file
-from nnunet_triton.errors import PlansError
 from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.postprocessing import (
@@ -160,39 +156,6 @@ def torch_version() -> str:
     import torch
 
     return torch.__version__
-
-
-def existing_hash(out: Path) -> str | None:
-    try:
-        return json.loads((out / METADATA_FILE).read_text()).get("input_hash")
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def up_to_date(out: Path, input_hash: str, force: bool) -> bool:
-    """True when ``out`` was built from exactly these inputs; refuses to replace a foreign directory."""
-    existing = existing_hash(out) if out.exists() else None
-    if out.exists() and existing is None and not force:
-        raise PlansError(
-            f"output {str(out)!r} exists but has no {METADATA_FILE}; refusing to replace it (use --force)."
-        )
-    if existing == input_hash and not force:
-        LOGGER.info("%s is up to date (input hash %s)", out, input_hash[:12])
-        return True
-    return False
-
-
-@contextlib.contextmanager
-def staging(out: Path) -> Iterator[Path]:
-    """A temporary sibling of ``out`` to build into; swapped in when the block ends, removed on any error."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
-    try:
-        yield tmp
-        replace_directory(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def replace_directory(tmp: Path, out: Path) -> None:

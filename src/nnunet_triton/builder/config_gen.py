@@ -29,6 +29,8 @@ __all__ = [
     "model_config_proto",
     "render_config",
     "write_config",
+    "renamed_config",
+    "write_text_atomic",
 ]
 
 LOGGER = logging.getLogger(__name__)
@@ -344,9 +346,43 @@ def render_config(spec: ModelSpec) -> str:
 
 
 def write_config(spec: ModelSpec, model_dir: str | Path) -> Path:
-    """Write ``<model_dir>/config.pbtxt`` (creating ``model_dir``) and return its path."""
+    """Write ``<model_dir>/config.pbtxt`` (creating ``model_dir``) and return its path; the file is replaced
+    atomically, so a server loading the model reads the old config or the new one, never half of one."""
     path = Path(model_dir) / "config.pbtxt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_config(spec))
+    write_text_atomic(path, render_config(spec))
     LOGGER.info("wrote %s", path)
     return path
+
+
+def renamed_config(text: str, name: str) -> str:
+    """The ``config.pbtxt`` ``text`` of one model as the config of model ``name`` (everything else equal).
+
+    Raises:
+        ValueError: ``text`` is not a model config (names the parse error).
+    """
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        message = text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as exc:
+        raise ValueError(f"not a Triton model config: {exc}") from None
+    message.name = name
+    return text_format.MessageToString(message)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Replace ``path`` with ``text`` by a rename within its folder (readers see old or new, never a mix)."""
+    import os
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

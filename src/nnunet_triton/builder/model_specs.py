@@ -15,6 +15,8 @@ Ensembles of configurations and cascades: :mod:`.composite_specs`.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -35,6 +37,8 @@ from nnunet_triton.numerics.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.options import ProbabilitiesOutput
 from nnunet_triton.parameters import (
+    DESCRIPTION_PARAMETER,
+    PARAM_FOLD_MODELS,
     FoldRunnerParameters,
     OrchestratorParameters,
     PipelineParameters,
@@ -59,6 +63,7 @@ __all__ = [
     "typed_endpoint_specs",
     "is_endpoint",
     "repository_specs",
+    "namespaced_specs",
 ]
 
 # Images always have 3 spatial axes on the wire: nnU-Net's readers return (C, z, y, x) even for 2D
@@ -414,3 +419,36 @@ def repository_specs(config: InferenceConfig, options: BuildOptions, *, folds_on
     endpoint = ensemble_spec(config)
     return (*folds, preprocess_spec(config, options), orchestrator_spec(config, options),
             stitch_spec(config, options), endpoint, *typed_endpoint_specs(endpoint))
+
+
+def namespaced_specs(specs: Sequence[ModelSpec], name: str, version: int
+                     ) -> tuple[tuple[ModelSpec, ...], dict[str, str]]:
+    """The models of version ``version`` of endpoint ``name`` from the specs of one built pipeline.
+
+    Every composing model gets the namespace ``io_names.model_namespace(name, version)`` (ensemble steps
+    and the orchestrator's ``fold_models`` follow); the pipeline's endpoint ``nnunet`` and its typed copies
+    become the pinned endpoint ``<name>__v<version>`` (+ typed copies), whose published description names
+    the endpoint and the version. Returns the specs and the renaming ``{old name: new name}``.
+    """
+    namespace = io_names.model_namespace(name, version)
+    pinned = io_names.pinned_endpoint(name, version)
+    endpoints = dict(zip(io_names.public_endpoints(io_names.ENDPOINT_MODEL),
+                         io_names.public_endpoints(pinned), strict=True))
+
+    def rename(model: str) -> str:
+        return endpoints.get(model, namespace + model)
+
+    renamed = []
+    for spec in specs:
+        parameters = dict(spec.parameters)
+        if PARAM_FOLD_MODELS in parameters:
+            folds = [m.strip() for m in str(parameters[PARAM_FOLD_MODELS]).split(",") if m.strip()]
+            parameters[PARAM_FOLD_MODELS] = ",".join(rename(m) for m in folds)
+        if DESCRIPTION_PARAMETER in parameters:
+            described = json.loads(str(parameters[DESCRIPTION_PARAMETER]))
+            described |= {"endpoint": name, "version": version}
+            parameters[DESCRIPTION_PARAMETER] = json.dumps(described, sort_keys=True)
+        steps = tuple(replace(step, model_name=rename(step.model_name)) for step in spec.ensemble_steps) \
+            if spec.ensemble_steps else spec.ensemble_steps
+        renamed.append(replace(spec, name=rename(spec.name), ensemble_steps=steps, parameters=parameters))
+    return tuple(renamed), {spec.name: rename(spec.name) for spec in specs}

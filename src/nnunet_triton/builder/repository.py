@@ -1,27 +1,35 @@
-"""Build a Triton model repository from a trained nnU-Net v2 results folder.
+"""Build nnU-Net models into a Triton model repository: one endpoint name and version per build.
 
-    python -m repository.build --model <Dataset.../Trainer__Plans__Config> [<more folders>] [--folds 0 1]
-        [--out build/model_repository] [--target cpu|gpu] [--tile-batch-size 4] [--max-voxels N]
-        [--max-request-bytes N] [--force]
+    nnunet-triton build --model <Dataset.../Trainer__Plans__Config> [<more folders>] [--name liver]
+        [--new-version | --version N] [--promote] [--folds 0 1] [--out build/model_repository]
+        [--target cpu|gpu] [--tile-batch-size 4] [--max-voxels N] [--max-request-bytes N] [--force]
 
 Two or more ``--model`` folders build an ensemble of configurations (``build_ensemble_repository``).
 
-What it writes (``<out>``)::
+A repository holds any number of endpoint names, each with versions (``nnunet_triton.registry``). One build
+writes one version of one name and leaves every other name and version untouched::
 
-    repository_metadata.json            versions, plans sha256, folds, target, export checks, input hash
-    nnunet/config.pbtxt, 1/             the ensemble endpoint
-    preprocess_model/  orchestrator_model/  stitch_model/
+    repository_metadata.json            the registry: every name's versions (what each build recorded:
+                                        versions, plans sha256, folds, target, export checks, input hash)
+                                        and the promoted version of each name
+    liver/, liver_int16/, ...           the public endpoint: the promoted version's steps (server.rollout)
+    liver__v2/, liver__v2_int16/, ...   the pinned endpoint of version 2
+    liver__v2__preprocess_model/  liver__v2__orchestrator_model/  liver__v2__stitch_model/
         config.pbtxt, 1/model.py, 1/inference_config.json
-    fold_<k>/config.pbtxt, 1/model.pt   (+ 1/model.py, 1/inference_config.json for the Python runner)
+    liver__v2__fold_<k>/config.pbtxt, 1/model.pt   (+ 1/model.py, 1/inference_config.json: Python runner)
+
+Version 1 of the default name ``nnunet`` keeps the names of a one-model repository (``preprocess_model``,
+``fold_0``, ...: ``io_names.model_namespace``). Which version a build writes (:class:`VersionChoice`): a new
+name gets version 1, promoted; ``new_version`` adds the next version (not promoted unless ``promote``);
+``version`` names one; otherwise the name's latest version is rebuilt in place. Inputs equal to those of a
+version (its ``input_hash`` over the plans, dataset.json, the checkpoints, the build options, the adapters
+and the generating code) make the build a no-op.
 
 Every config.pbtxt comes from ``nnunet_triton.builder.model_specs``; every ``model.pt`` from
 ``nnunet_triton.builder.torchscript`` (reloaded and compared with the eager network before it is kept).
-
-The build happens in a temporary sibling directory that replaces ``<out>`` only when complete, so a
-failure leaves the previous repository (or nothing) in place. ``input_hash`` covers the plans,
-dataset.json, the checkpoints, the build options, the adapters and the generating code; a re-run
-with the same inputs is a no-op, any change rebuilds. Triton ignores plain files at the repository
-root (verified with the embedded 2.51 server), so the metadata file can live there.
+A version is built in a temporary sibling directory with the layout of one pipeline, renamed into its
+namespace there, then its folders are moved in and the registry is replaced last (the commit point), all
+under the repository's lock (``registry.locked``). A failure leaves the repository as it was.
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import shutil
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,13 +56,13 @@ from nnunet_triton.builder.build_inputs import (
     adapter_source,
     adapters_needed,
     compute_input_hash,
+    replace_directory,
     sha256_file,
-    staging,
     torch_version,
-    up_to_date,
 )
+from nnunet_triton.builder.config_gen import ModelSpec
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
-from nnunet_triton.errors import PlansError
+from nnunet_triton.errors import PlansError, RepositoryError
 from nnunet_triton.io_names import TORCHSCRIPT_FILE, VERSION_DIR
 from nnunet_triton.numerics.ensembling import check_ensemble_members
 from nnunet_triton.numerics.model_folder import read_model_folder
@@ -64,11 +74,15 @@ from nnunet_triton.numerics.postprocessing import (
     load_postprocessing_pkl,
 )
 from nnunet_triton.options import ProbabilitiesOutput
+from nnunet_triton.registry import Registry, locked, read_registry, write_registry
 
 __all__ = [
     "BuildResult",
+    "VersionChoice",
     "build_repository",
     "build_ensemble_repository",
+    "remove_endpoint",
+    "write_public_endpoints",
 ]
 
 LOGGER = logging.getLogger(__name__)
@@ -79,9 +93,45 @@ class BuildResult:
     """Outcome of :func:`build_repository`."""
 
     out: Path
-    rebuilt: bool  # False when the existing repository already matched the inputs
+    rebuilt: bool  # False when the version already held exactly these inputs
     input_hash: str
     seconds: float
+    name: str = io_names.ENDPOINT_MODEL
+    version: int = 1
+    promoted: bool = True  # the public endpoint ``name`` runs this version
+
+    def summary(self) -> str:
+        """One line for the command line: what was built, where, and how to call it."""
+        state = "built" if self.rebuilt else "up to date"
+        call = (f"the public endpoint {self.name!r} runs it" if self.promoted else
+                f"not promoted: call it as {io_names.pinned_endpoint(self.name, self.version)!r}; "
+                f"`nnunet-triton promote --name {self.name} --version {self.version}` makes {self.name!r} "
+                "run it")
+        return f"{state}: {self.name} version {self.version} in {self.out} ({self.seconds:.1f} s; {call})"
+
+
+@dataclass(frozen=True)
+class VersionChoice:
+    """Which version of which endpoint a build writes (see the module docstring).
+
+    Attributes:
+        name: the endpoint name (``io_names.check_endpoint_name``).
+        version: build exactly this version (added, or replaced when it exists).
+        new_version: add the version after the name's latest (not with ``version``).
+        promote: the public endpoint runs the built version (a new name's first version always does).
+    """
+
+    name: str = io_names.ENDPOINT_MODEL
+    version: int | None = None
+    new_version: bool = False
+    promote: bool = False
+
+    def __post_init__(self) -> None:
+        io_names.check_endpoint_name(self.name)
+        if self.version is not None:
+            object.__setattr__(self, "version", io_names.check_version(self.version))
+            if self.new_version:
+                raise ValueError(f"give a version ({self.version}) or ask for a new one, not both.")
 
 
 def _write_python_model(model_dir: Path, step: str, config: InferenceConfig) -> None:
@@ -136,8 +186,9 @@ def _build_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: Bu
 
 
 def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, input_hash: str,
-              exports: list[dict[str, Any]], *, folds_only: bool, seconds: float,
+              exports: list[dict[str, Any]], *, seconds: float,
               postprocessing: PostprocessingPlan | None = None) -> dict[str, Any]:
+    """What the registry records of one version (``models`` and the export paths are set when it lands)."""
     return {
         "input_hash": input_hash,
         "nnunet_triton_version": NNUNET_TRITON_VERSION,
@@ -157,9 +208,6 @@ def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, i
         "fold_precision": options.fold_precision,
         "tile_batch_size": options.tile_batch_size,
         "build_options": json.loads(json.dumps(asdict(options), default=str)),
-        "models": sorted(
-            spec.name for spec in model_specs.repository_specs(config, options, folds_only=folds_only)
-        ),
         "exports": exports,
         "postprocessing": None if postprocessing is None else json.loads(postprocessing.to_json()),
         "build_seconds": round(seconds, 3),
@@ -178,12 +226,15 @@ def build_repository(
     export_device: str | None = None,
     postprocessing: str | Path | None = "auto",
     previous_stage_model: str | Path | None = None,
+    endpoint: VersionChoice | None = None,
 ) -> BuildResult:
-    """Build (or keep, when up to date) the model repository ``out`` for the results folder ``model_dir``.
+    """Build (or keep, when up to date) one version of one endpoint of the repository ``out`` from the
+    results folder ``model_dir``.
 
     Args:
         configuration: if given, must equal the configuration the checkpoints were trained with.
-        force: rebuild even when up to date, and replace an ``out`` that is not a built repository.
+        force: rebuild even when up to date, and replace an ``out`` that is not a repository of this
+            nnunet-triton (its whole content).
         folds_only: only the fold models (testing the runners without the pipeline adapters).
         export_device: device to trace on (default cpu; cuda for fp16).
         postprocessing: ``"auto"`` applies nnU-Net's ``postprocessing.pkl`` from
@@ -193,14 +244,17 @@ def build_repository(
         previous_stage_model: for a cascade stage (``previous_stage`` in its configuration), the previous
             stage's model folder; default: nnU-Net's sibling ``<trainer>__<plans>__<previous stage>``. Both
             stages run in one endpoint call (the previous stage's segmentation feeds this one).
+        endpoint: the name and version to write (default: ``nnunet``, its latest version, or 1).
 
     Raises:
         PlansError / UnsupportedModelError / ExportError: see ``read_model_folder`` and ``export_fold``;
+        RepositoryError: the registry cannot be read, or ``out`` is not a repository (without ``force``).
         ``out`` is left untouched.
     """
     start = time.perf_counter()
     model_dir, out = Path(model_dir), Path(out)
     options = options or BuildOptions()
+    endpoint = endpoint or VersionChoice()
     torch_compat.check_export_torch(torch_version(), options.loading_torch, runner=str(options.runner))
     config = read_model_folder(model_dir, folds=folds, allow_cascade=True)
     previous = _previous_stage(model_dir, config, previous_stage_model, folds)
@@ -217,23 +271,27 @@ def build_repository(
         previous_hash = compute_input_hash(*previous, options, folds_only=False,
                                            export_options=export_options)
         input_hash = hashlib.sha256(f"{input_hash}\nprevious_stage={previous_hash}".encode()).hexdigest()
-    if up_to_date(out, input_hash, force):
-        return BuildResult(out=out, rebuilt=False, input_hash=input_hash, seconds=time.perf_counter() - start)
-    with staging(out) as tmp:
+    if previous is not None and not folds_only:
+        specs = composite_specs.cascade_repository_specs(previous[1], config, options)
+    else:
+        specs = model_specs.repository_specs(config, options, folds_only=folds_only)
+
+    def write(tmp: Path) -> dict[str, Any]:
         exports = _build_into(tmp, model_dir, config, options, folds_only=folds_only,
                               export_options=export_options, postprocessing=pp_plan, previous=previous)
-        metadata = _metadata(model_dir, config, options, input_hash, exports, folds_only=folds_only,
+        metadata = _metadata(model_dir, config, options, input_hash, exports,
                              seconds=time.perf_counter() - start, postprocessing=pp_plan)
         if previous is not None:
             metadata["previous_stage"] = {"model_folder": previous[0].name,
                                           "configuration": previous[1].configuration,
                                           "folds": list(previous[1].folds)}
-            metadata["models"] = sorted(spec.name for spec in composite_specs.cascade_repository_specs(
-                previous[1], config, options))
-        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
-    seconds = time.perf_counter() - start
-    LOGGER.info("built %s in %.1f s (folds %s, target %s)", out, seconds, list(config.folds), options.target)
-    return BuildResult(out=out, rebuilt=True, input_hash=input_hash, seconds=seconds)
+        return metadata
+
+    result = _land(out, endpoint, input_hash, specs, write, force=force, start=start)
+    if result.rebuilt:
+        LOGGER.info("built %s version %d into %s in %.1f s (folds %s, target %s)", result.name,
+                    result.version, out, result.seconds, list(config.folds), options.target)
+    return result
 
 
 def _previous_stage(model_dir: Path, config: InferenceConfig, explicit: str | Path | None,
@@ -304,14 +362,15 @@ def build_ensemble_repository(
     force: bool = False,
     export_device: str | None = None,
     postprocessing: str | Path | None = None,
+    endpoint: VersionChoice | None = None,
 ) -> BuildResult:
-    """An ensemble of configurations (``nnUNetv2_ensemble``) behind the one ``nnunet`` endpoint.
+    """An ensemble of configurations (``nnUNetv2_ensemble``) behind one endpoint (one version of it).
 
     Every model folder becomes a member pipeline (its folds averaged as usual); the members'
     probabilities are averaged in the given order by ``combine_model``. ``postprocessing`` is the
     ensemble's ``postprocessing.pkl`` (``nnUNetv2_find_best_configuration`` writes it under
-    ``<results>/<dataset>/ensembles/``), or None. Same atomic replace and input-hash reuse as
-    :func:`build_repository`.
+    ``<results>/<dataset>/ensembles/``), or None. Versions, input-hash reuse and the atomic landing are
+    those of :func:`build_repository`.
 
     Raises:
         PlansError: fewer than two folders, or members with different labels or input channels.
@@ -319,6 +378,7 @@ def build_ensemble_repository(
     start = time.perf_counter()
     model_dirs, out = [Path(m) for m in model_dirs], Path(out)
     options = options or BuildOptions()
+    endpoint = endpoint or VersionChoice()
     torch_compat.check_export_torch(torch_version(), options.loading_torch, runner=str(options.runner))
     configs = [read_model_folder(m, folds=folds) for m in model_dirs]
     check_ensemble_members(configs, [str(m) for m in model_dirs])
@@ -333,35 +393,219 @@ def build_ensemble_repository(
     digest.update(f"combine={adapter_source(COMBINE_ADAPTER)}\n".encode())
     digest.update(f"postprocessing={pp_plan.to_json() if pp_plan else 'none'}\n".encode())
     input_hash = digest.hexdigest()
-    if up_to_date(out, input_hash, force):
-        return BuildResult(out=out, rebuilt=False, input_hash=input_hash, seconds=time.perf_counter() - start)
-    with staging(out) as tmp:
+
+    def write(tmp: Path) -> dict[str, Any]:
         members = []
         for index, (model_dir, config) in enumerate(zip(model_dirs, configs, strict=True)):
             exports = _build_prefixed_into(tmp, model_dir, config, options, io_names.member_prefix(index),
                                            export_options, probabilities=ProbabilitiesOutput.ALWAYS)
-            members.append(_metadata(model_dir, config, options, "", exports, folds_only=False, seconds=0.0))
+            members.append(_metadata(model_dir, config, options, "", exports, seconds=0.0))
         combine = composite_specs.combine_spec(configs, options)
         config_gen.write_config(combine, tmp / combine.name)
         _write_python_model(tmp / combine.name, COMBINE_ADAPTER, configs[0])
         if pp_plan is not None:
             (tmp / combine.name / VERSION_DIR / POSTPROCESSING_FILE).write_text(pp_plan.to_json())
-        endpoint = composite_specs.configuration_ensemble_spec(configs)
-        for spec in (endpoint, *model_specs.typed_endpoint_specs(endpoint)):
+        endpoint_spec = composite_specs.configuration_ensemble_spec(configs)
+        for spec in (endpoint_spec, *model_specs.typed_endpoint_specs(endpoint_spec)):
             config_gen.write_config(spec, tmp / spec.name)
             (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)
-        metadata = {
+        return {
             **members[0],
             "input_hash": input_hash,
             "ensemble_members": [{k: m[k] for k in ("model_folder", "configuration", "trainer_name",
                                                     "plans_name", "folds", "exports")} for m in members],
-            "models": sorted(spec.name for spec in
-                             composite_specs.ensemble_repository_specs(configs, options)),
             "exports": [e for m in members for e in m["exports"]],
             "postprocessing": None if pp_plan is None else json.loads(pp_plan.to_json()),
             "build_seconds": round(time.perf_counter() - start, 3),
         }
-        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
-    seconds = time.perf_counter() - start
-    LOGGER.info("built ensemble %s of %d members in %.1f s", out, len(configs), seconds)
-    return BuildResult(out=out, rebuilt=True, input_hash=input_hash, seconds=seconds)
+
+    specs = composite_specs.ensemble_repository_specs(configs, options)
+    result = _land(out, endpoint, input_hash, specs, write, force=force, start=start)
+    if result.rebuilt:
+        LOGGER.info("built ensemble %s version %d of %d members into %s in %.1f s", result.name,
+                    result.version, len(configs), out, result.seconds)
+    return result
+
+
+# --- landing one version in the repository ----------------------------------------------------------------
+
+def _repository_state(out: Path) -> tuple[str, Registry | None]:
+    """``("new" | "registry" | "legacy" | "foreign", registry)`` of the build output ``out``."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return "new", None
+    if not out.is_dir():
+        return "foreign", None
+    try:
+        registry = read_registry(out)
+    except RepositoryError:
+        if (out / METADATA_FILE).is_file() and '"input_hash"' in (out / METADATA_FILE).read_text()[:4096]:
+            try:
+                if "format" not in json.loads((out / METADATA_FILE).read_text()):
+                    return "legacy", None
+            except ValueError:
+                pass
+        raise
+    return ("registry", registry) if registry is not None else ("foreign", None)
+
+
+def _chosen_version(registry: Registry | None, choice: VersionChoice, input_hash: str,
+                    force: bool) -> tuple[int, bool, bool]:
+    """(version, up to date, promote) for a build of ``choice`` into a repository with ``registry``."""
+    entry = registry.endpoints.get(choice.name) if registry is not None else None
+    if entry is None:
+        return choice.version or 1, False, True
+    if choice.version is not None:
+        same = choice.version in entry.versions and entry.versions[choice.version].input_hash == input_hash
+        return choice.version, same and not force, choice.promote or entry.promoted == choice.version
+    if not force:
+        for version, held in sorted(entry.versions.items()):
+            if held.input_hash == input_hash:  # these inputs are built already: never a duplicate version
+                return version, True, False
+    version = entry.latest + 1 if choice.new_version else entry.latest
+    return version, False, choice.promote or entry.promoted == version
+
+
+def _land(out: Path, choice: VersionChoice, input_hash: str, specs: Sequence[ModelSpec],
+          write: Callable[[Path], dict[str, Any]], *, force: bool, start: float) -> BuildResult:
+    """Write the pipeline of ``specs`` (``write`` builds it, unprefixed, into a folder and returns its
+    metadata) as one version of ``choice.name`` into ``out``; see the module docstring."""
+    state, registry = _repository_state(out)
+    if state == "legacy" and choice.name == io_names.ENDPOINT_MODEL:
+        force = True  # a one-model repository of an older version is the default name: rebuilt, as it was
+    if state in ("legacy", "foreign") and not force:
+        what = (f"was built by an older nnunet-triton (one model, {io_names.ENDPOINT_MODEL!r}, no endpoint "
+                f"registry): building {choice.name!r} beside it would lose it" if state == "legacy"
+                else f"exists but has no {METADATA_FILE}")
+        raise PlansError(f"output {str(out)!r} {what}; refusing to replace it (use --force, which replaces "
+                         "its whole content, or build into another folder).")
+    version, current, promote = _chosen_version(registry, choice, input_hash, force)
+    if current:
+        entry = registry.endpoint(choice.name) if registry is not None else None
+        LOGGER.info("%s version %d in %s is up to date (input hash %s)", choice.name, version, out,
+                    input_hash[:12])
+        return BuildResult(out=out, rebuilt=False, input_hash=input_hash, seconds=time.perf_counter() - start,
+                           name=choice.name, version=version,
+                           promoted=entry is not None and entry.promoted == version)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+    try:
+        raw, models = stage / "raw", stage / "models"
+        raw.mkdir()
+        models.mkdir()
+        metadata = write(raw)
+        named, renaming = model_specs.namespaced_specs(specs, choice.name, version)
+        written = {p.name for p in raw.iterdir()}
+        if written != set(renaming):
+            raise RuntimeError(f"the build wrote {sorted(written)} but its specs name {sorted(renaming)}")
+        for old, new in renaming.items():
+            (raw / old).rename(models / new)
+        for spec in named:
+            config_gen.write_config(spec, models / spec.name)
+        metadata["models"] = sorted(renaming.values())
+        metadata["exports"] = [{**e, "path": _renamed_path(e["path"], renaming)} for e in metadata["exports"]]
+        metadata["build_seconds"] = round(time.perf_counter() - start, 3)
+        if state in ("legacy", "foreign"):  # --force: the whole folder is replaced by this one version
+            landed = Registry().with_version(choice.name, version, metadata, promote=True)
+            if landed.endpoint(choice.name).public_models:
+                write_public_endpoints(models, models, choice.name, version)
+            write_registry(models, landed)
+            replace_directory(models, out)
+            promoted = True
+        else:
+            promoted = _install(out, models, stage / "trash", choice.name, version, metadata, promote)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return BuildResult(out=out, rebuilt=True, input_hash=input_hash, seconds=time.perf_counter() - start,
+                       name=choice.name, version=version, promoted=promoted)
+
+
+def _renamed_path(path: str, renaming: dict[str, str]) -> str:
+    first, _, rest = path.partition("/")
+    return f"{renaming.get(first, first)}/{rest}" if rest else renaming.get(first, first)
+
+
+def _install(out: Path, models: Path, trash: Path, name: str, version: int, metadata: dict[str, Any],
+             promote: bool) -> bool:
+    """Move the staged version's folders into ``out`` and commit the registry (under the lock); returns
+    whether the public endpoint runs the version."""
+    trash.mkdir()
+    with locked(out):
+        registry = read_registry(out) or Registry()
+        entry = registry.endpoints.get(name)
+        replaced = set(entry.versions[version].models) if entry and version in entry.versions else set()
+        landed = registry.with_version(name, version, metadata, promote=promote)
+        promoted = landed.endpoint(name).promoted == version
+        if promoted and landed.endpoint(name).public_models:
+            write_public_endpoints(models, models, name, version)
+        ours = {p.name for p in models.iterdir()}
+        for model in sorted(ours):
+            owner = registry.owner(model)
+            if owner is not None and owner[0] != name:
+                raise RepositoryError(f"model folder {model!r} of {name} version {version} belongs to "
+                                      f"endpoint {owner[0]!r} of this repository; nothing was changed.")
+        for model in sorted(ours | (replaced - ours)):
+            if (out / model).exists():
+                (out / model).rename(trash / model)
+        for model in sorted(ours):
+            (models / model).rename(out / model)
+        write_registry(out, landed)
+    shutil.rmtree(trash, ignore_errors=True)
+    return promoted
+
+
+def write_public_endpoints(source: Path, target: Path, name: str, version: int) -> list[str]:
+    """Write the public endpoint ``name`` and its typed copies into ``target`` as copies of the pinned
+    endpoints of ``version`` in ``source`` (same steps, inputs, outputs and description; only the name
+    differs).
+
+    Each config.pbtxt is replaced atomically, so a server loading the endpoint reads one version's steps.
+    Returns the public endpoints written.
+    """
+    pinned = io_names.public_endpoints(io_names.pinned_endpoint(name, version))
+    written = []
+    for source_name, public in zip(pinned, io_names.public_endpoints(name), strict=True):
+        config = source / source_name / "config.pbtxt"
+        if not config.is_file():
+            raise RepositoryError(f"version {version} of {name!r} has no pinned endpoint {source_name!r} "
+                                  f"({str(config)!r} is missing): build it again.")
+        (target / public / VERSION_DIR).mkdir(parents=True, exist_ok=True)  # Triton needs a version folder
+        config_gen.write_text_atomic(target / public / "config.pbtxt",
+                                     config_gen.renamed_config(config.read_text(), public))
+        written.append(public)
+    return written
+
+
+def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> list[str]:
+    """Remove version ``version`` of ``name`` from the repository ``out`` (every version and the public
+    endpoint when ``version`` is None); returns the model folders removed. The registry is committed first,
+    so an interrupted removal leaves only unlisted folders. Unload them from a running server first
+    (``server.rollout.remove``).
+
+    Raises:
+        RepositoryError: no such endpoint or version, the promoted version (while others remain), or not a
+            repository of this nnunet-triton.
+    """
+    out = Path(out)
+    with locked(out):
+        registry = read_registry(out)
+        if registry is None:
+            raise RepositoryError(f"{str(out)!r} is not a model repository built by nnunet-triton (no "
+                                  f"{METADATA_FILE}).")
+        entry = registry.endpoint(name)
+        if version is None:
+            gone = set(entry.public_models).union(*(set(v.models) for v in entry.versions.values()))
+            remaining = registry.without_endpoint(name)
+        else:
+            gone = set(entry.version(version).models)
+            remaining = registry.without_version(name, version)
+        write_registry(out, remaining)
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.remove-", dir=out.parent))
+        try:
+            for model in sorted(gone):
+                if (out / model).exists():
+                    (out / model).rename(trash / model)
+        finally:
+            shutil.rmtree(trash, ignore_errors=True)
+    what = name if version is None else f"{name} version {version}"
+    LOGGER.info("removed %s from %s (%d model folders)", what, out, len(gone))
+    return sorted(gone)

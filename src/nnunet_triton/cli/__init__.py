@@ -1,6 +1,7 @@
 """``nnunet-triton``: every command line of the project, one subcommand per task.
 
-    nnunet-triton build    --model RESULTS_FOLDER [--out DIR] [--target cpu|gpu] ...   (cli.build)
+    nnunet-triton build    --model RESULTS_FOLDER [--name N] [--new-version] [--out DIR] ...  (cli.build)
+    nnunet-triton versions / load / promote / rollback / remove --name N [--version V]  (cli.rollout)
     nnunet-triton export   --model RESULTS_FOLDER --out DIR ...                         (cli.export)
     nnunet-triton serve    [MODEL | --model-repository DIR] ... / stop / status          (cli.serve)
     nnunet-triton deploy   --model RESULTS_FOLDER [--target embedded|docker|k8s] / undeploy  (cli.deploy)
@@ -29,7 +30,7 @@ from nnunet_triton.errors import ClientError, NnunetTritonError
 
 __all__ = ["main", "parser"]
 
-_COMMANDS = ("build", "export", "serve", "deploy", "predict", "validate", "listen")
+_COMMANDS = ("build", "rollout", "export", "serve", "deploy", "predict", "validate", "listen")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False)
-        or args.command in ("build", "export", "serve", "deploy", "undeploy")
+        or args.command in ("build", "export", "serve", "deploy", "undeploy", "load", "promote", "rollback",
+                            "remove")
         else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )

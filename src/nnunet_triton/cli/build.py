@@ -12,11 +12,13 @@ from typing import Any
 
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner, Target
-from nnunet_triton.builder.repository import build_ensemble_repository, build_repository
+from nnunet_triton.builder.repository import VersionChoice, build_ensemble_repository, build_repository
 from nnunet_triton.errors import NnunetTritonError, PlansError
+from nnunet_triton.io_names import ENDPOINT_MODEL, check_endpoint_name, check_version
 from nnunet_triton.numerics.model_folder import parse_fold, read_model_folder
 
-__all__ = ["DEFAULT_OUT", "add_parsers", "add_arguments", "run", "main"]
+__all__ = ["DEFAULT_OUT", "add_parsers", "add_arguments", "add_endpoint_arguments", "endpoint_choice", "run",
+           "main"]
 
 LOGGER = logging.getLogger(__name__)
 DEFAULT_OUT = Path("build/model_repository")  # relative to the working directory, like the server home
@@ -24,9 +26,48 @@ DEFAULT_OUT = Path("build/model_repository")  # relative to the working director
 
 def add_parsers(sub: Any) -> None:
     """Mount ``build`` on the ``nnunet-triton`` subparsers ``sub``."""
-    p = sub.add_parser("build", help="build a Triton model repository from an nnU-Net results folder")
+    p = sub.add_parser("build", help="build an nnU-Net model into a Triton model repository (one endpoint "
+                                     "name and version; other names and versions stay as they are)")
     p.set_defaults(run=run)
     add_arguments(p)
+
+
+def endpoint_name(text: str) -> str:
+    """argparse type of an endpoint name (``io_names.check_endpoint_name``)."""
+    try:
+        return check_endpoint_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def endpoint_version(text: str) -> int:
+    """argparse type of an endpoint version (an integer >= 1)."""
+    try:
+        return check_version(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_endpoint_arguments(p: Any) -> None:
+    """``--name``, ``--new-version`` | ``--version N``, ``--promote``: the endpoint version a build writes."""
+    p.add_argument("--name", type=endpoint_name, default=ENDPOINT_MODEL,
+                   help=f"endpoint name (default {ENDPOINT_MODEL}); other names in the repository are left "
+                        "as they are")
+    versions = p.add_mutually_exclusive_group()
+    versions.add_argument("--new-version", action="store_true",
+                          help="add the next version of --name; the public endpoint keeps its promoted "
+                               "version (call the new one as <name>__v<N>; `nnunet-triton promote` switches)")
+    versions.add_argument("--version", type=endpoint_version, default=None, dest="endpoint_version",
+                          help="build exactly this version (default: the name's latest, or 1)")
+    p.add_argument("--promote", action="store_true",
+                   help="the public endpoint runs the version built (on a running server: nnunet-triton "
+                        "promote)")
+
+
+def endpoint_choice(args: argparse.Namespace) -> VersionChoice:
+    """The :class:`VersionChoice` the flags of :func:`add_endpoint_arguments` ask for."""
+    return VersionChoice(name=args.name, version=args.endpoint_version, new_version=args.new_version,
+                         promote=args.promote)
 
 
 def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> None:
@@ -41,8 +82,9 @@ def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> N
     p.add_argument("--folds", nargs="+", type=parse_fold, default=None, help="default: all fold_<k> found")
     if out:
         p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                       help=f"the repository to write (default {DEFAULT_OUT}, relative to the working "
+                       help=f"the repository to write into (default {DEFAULT_OUT}, relative to the working "
                             "directory)")
+    add_endpoint_arguments(p)
     p.add_argument("--target", choices=[t.value for t in Target], default=Target.CPU.value)
     p.add_argument("--tile-batch-size", type=int, default=BuildOptions.tile_batch_size,
                    help="tiles per fold request = fold models' max_batch_size")
@@ -121,22 +163,22 @@ def run(args: argparse.Namespace) -> int:
             serving_torch=args.serving_torch,
         )
         configurations = _configurations(args.model, args.configuration)
+        endpoint = endpoint_choice(args)
         if len(args.model) > 1:
             pp = None if args.postprocessing == "auto" else args.postprocessing
             result = build_ensemble_repository(args.model, args.out, options=options, folds=args.folds,
                                                force=args.force, export_device=args.export_device,
-                                               postprocessing=pp)
+                                               postprocessing=pp, endpoint=endpoint)
         else:
             result = build_repository(args.model[0], args.out, options=options, folds=args.folds,
                                       configuration=configurations[0], force=args.force,
                                       folds_only=args.folds_only, export_device=args.export_device,
                                       postprocessing=args.postprocessing,
-                                      previous_stage_model=args.previous_stage_model)
+                                      previous_stage_model=args.previous_stage_model, endpoint=endpoint)
     except (NnunetTritonError, ValueError) as exc:
         LOGGER.error("%s", exc)
         return 1
-    state = "built" if result.rebuilt else "up to date"
-    sys.stdout.write(f"{state}: {result.out} ({result.seconds:.1f} s)\n")
+    sys.stdout.write(result.summary() + "\n")
     return 0
 
 

@@ -13,11 +13,12 @@ import os
 import sys
 from typing import Any
 
+from nnunet_triton import io_names
 from nnunet_triton.numerics.model_folder import parse_fold
 from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE, RequestOptions, parse_int
 
 __all__ = ["DEFAULT_PORTS", "URL_ENV", "add_connection_arguments", "add_request_option_arguments",
-           "request_options", "url", "say", "positive_int"]
+           "add_endpoint_selection", "endpoint_model", "request_options", "url", "say", "positive_int"]
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 URL_ENV = "NNUNET_TRITON_URL"
@@ -34,6 +35,40 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per inference call")
     parser.add_argument("-v", "--verbose", action="store_true")
+
+
+def _name(text: str) -> str:
+    try:
+        return io_names.check_endpoint_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _version(text: str) -> int:
+    try:
+        return io_names.check_version(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_endpoint_selection(parser: argparse.ArgumentParser, *, flag: str = "--model") -> None:
+    """Which endpoint a client command calls: ``--model NAME`` (``validate``: ``--endpoint NAME``, its
+    ``--model`` being the results folder) and ``--model-version N``/``--endpoint-version N`` (a pinned
+    version; default: the promoted one). Read back with :func:`endpoint_model`."""
+    names = [flag] + (["--endpoint"] if flag != "--endpoint" else [])
+    parser.add_argument(*names, dest="endpoint", type=_name, default=io_names.ENDPOINT_MODEL,
+                        help=f"endpoint name on the server (default {io_names.ENDPOINT_MODEL}; "
+                             "`nnunet-triton info` lists them)")
+    parser.add_argument(f"{flag}-version", dest="endpoint_version", type=_version, default=None,
+                        help="call exactly this version of the endpoint (<name>__v<N>; default: the version "
+                             "the server promoted)")
+
+
+def endpoint_model(args: argparse.Namespace) -> str:
+    """The Triton model :func:`add_endpoint_selection`'s flags ask for (public or pinned endpoint)."""
+    version = getattr(args, "endpoint_version", None)
+    name = getattr(args, "endpoint", io_names.ENDPOINT_MODEL)
+    return name if version is None else io_names.pinned_endpoint(name, version)
 
 
 def add_request_option_arguments(parser: argparse.ArgumentParser, *,

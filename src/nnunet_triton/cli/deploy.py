@@ -1,9 +1,16 @@
 """``nnunet-triton deploy | undeploy``: one command from an nnU-Net results folder to a serving endpoint
 (``make deploy`` / ``make undeploy``).
 
-    nnunet-triton deploy --model <results folder> [--configuration C] [--folds 0 1]
-        [--target embedded|docker|k8s] [--out DIR] [--execute]
+    nnunet-triton deploy --model <results folder> [<more folders>] [--name N [N ...]] [--configuration C]
+        [--folds 0 1] [--target embedded|docker|k8s] [--out DIR] [--execute]
     nnunet-triton undeploy [--target embedded|docker|k8s] [--out DIR] [--execute]
+
+Several models behind one server: ``--model A B --name liver lung`` (one name per folder) builds each folder
+as its own endpoint (``liver``, ``lung``, with their typed copies and pinned versions) into ONE repository,
+served by one server (one container, one Deployment) sized for all of them; without ``--name``, or with one
+name, the folders are one endpoint of that name (default ``nnunet``; two or more folders: an ensemble of
+configurations). Every endpoint already in the repository is served too (``nnunet-triton remove --name``
+takes one out).
 
 embedded: build the CPU repository (a no-op when the builder's input hash matches), start the embedded
 tritonserver detached with every model loaded explicitly, wait until ready, print endpoints and example
@@ -27,9 +34,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton import io_names
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server import deploy
 from nnunet_triton.server.deploy import docker, k8s
@@ -56,43 +66,135 @@ def _build_options(args: argparse.Namespace, target: str, serving_torch: str | N
                         orchestrator_instances=args.orchestrator_instances, serving_torch=serving_torch)
 
 
-def _read_config(args: argparse.Namespace):  # -> InferenceConfig
+@dataclass(frozen=True)
+class EndpointPlan:
+    """One endpoint name deploy builds into the repository: its results folder (two or more: an ensemble
+    of configurations under the name) and the configuration each folder must have been trained with."""
+
+    name: str
+    models: tuple[Path, ...]
+    configurations: tuple[str | None, ...]
+
+    def __post_init__(self) -> None:
+        io_names.check_endpoint_name(self.name)
+        if not self.models or len(self.configurations) != len(self.models):
+            raise ValueError(f"endpoint {self.name!r} needs one or more model folders and one configuration "
+                             f"(or None) per folder, got {list(self.models)} and "
+                             f"{list(self.configurations)}.")
+
+    @property
+    def model(self) -> Path:
+        return self.models[0]
+
+    @property
+    def ensemble(self) -> bool:
+        return len(self.models) > 1
+
+
+def endpoint_plans(models: Sequence[Path], names: Sequence[str] | None = None,
+                   configurations: Sequence[str] | None = None) -> tuple[EndpointPlan, ...]:
+    """The endpoints ``--model``, ``--name`` and ``--configuration`` ask for.
+
+    No name or one name: every folder under that name (default ``nnunet``; several folders: an ensemble of
+    configurations). One name per folder: one endpoint per folder, in the same order. No folder: none
+    (k8s renders a built ``--repository``). ``--configuration``: one for every folder or one per folder.
+
+    Raises:
+        NnunetTritonError: names and folders do not pair up, a name is given twice, or the configurations
+            are neither one nor one per folder.
+    """
+    models, names = tuple(Path(m) for m in models), tuple(names or ())
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise NnunetTritonError(f"--name {' '.join(names)} gives the endpoint name(s) {twice} more than "
+                                "once; every endpoint of the repository needs its own name.")
+    if not models:
+        return ()
+    folders = [str(m) for m in models]
+    if len(names) > 1 and len(names) != len(models):
+        raise NnunetTritonError(
+            f"--name takes one name (every --model folder under it: several folders are an ensemble of "
+            f"configurations) or one name per --model folder (one endpoint each, one server): got "
+            f"{len(names)} names {list(names)} for {len(models)} --model folder(s) {folders}.")
+    given = tuple(configurations or ())
+    if given and len(given) not in (1, len(models)):
+        raise NnunetTritonError(f"--configuration takes one value or one per --model folder ({len(models)}: "
+                                f"{folders}), got {list(given)}.")
+    wanted = given * len(models) if len(given) == 1 else given or (None,) * len(models)
+    if len(names) > 1:
+        return tuple(EndpointPlan(name, (model,), (configuration,))
+                     for name, model, configuration in zip(names, models, wanted, strict=True))
+    return (EndpointPlan(names[0] if names else io_names.ENDPOINT_MODEL, models, wanted),)
+
+
+def _read_configs(args: argparse.Namespace) -> dict[str, Any]:  # {endpoint name: InferenceConfig}
+    """The configuration of each endpoint's (first) results folder, every folder and --configuration
+    checked; ensembles of configurations only on the embedded target."""
     from nnunet_triton.numerics.model_folder import read_model_folder
 
-    if args.model is None:
+    if not args.endpoints:
         raise NnunetTritonError(f"--target {args.target} needs --model (an nnU-Net results folder).")
-    if len(args.models) > 1 and args.target != "embedded":
-        raise NnunetTritonError(
-            f"--target {args.target} serves one model folder, got {len(args.models)} "
-            f"({', '.join(map(str, args.models))}); an ensemble of configurations is deployed with "
-            "--target embedded or built with `make repository MODEL=\"A B\"`.")
-    for model in args.models[1:]:
-        if not (model / "plans.json").is_file():
-            raise NnunetTritonError(f"--model {str(model)!r} is not an nnU-Net results folder.")
-    if not (args.model / "plans.json").is_file():
-        raise NnunetTritonError(f"--model {str(args.model)!r} is not an nnU-Net results folder.")
-    config = read_model_folder(args.model, folds=args.folds, allow_cascade=True)
-    if args.configuration is not None and args.configuration != config.configuration:
-        raise NnunetTritonError(f"--configuration {args.configuration!r} does not match the checkpoints' "
-                                f"configuration {config.configuration!r} in {str(args.model)!r}.")
-    return config
+    for endpoint in args.endpoints:
+        if endpoint.ensemble and args.target != "embedded":
+            raise NnunetTritonError(
+                f"--target {args.target} serves one model folder per endpoint, got {len(endpoint.models)} "
+                f"for {endpoint.name!r} ({', '.join(map(str, endpoint.models))}); an ensemble of "
+                "configurations is deployed with --target embedded or built with `make repository "
+                "MODEL=\"A B\"`, several endpoints in one server with one --name per --model (--model A B "
+                "--name liver lung).")
+        for model in endpoint.models:
+            if not (model / "plans.json").is_file():
+                raise NnunetTritonError(f"--model {str(model)!r} is not an nnU-Net results folder.")
+    configs = {}
+    for endpoint in args.endpoints:
+        for index, (model, configuration) in enumerate(zip(endpoint.models, endpoint.configurations,
+                                                           strict=True)):
+            if index and configuration is None:
+                continue
+            config = read_model_folder(model, folds=args.folds, allow_cascade=True)
+            if configuration is not None and configuration != config.configuration:
+                raise NnunetTritonError(f"--configuration {configuration!r} does not match the checkpoints' "
+                                        f"configuration {config.configuration!r} in {str(model)!r}.")
+            configs.setdefault(endpoint.name, config)
+    return configs
+
+
+def _planned(configs: dict[str, Any], options: Any) -> deploy.RepositoryInfo:
+    """What the builder will write for ``configs`` ({endpoint name: InferenceConfig}): version 1 of each
+    name, every name's public endpoints (``RepositoryInfo.planned`` for several names)."""
+    pipelines = tuple(deploy.PipelineInfo.planned(configs[name], options, name=name)
+                      for name in sorted(configs))
+    models = {model for p in pipelines for model in (*p.models, *io_names.public_endpoints(p.name))}
+    return deploy.RepositoryInfo(pipelines=pipelines, models=tuple(sorted(models)))
 
 
 def _build(args: argparse.Namespace, target: str, export_device: str | None = None) -> None:
-    from nnunet_triton.builder.repository import build_ensemble_repository, build_repository
+    """Build every endpoint of ``args.endpoints`` into ``args.out`` (one name each; other names stay)."""
+    from nnunet_triton.builder.repository import VersionChoice, build_ensemble_repository, build_repository
 
-    if len(args.models) > 1:
-        result = build_ensemble_repository(args.models, args.out, options=_build_options(args, target),
-                                           folds=args.folds, export_device=export_device)
-        print(f"repository {'built' if result.rebuilt else 'up to date (input hash matches)'}: {result.out}")
-        return
-    result = build_repository(args.model, args.out, options=_build_options(args, target), folds=args.folds,
-                              configuration=args.configuration, export_device=export_device)
-    print(f"repository {'built' if result.rebuilt else 'up to date (input hash matches)'}: {result.out}")
+    options = _build_options(args, target)
+    for endpoint in args.endpoints:
+        choice = VersionChoice(name=endpoint.name)
+        if endpoint.ensemble:
+            result = build_ensemble_repository(endpoint.models, args.out, options=options, folds=args.folds,
+                                               export_device=export_device, endpoint=choice)
+        else:
+            result = build_repository(endpoint.model, args.out, options=options, folds=args.folds,
+                                      configuration=endpoint.configurations[0], export_device=export_device,
+                                      endpoint=choice)
+        print(f"repository {'built' if result.rebuilt else 'up to date (input hash matches)'}: {result.out} "
+              f"(endpoint {result.name} version {result.version})")
 
 
-def _print_usage(http: str, grpc: str, metrics: str, undeploy: str, images: str = "<images>") -> None:
-    print(docker.endpoint_usage(http, grpc, metrics, undeploy=undeploy, images=images))
+def _print_usage(args: argparse.Namespace, info: deploy.RepositoryInfo, http: str, grpc: str, metrics: str,
+                 undeploy: str, images: str = "<images>") -> None:
+    print(docker.endpoint_usage(info, http, grpc, metrics, undeploy=undeploy, images=images))
+    asked = {endpoint.name for endpoint in getattr(args, "endpoints", ())}
+    others = [name for name in info.endpoints if asked and name not in asked]
+    if others:
+        repository = getattr(args, "repository", None) or args.out
+        print(f"note: the repository also holds the endpoint(s) {', '.join(others)} (built before), served "
+              f"too; `nnunet-triton remove --name NAME --model-repository {repository}` takes one out.")
 
 
 def _images(args: argparse.Namespace) -> str:
@@ -112,17 +214,18 @@ def _deploy_embedded(args: argparse.Namespace) -> int:
     from nnunet_triton.server.handle import ServerHandle
     from nnunet_triton.server.triton_install import resolve_home
 
-    _read_config(args)
+    _read_configs(args)
     _build(args, "cpu")
     info = deploy.RepositoryInfo.from_repository(args.out)
+    info.target  # noqa: B018 - one server serves every endpoint: DeployError when they mix targets
     state = resolve_home(None) / "run" / "server.json"
     if state.is_file():
         running = ServerHandle.from_state_file(state)
         same = Path(running.model_repository) == args.out.absolute()
         if same and running.is_ready() and _deployed(running) == f"{running.pid} {info.input_hash}":
             print(f"already serving this repository (pid {running.pid})")
-            _print_usage(running.http_url, running.grpc_url, f"{running.client_host}:{running.metrics_port}",
-                         "make undeploy", _images(args))
+            _print_usage(args, info, running.http_url, running.grpc_url,
+                         f"{running.client_host}:{running.metrics_port}", "make undeploy", _images(args))
             return 0
         LOGGER.info("stopping the running server (pid %d, %s)", running.pid, running.model_repository)
         running.stop()
@@ -131,8 +234,9 @@ def _deploy_embedded(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, model_control_mode="explicit", load_models=info.models,
         ready_timeout_s=args.ready_timeout, detach=True)
     (Path(handle.state_file).parent / DEPLOYED_FILE).write_text(f"{handle.pid} {info.input_hash}\n")
-    print(f"tritonserver ready (pid {handle.pid}, models {', '.join(info.models)}; log {handle.log_file})")
-    _print_usage(handle.http_url, handle.grpc_url, f"{handle.client_host}:{handle.metrics_port}",
+    print(f"tritonserver ready (pid {handle.pid}, {len(info.models)} models of the endpoint(s) "
+          f"{', '.join(info.endpoints)}; log {handle.log_file})")
+    _print_usage(args, info, handle.http_url, handle.grpc_url, f"{handle.client_host}:{handle.metrics_port}",
                  "make undeploy", _images(args))
     return 0
 
@@ -235,21 +339,22 @@ def _deploy_docker_cpu(args: argparse.Namespace, engine: str) -> int:
 
 def _build_cpu_repository(args: argparse.Namespace, engine: str) -> docker.DeploySpec:
     """cpu image: the repository is built in the image's export stage, so its torch loads the fold models."""
-    config = _read_config(args)
+    configs = _read_configs(args)
     serving_torch = deploy.torch_compat_minor(docker.IMAGE_TORCH["cpu"])
     options = _build_options(args, "cpu", serving_torch=serving_torch)
     if args.out == Path(DEFAULT_OUT["docker"]).absolute():
         args.out = Path(CPU_IMAGE_OUT).absolute()
-    spec = _cpu_image(args, engine, deploy.RepositoryInfo.planned(config, options))
-    print(f"build the repository {args.out} with the image's torch {docker.IMAGE_TORCH['cpu']}:")
-    builder = docker.builder_args(options, folds=args.folds, configuration=args.configuration,
-                                  export_device=None)
+    spec = _cpu_image(args, engine, _planned(configs, options))
+    print(f"build the repository {args.out} with the image's torch {docker.IMAGE_TORCH['cpu']} (one run per "
+          "endpoint, each writes its name into the repository):")
     if args.execute:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-    _run([docker.cpu_export_command(spec, source_root=str(container_engine.source_root()),
-                                    model_dir=str(args.model.absolute()),
-                                    out_dir=str(args.out.absolute()), builder_args=builder, uid=os.getuid(),
-                                    gid=os.getgid())], args.execute, tool=engine)
+    _run([docker.cpu_export_command(
+        spec, source_root=str(container_engine.source_root()), model_dir=str(endpoint.model.absolute()),
+        out_dir=str(args.out.absolute()), uid=os.getuid(), gid=os.getgid(),
+        builder_args=docker.builder_args(options, folds=args.folds, configuration=endpoint.configurations[0],
+                                         export_device=None, name=endpoint.name))
+        for endpoint in args.endpoints], args.execute, tool=engine)
     if args.execute:
         spec = _docker_spec(args, deploy.RepositoryInfo.from_repository(args.out), variant="cpu",
                             engine=engine)
@@ -273,27 +378,30 @@ def _start_container(args: argparse.Namespace, spec: docker.DeploySpec) -> int:
         print(f"container {spec.container_name} ready in {time.monotonic() - start:.1f} s")
     undeploy = "make undeploy TARGET=docker" + (f" DEPLOY_ARGS='--engine {spec.engine}'"
                                                 if spec.engine != "docker" else "")
-    _print_usage(http, f"127.0.0.1:{spec.grpc_port}", f"127.0.0.1:{spec.metrics_port}", undeploy)
+    _print_usage(args, spec.info, http, f"127.0.0.1:{spec.grpc_port}", f"127.0.0.1:{spec.metrics_port}",
+                 undeploy)
     return 0
 
 
 def _deploy_docker_gpu(args: argparse.Namespace, engine: str) -> int:
-    config, options = _read_config(args), _build_options(args, "gpu")
+    configs, options = _read_configs(args), _build_options(args, "gpu")
     local = _local_torch_fits(args)
     if local:
         _build(args, "gpu", export_device="cuda" if args.precision == "fp16" else None)
     else:
         print(f"1. build the GPU repository with torch {docker.EXPORT_TORCH} (this torch does not match the "
-              f"libtorch of Triton {args.triton_release} or has no CUDA for the fp16 export):")
-        builder = docker.builder_args(options, folds=args.folds, configuration=args.configuration)
+              f"libtorch of Triton {args.triton_release} or has no CUDA for the fp16 export; one container "
+              "per endpoint, each writes its name into the repository):")
         _run([docker.export_container_command(
-            source_root=str(container_engine.source_root()), model_dir=str(args.model.absolute()),
-            out_dir=str(args.out.absolute()), builder_args=builder, gpu=args.gpus[0], uid=os.getuid(),
-            gid=os.getgid(), engine=engine)], args.execute, tool=engine)
+            source_root=str(container_engine.source_root()), model_dir=str(endpoint.model.absolute()),
+            out_dir=str(args.out.absolute()), gpu=args.gpus[0], uid=os.getuid(), gid=os.getgid(),
+            engine=engine, builder_args=docker.builder_args(options, folds=args.folds, name=endpoint.name,
+                                                            configuration=endpoint.configurations[0]))
+            for endpoint in args.endpoints], args.execute, tool=engine)
     # the repository as built now (locally or by the executed export step), else as it will be built
     built = (local or args.execute) and (args.out / METADATA_FILE).is_file()
     spec = _docker_spec(args, deploy.RepositoryInfo.from_repository(args.out) if built
-                        else deploy.RepositoryInfo.planned(config, options), engine=engine)
+                        else _planned(configs, options), engine=engine)
     print("2. build the serving image:")
     _run([docker.docker_build_command(spec, context=str(container_engine.source_root()))], args.execute,
          tool=engine)
@@ -363,7 +471,8 @@ def _kube_play(args: argparse.Namespace) -> int:
     print(f"Deployment {args.container_name} ready under podman kube play in {took:.1f} s "
           f"(container {pod_container})")
     host = "127.0.0.1"
-    _print_usage(f"{host}:{spec.http_port}", f"{host}:{spec.grpc_port}", f"{host}:{spec.metrics_port}",
+    _print_usage(args, info, f"{host}:{spec.http_port}", f"{host}:{spec.grpc_port}",
+                 f"{host}:{spec.metrics_port}",
                  "make undeploy TARGET=k8s DEPLOY_ARGS=--kube-play")
     return 0
 
@@ -374,8 +483,14 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
     repo = args.repository or Path(DEFAULT_OUT["docker"]).absolute()
     if (repo / METADATA_FILE).is_file():
         info = deploy.RepositoryInfo.from_repository(repo)
+        missing = [name for name in args.name or () if name not in info.endpoints]
+        if missing:
+            raise NnunetTritonError(
+                f"the repository {str(repo)} has no endpoint(s) {missing} (it holds {list(info.endpoints)}); "
+                "build them into it first (`make deploy TARGET=docker MODEL=\"A B\" NAME=\"liver lung\"` "
+                "shows how), or leave out --name to serve what it holds.")
     else:
-        info = deploy.RepositoryInfo.planned(_read_config(args), _build_options(args, "gpu"))
+        info = _planned(_read_configs(args), _build_options(args, "gpu"))
         print(f"note: {repo} is not built yet; `make deploy TARGET=docker` shows how to build it")
     if info.target != "gpu":
         raise NnunetTritonError(f"{repo} was built for target {info.target!r}; the pods get one GPU each: "
@@ -394,7 +509,9 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
     files = k8s.manifest_files(spec)
     for name, text in files.items():
         (args.out / name).write_text(text)
-    print(f"wrote {', '.join(files)} to {args.out}")
+    print(f"wrote {', '.join(files)} to {args.out}: one Deployment {spec.name} serving the endpoint(s) "
+          f"{', '.join(info.endpoints)} ({len(info.models)} models; per pod /dev/shm {dspec.plan.shm_mib} "
+          f"MiB, memory {dspec.plan.host_memory_mib} MiB for all of them)")
     if source.kind == "image":
         print("model repository image (push both images where the cluster pulls from):")
         recipe = container_engine.source_root() / "docker" / "Dockerfile.models"
@@ -434,6 +551,14 @@ def add_parsers(sub: Any) -> None:
     _arguments(undeploy_parser, undeploy=True)
 
 
+def _endpoint_name(text: str) -> str:
+    """argparse type of an endpoint name (``io_names.check_endpoint_name``)."""
+    try:
+        return io_names.check_endpoint_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     p.add_argument("--target", choices=tuple(DEFAULT_OUT), default="embedded")
     p.add_argument("--out", type=Path, default=None,
@@ -449,9 +574,17 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     if undeploy:
         return
     p.add_argument("--model", type=Path, nargs="+", default=None,
-                   help="nnU-Net results folder; several (embedded): an ensemble of configurations (k8s with "
-                        "a built --repository needs none)")
-    p.add_argument("--configuration", default=None)
+                   help="nnU-Net results folder(s): with one --name per folder each is its own endpoint in "
+                        "one server; else one endpoint (several folders, embedded only: an ensemble of "
+                        "configurations); k8s with a built --repository needs none")
+    p.add_argument("--name", type=_endpoint_name, nargs="+", default=None,
+                   help=f"endpoint names, one per --model folder (--model A B --name liver lung: two "
+                        f"endpoints in one repository and one server), or one for all of them (default "
+                        f"{io_names.ENDPOINT_MODEL}); k8s with a built --repository: the endpoints it must "
+                        "hold")
+    p.add_argument("--configuration", nargs="+", default=None,
+                   help="check the checkpoints' configuration: one for every --model folder or one per "
+                        "folder")
     p.add_argument("--folds", nargs="+", type=lambda s: s if s == "all" else int(s), default=None)
     p.add_argument("--tile-batch-size", type=int, default=4)
     p.add_argument("--fold-instances", type=int, default=1)
@@ -500,7 +633,10 @@ def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:
         args.model = args.models[0] if args.models else None
     flows = {"embedded": _deploy_embedded, "docker": _deploy_docker, "k8s": _deploy_k8s}
     try:
-        return _undeploy(args) if undeploy else flows[args.target](args)
+        if undeploy:
+            return _undeploy(args)
+        args.endpoints = endpoint_plans(args.models, args.name, args.configuration)
+        return flows[args.target](args)
     except (NnunetTritonError, ValueError, subprocess.CalledProcessError) as exc:
         LOGGER.error("%s", exc)
         return 1

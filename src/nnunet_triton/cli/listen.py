@@ -6,8 +6,24 @@
         [--idle-timeout 10] [--retry-window 3600] [--retries N] [--retry-delay 5] [--max-retry-delay 300]
         [--max-spool-bytes 50G] [--max-instance-bytes 1G] [--max-instances-per-series 5000]
         [--done-retention 24h] [--failed-retention 7d] [--modality CT] [--url HOST:PORT] ...
+        [--model NAME] [--routes FILE]
     nnunet-triton requeue --spool DIR [SERIES_UID ...]
     nnunet-triton node-status --spool DIR [--strict] [--max-age S]
+
+Which model (endpoint) segments a series: without ``--routes`` every series goes to ``--model`` (default
+``nnunet``). ``--routes FILE`` (JSON, :mod:`nnunet_triton.client.dicom.routing`) routes a series by the
+called AE title it was sent to (the node also answers to those titles), else by the first rule its
+Modality/BodyPartExamined/SeriesDescription/... match (``re.fullmatch``), else to the file's ``default``
+(``--model`` when the file names none; ``null``: none, and such a series is set aside)::
+
+    {"default": "nnunet",
+     "called_ae_titles": {"NNUNET_LIVER": "liver", "NNUNET_LUNG": "lung"},
+     "rules": [{"match": {"Modality": "CT", "BodyPartExamined": "LIVER|ABDOMEN"}, "model": "liver"}],
+     "models": {"liver": {"version": 2, "modality": ["CT"], "dataset_json": "liver/dataset.json"}}}
+
+Every model the routes name must be served: ``listen`` describes each at start and stops, naming the model,
+when one is missing. ``--modality`` and ``--dataset-json`` are the default model's; the other models' are
+in the file's ``models``.
 
 ``listen`` exits 0 on SIGTERM/Ctrl-C and 3 when the node cannot go on (its spool gone, its worker dead);
 ``node-status`` prints the node's status as JSON and exits 0 when it is healthy (``ok``, or ``degraded``
@@ -27,9 +43,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton import io_names
 from nnunet_triton.cli.common import add_connection_arguments, url
 from nnunet_triton.cli.dicomweb import add_auth_arguments, add_modality_argument, auth_from_args
-from nnunet_triton.errors import InputValidationError
+from nnunet_triton.errors import ClientError, InputValidationError
 from nnunet_triton.options import RequestOptions
 
 __all__ = ["add_parsers", "listen", "run_spool_command", "parse_bytes", "parse_duration"]
@@ -54,6 +71,13 @@ def parse_duration(text: str) -> float:
     if not match:
         raise argparse.ArgumentTypeError(f"a duration such as 90, 30m, 24h or 7d, got {text!r}")
     return float(match[1]) * _SECONDS[match[2]]
+
+
+def _endpoint_name(text: str) -> str:
+    try:
+        return io_names.check_endpoint_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parsers(sub: Any) -> None:
@@ -102,7 +126,15 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--no-mirroring", "--disable-tta", action="store_false", dest="mirroring",
                    help="no test-time mirroring")
     p.add_argument("--dataset-json", type=Path, default=None,
-                   help="dataset.json naming the segments (when the server does not publish labels)")
+                   help="dataset.json naming the default model's segments (when the server does not publish "
+                        "labels)")
+    routing = p.add_argument_group("which model (endpoint) segments a series")
+    routing.add_argument("--model", type=_endpoint_name, default=None, metavar="NAME",
+                         help=f"the endpoint every series goes to (default {io_names.ENDPOINT_MODEL}); with "
+                              "--routes, the default model when the file names none")
+    routing.add_argument("--routes", type=Path, default=None, metavar="FILE",
+                         help="JSON routes: called AE titles and rules on the series' attributes -> models "
+                              "(docs/clients.md, 'Routing series to models')")
     add_modality_argument(p)
     add_auth_arguments(p)
     add_connection_arguments(p)
@@ -174,47 +206,115 @@ def _access(args: argparse.Namespace) -> Any:
         **extra)
 
 
+def _routes(args: argparse.Namespace) -> Any:
+    """The node's routes: ``--routes FILE`` (checked here, before anything else), else all to ``--model``."""
+    from nnunet_triton.client.dicom.routing import Routes
+
+    if args.routes is None:
+        return Routes(default=args.model or io_names.ENDPOINT_MODEL, source="--model")
+    routes = Routes.load(args.routes, model=args.model)
+    if routes.default is None and (args.modality or args.dataset_json):
+        raise InputValidationError(
+            f"--modality and --dataset-json are the default model's, and {routes.source} has none: set them "
+            'per model in its "models" section.')
+    return routes
+
+
+def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tuple[dict[str, Any], list[Any]]:
+    """One :class:`~nnunet_triton.client.dicom.node.NodeModel` per model the routes name (its description
+    asked of the server: a model it does not serve stops ``listen`` here, named), and their clients."""
+    from nnunet_triton.client.client import NnunetClient, endpoint_model
+    from nnunet_triton.client.dicom.modality import modality_rule
+    from nnunet_triton.client.dicom.node import NodeModel
+    from nnunet_triton.client.endpoint import describe_endpoint
+
+    options = RequestOptions(mirroring=args.mirroring)
+    models: dict[str, Any] = {}
+    clients: list[Any] = []
+    try:
+        for name in routes.models:
+            settings = routes.settings_of(name)
+            pinned = endpoint_model(name, settings.version)
+            try:
+                description = describe_endpoint(server_url, args.protocol, model_name=pinned,
+                                                timeout_s=min(args.timeout, 60.0))
+            except ClientError as exc:
+                raise ClientError(f"model {pinned!r} ({routes.where(name)}) cannot be used: {exc}",
+                                  status=exc.status) from None
+            default = name == routes.default
+            rule = modality_rule(description, settings.modality or (args.modality if default else None))
+            if rule.allowed is None:
+                LOGGER.warning("model %s: its channel names do not say which Modality it takes: every image "
+                               "series routed to it is segmented (--modality CT, or \"modality\" in the "
+                               "routes file's \"models\", restricts it)", name)
+            if rule.channels > 1:
+                LOGGER.warning("model %s takes %d channels and a DICOM series is one: every series routed to "
+                               "it is refused", name, rule.channels)
+            labels = _labels(description, settings.dataset_json or (args.dataset_json if default else None),
+                             name)
+            client = NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, model=name,
+                                  version=settings.version)  # one per model; the node has one worker
+            clients.append(client)
+            models[name] = NodeModel(_segmenter(client, options), labels or None, rule)
+    except BaseException:
+        for client in clients:
+            client.close()
+        raise
+    return models, clients
+
+
+def _labels(description: Any, dataset_json: Path | None, name: str) -> Any:
+    from nnunet_triton.client.dicom.seg import model_segment_labels
+
+    try:
+        return model_segment_labels(description, dataset_json)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputValidationError(f"dataset.json {dataset_json} of model {name}: cannot be read "
+                                   f"({type(exc).__name__}: {exc}).") from None
+
+
+def _segmenter(client: Any, options: RequestOptions) -> Any:
+    from nnunet_triton.client.endpoint import segment_with_retry
+
+    def segment(volume: Any) -> Any:
+        case = volume.image_case()
+        return segment_with_retry(client, case.data, case.spacing, options).segmentation
+
+    return segment
+
+
 def listen(args: argparse.Namespace, server_url: str) -> int:
     """Run the DICOM node until SIGTERM or Ctrl-C (0), or until it cannot go on (3)."""
-    from nnunet_triton.client.client import NnunetClient
-    from nnunet_triton.client.dicom.modality import modality_rule
     from nnunet_triton.client.dicom.node import DicomNode, NodeConfig, parse_destination
-    from nnunet_triton.client.dicom.seg import model_segment_labels
     from nnunet_triton.client.dicom.spool import SpoolLimits
-    from nnunet_triton.client.endpoint import describe_endpoint, segment_with_retry
 
     _redact_logs()
+    routes = _routes(args)
     access = _access(args)
     access.check_listening(args.host)  # before anything is asked of the endpoint
     destination = parse_destination(args.destination, calling_ae=args.ae_title, auth=auth_from_args(args),
                                      allow_http=args.dicomweb_allow_http)
-    description = describe_endpoint(server_url, args.protocol, timeout_s=min(args.timeout, 60.0))
-    rule = modality_rule(description, args.modality)
-    if rule.allowed is None:
-        LOGGER.warning("the model's channel names do not say which Modality it takes: every image series is "
-                       "segmented (--modality CT restricts it)")
-    client = NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout)  # the node's one worker
-    options = RequestOptions(mirroring=args.mirroring)
-
-    def segment(volume: Any) -> Any:
-        case = volume.image_case()
-        result = segment_with_retry(client, case.data, case.spacing, options)
-        return result.segmentation
-
+    models, clients = _node_models(args, server_url, routes)
     limits = SpoolLimits(max_spool_bytes=args.max_spool_bytes, max_instance_bytes=args.max_instance_bytes,
                          max_instances_per_series=args.max_instances_per_series,
                          done_retention_s=args.done_retention, failed_retention_s=args.failed_retention)
-    node = DicomNode(NodeConfig(
-        ae_title=args.ae_title, port=args.port, host=args.host, spool=args.spool, destination=destination,
-        segment=segment, labels=model_segment_labels(description, args.dataset_json) or None,
-        idle_timeout_s=args.idle_timeout, retries=args.retries, retry_delay_s=args.retry_delay,
-        max_retry_delay_s=args.max_retry_delay, retry_window_s=args.retry_window, access=access,
-        limits=limits, modalities=rule))
+    try:
+        node = DicomNode(NodeConfig(
+            ae_title=args.ae_title, port=args.port, host=args.host, spool=args.spool, destination=destination,
+            routes=routes, models=models, idle_timeout_s=args.idle_timeout, retries=args.retries,
+            retry_delay_s=args.retry_delay, max_retry_delay_s=args.max_retry_delay,
+            retry_window_s=args.retry_window, access=access, limits=limits))
+    except BaseException:
+        for client in clients:
+            client.close()
+        raise
     stopped = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     node.start()
-    sys.stderr.write(f"nnunet-triton: listening as {args.ae_title} on {args.host}:{args.port}"
-                     f"{' (TLS)' if access.tls else ''}, spool {args.spool}, sending to {args.destination}\n")
+    titles = "".join(f", {title} -> {model}" for title, model in routes.called_ae_titles.items())
+    sys.stderr.write(f"nnunet-triton: listening as {args.ae_title}{titles} on {args.host}:{args.port}"
+                     f"{' (TLS)' if access.tls else ''}, spool {args.spool}, sending to {args.destination}; "
+                     f"models {', '.join(models)}\n")
     sys.stderr.flush()
     try:
         while not stopped.wait(0.5) and node.fatal is None:
@@ -223,7 +323,8 @@ def listen(args: argparse.Namespace, server_url: str) -> int:
         pass
     finally:
         node.stop()
-        client.close()
+        for client in clients:
+            client.close()
         signal.signal(signal.SIGTERM, previous)
     if node.fatal is not None:
         sys.stderr.write(f"nnunet-triton: the DICOM node stopped: {node.fatal}\n")

@@ -33,7 +33,9 @@ from typing import Any
 
 from nnunet_triton.cli.common import (
     add_connection_arguments,
+    add_endpoint_selection,
     add_request_option_arguments,
+    endpoint_model,
     positive_int,
     request_options,
     say,
@@ -79,10 +81,17 @@ def add_parsers(sub: Any) -> None:
                                 help="requests in flight (default: the deployed orchestrator instances + 1); "
                                      "outputs are identical to a sequential run")
     add_dicomweb_arguments(predict_parser)
+    add_endpoint_selection(predict_parser)
     add_connection_arguments(predict_parser)
-    info_parser = sub.add_parser("info", help="describe the deployed model")
+    info_parser = sub.add_parser("info", help="describe the served models: every endpoint, its versions, the "
+                                              "server's thread and memory split")
     info_parser.set_defaults(run=lambda args: info(args))
     info_parser.add_argument("--json", action="store_true", help="print the description as JSON")
+    info_parser.add_argument("--model", "--endpoint", dest="only", default=None,
+                             help="describe only this endpoint (default: every endpoint served)")
+    info_parser.add_argument("--model-repository", type=Path, default=None,
+                             help="the served repository (default: the one the server of --home serves)")
+    info_parser.add_argument("--home", default=None, help="server home of `nnunet-triton serve`")
     add_connection_arguments(info_parser)
 
 
@@ -212,7 +221,8 @@ def predict(args: argparse.Namespace) -> int:
         from nnunet_triton.client.endpoint import describe_endpoint
 
         def describe() -> Any:
-            return describe_endpoint(url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
+            return describe_endpoint(url(args), args.protocol, model_name=endpoint_model(args),
+                                     timeout_s=min(args.timeout, 60.0))
 
         return predict_over_dicomweb(args, _predict_folders, describe)
     args.input, args.output = Path(args.input), Path(args.output)
@@ -235,13 +245,17 @@ def _predict_folders(args: argparse.Namespace) -> int:
         args.continue_prediction and all(p.is_file() for p in _outputs(args.output, j, args)) for j in jobs
     ]
     todo = [j for j, done in zip(jobs, finished, strict=True) if not done]
-    description = describe_endpoint(url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
+    model = endpoint_model(args)
+    description = describe_endpoint(url(args), args.protocol, model_name=model,
+                                    timeout_s=min(args.timeout, 60.0))
     if args.concurrency is None:
         args.concurrency = default_concurrency(description)
-    with NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout) as client:
-        client.check_ready()
+
     def make_client() -> NnunetClient:
-        return NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout)
+        return NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout, model_name=model)
+
+    with make_client() as client:
+        client.check_ready()
 
     failures = _run_all(todo, make_client, description, args)
     written, skipped, failed = len(todo) - len(failures), sum(finished), len(failures)
@@ -252,13 +266,144 @@ def _predict_folders(args: argparse.Namespace) -> int:
 
 
 def info(args: argparse.Namespace) -> int:
+    """``nnunet-triton info``: every endpoint the server serves (dataset, configuration, channels, labels,
+    folds, versions) and, for a server started here, how its threads and memory are split between them."""
     from dataclasses import asdict
 
     from nnunet_triton.client.endpoint import describe_endpoint, format_description
 
-    description = describe_endpoint(url(args), args.protocol, timeout_s=min(args.timeout, 60.0))
-    say(
-        json.dumps(asdict(description), indent=2) if args.json else format_description(description),
-        sys.stdout,
-    )
+    server_url = url(args)
+    local = _local_server(args.home, server_url)
+    repository = args.model_repository or (Path(local.model_repository) if local is not None else None)
+    registry = _registry(repository)
+    names = [args.only] if args.only else (sorted(registry.endpoints) if registry is not None else
+                                           _served_endpoints(server_url, local))
+    descriptions = [describe_endpoint(server_url, args.protocol, model_name=name,
+                                      timeout_s=min(args.timeout, 60.0)) for name in names]
+    rows = _version_rows(repository, registry, server_url, local)
+    split = _split(local, repository, registry)
+    if args.json:
+        endpoints = [{**asdict(d), "versions": [r for r in rows if r["endpoint"] == d.endpoint]}
+                     for d in descriptions]
+        say(json.dumps({"url": server_url, "model_repository": str(repository) if repository else None,
+                        **split, "endpoints": endpoints}, indent=2, default=str), sys.stdout)
+        return 0
+    served = ", ".join(d.model_name for d in descriptions)
+    lines = [f"{len(descriptions)} endpoint(s) on {server_url}: {served}"]
+    lines += _split_lines(split)
+    for d in descriptions:
+        mine = [r for r in rows if r["endpoint"] == d.endpoint]
+        lines += ["", f"--- {d.model_name}", format_description(d)]
+        if mine:
+            listed = ", ".join(f"{r['version']}{' (promoted)' if r['promoted'] else ''}"
+                               f"{'' if r['loaded'] in (True, None) else ' (not loaded)'}" for r in mine)
+            lines.append(f"{'versions':<15} {listed}; pinned: {d.endpoint}__v<N>")
+    say("\n".join(lines), sys.stdout)
     return 0
+
+
+def _local_server(home: str | None, server_url: str) -> Any:
+    """The server ``nnunet-triton serve`` recorded in ``home`` when it runs at ``server_url``, else None."""
+    from nnunet_triton.server.handle import ServerHandle
+    from nnunet_triton.server.triton_install import resolve_home
+
+    state = resolve_home(home) / "run" / "server.json"
+    try:
+        handle = ServerHandle.from_state_file(state)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not handle.is_running() or server_url not in (handle.http_url, handle.grpc_url):
+        return None
+    return handle
+
+
+def _registry(repository: Path | None) -> Any:
+    from nnunet_triton.errors import RepositoryError
+    from nnunet_triton.registry import read_registry
+
+    if repository is None:
+        return None
+    try:
+        return read_registry(repository)
+    except RepositoryError as exc:
+        LOGGER.warning("%s", exc)
+        return None
+
+
+def _served_endpoints(server_url: str, local: Any) -> list[str]:
+    """Public endpoints the server has loaded (Triton's repository index needs the model-control token: the
+    local server's or ``$NNUNET_TRITON_CONTROL_TOKEN``); ``nnunet`` when the index cannot be read."""
+    import os
+    import urllib.request
+
+    from nnunet_triton import io_names
+    from nnunet_triton.server.watchdog import CONTROL_HEADER, TOKEN_ENV
+
+    token = (local.control_token if local is not None else None) or os.environ.get(TOKEN_ENV)
+    if not token or ":" not in server_url:
+        return [io_names.ENDPOINT_MODEL]
+    http = local.http_url if local is not None else server_url
+    request = urllib.request.Request(f"http://{http}/v2/repository/index", data=b'{"ready": true}',
+                                     method="POST", headers={CONTROL_HEADER: token,
+                                                             "Content-Type": "application/json"})
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10) as answer:
+            index = json.loads(answer.read())
+    except (OSError, ValueError):
+        return [io_names.ENDPOINT_MODEL]
+    names = sorted({m["name"] for m in index if io_names.endpoint_of_model(m["name"]) == (m["name"], 0)})
+    return names or [io_names.ENDPOINT_MODEL]
+
+
+def _version_rows(repository: Path | None, registry: Any, server_url: str,
+                  local: Any) -> list[dict[str, Any]]:
+    if registry is None or repository is None:
+        return []
+    from nnunet_triton.server import rollout
+
+    http = local.http_url if local is not None else server_url
+    return rollout.versions(repository, rollout.ModelControl(http))
+
+
+def _split(local: Any, repository: Path | None, registry: Any) -> dict[str, Any]:
+    """The thread budget the launcher chose and the memory plan of every endpoint version (a server started
+    here; nothing otherwise)."""
+    split: dict[str, Any] = {"thread_budget": local.thread_budget if local is not None else None,
+                             "memory": None}
+    if registry is None or repository is None:
+        return split
+    from nnunet_triton.errors import DeployError
+    from nnunet_triton.server.deploy.repository_info import RepositoryInfo
+    from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
+
+    try:
+        repo_info = RepositoryInfo.from_repository(repository)
+        volume = VolumeSpec()
+        plan = plan_memory(repo_info, volume)
+    except DeployError as exc:
+        LOGGER.warning("no memory plan: %s", exc)
+        return split
+    split["memory"] = {**plan.summary(), "volume": list(volume.shape),
+                       "fold_models": {p.label: len(p.fold_models) * p.fold_instances
+                                       for p in repo_info.pipelines}}
+    return split
+
+
+def _split_lines(split: dict[str, Any]) -> list[str]:
+    lines = []
+    budget = split.get("thread_budget")
+    memory = split.get("memory")
+    if budget:
+        threads = budget.get("fold_threads") or f"nnU-Net's count (<= {budget.get('cpus')})"
+        lines.append(f"{'threads':<15} {budget.get('cpus')} CPU(s) for {budget.get('fold_instances')} fold "
+                     f"instance(s) of every endpoint: {threads} thread(s) per fold execution, "
+                     f"{budget.get('fold_slots')} fold execution(s) at once, shared "
+                     f"({budget.get('policy')}; exact: {budget.get('exact')})")
+    if memory:
+        lines.append(f"{'memory':<15} shm {memory['shm_mib']} MiB, host {memory['host_memory_mib']} MiB "
+                     f"(upper bound for volumes up to {'x'.join(map(str, memory['volume']))}), of which:")
+        for label, share in memory["per_endpoint_version"].items():
+            folds = memory["fold_models"].get(label, 0)
+            lines.append(f"{'':<15}   {label}: {folds} fold instance(s), shm {share['shm_mib']} MiB, stubs "
+                         f"{share['stub_mib']} MiB, working {share['working_mib']} MiB")
+    return lines

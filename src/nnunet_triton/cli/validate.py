@@ -3,6 +3,8 @@
     nnunet-triton validate --model RESULTS_FOLDER -i CASES [--record DIR] [--url ...]
         [--min-dice 0.999 | --exact]
     nnunet-triton validate --against DIR -i CASES [--url ...]
+    nnunet-triton validate --against DIR_OF_V1 --endpoint liver --endpoint-version 2 -i CASES   (a new version
+        before it is promoted: its pinned endpoint liver__v2 against the answers recorded from version 1)
 
 With ``--model`` every case goes through nnU-Net's own ``nnUNetPredictor`` here (CPU) and through the
 endpoint, with the same folds (default: every deployed fold), step size and mirroring; ``--record DIR``
@@ -24,7 +26,9 @@ from typing import Any
 from nnunet_triton import __version__, io_names
 from nnunet_triton.cli.common import (
     add_connection_arguments,
+    add_endpoint_selection,
     add_request_option_arguments,
+    endpoint_model,
     request_options,
     url,
 )
@@ -59,6 +63,10 @@ def add_parsers(sub: Any) -> None:
     add_request_option_arguments(p, probabilities="also compare the probabilities")
     p.add_argument("--min-dice", type=float, default=0.999, help="per label (default 0.999)")
     p.add_argument("--exact", action="store_true", help="every voxel must be equal (the CPU path)")
+    p.add_argument("--allow-model-change", action="store_true",
+                   help="with --against: the endpoint may serve another training of the same labels (a new "
+                        "version, other plans or trainer); the differences are listed in the report")
+    add_endpoint_selection(p, flag="--endpoint")
     add_connection_arguments(p)
 
 
@@ -90,18 +98,22 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
     jobs = collect_jobs(args.input)
     if not jobs:
         raise InputValidationError(f"--input {args.input}: no cases found (nnU-Net naming or DICOM series).")
-    description = describe_endpoint(server_url, args.protocol, timeout_s=min(args.timeout, 60.0))
+    model = endpoint_model(args)
+    description = describe_endpoint(server_url, args.protocol, model_name=model,
+                                    timeout_s=min(args.timeout, 60.0))
     published = dict(description.published)
     folds = tuple(args.folds or published.get("folds") or ()) or None
     options = request_options(args, folds=folds)
     identity = {k: published.get(k) for k in IDENTITY_KEYS}
     if args.against is not None:
         reference: Any = RecordedReference.open(args.against)
-        reference.check_compatible(identity, options.to_dict())
+        changes = reference.check_compatible(identity, options.to_dict(),
+                                             allow_model_change=args.allow_model_change)
         kind = f"reference set {args.against} (recorded {reference.manifest.get('created')})"
     else:
         from nnunet_triton.numerics.model_folder import read_model_folder
 
+        changes = []
         config = read_model_folder(args.model, folds=folds)
         if io_names.COMBINE_MODEL in description.composing_models or config.previous_stage is not None:
             raise InputValidationError(
@@ -116,11 +128,13 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
     versions = {**_versions(description), "reference_device": "cpu" if args.model else None}
     writer = ReferenceWriter(args.record, identity, options.to_dict(), versions) \
         if args.record is not None else None
-    title = f"Validation of {published.get('dataset_name', 'the endpoint')} at {server_url}"
+    title = f"Validation of {published.get('dataset_name', 'the endpoint')} ({model}) at {server_url}"
     result = ValidationResult(title=title,
                               options=options, thresholds=thresholds, reference_kind=kind,
-                              deployment={**identity, "url": server_url, **versions}, total=len(jobs))
-    with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout) as client:
+                              deployment={**identity, "url": server_url, "endpoint": model, **versions,
+                                          **({"model_changes": changes} if changes else {})},
+                              total=len(jobs))
+    with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, model_name=model) as client:
         def segment(image: Any, spacing: Any) -> tuple[Any, Any]:
             answer = client.segment(image, spacing, options)
             return answer.segmentation, answer.probabilities

@@ -1,4 +1,5 @@
-"""Minimal client for the ``nnunet`` endpoint: one call per case, binary tensors, typed errors.
+"""Minimal client for an nnU-Net endpoint (``nnunet``, or any name the repository serves, at its promoted
+version or a pinned one): one call per case, binary tensors, typed errors.
 
 ``tritonclient`` is imported lazily (in :class:`NnunetClient`'s constructor), so importing this module
 stays cheap. Per-request options travel as Triton request parameters, which the ``nnunet`` ensemble
@@ -6,7 +7,7 @@ forwards to every composing model (see ``docs/architecture.md``).
 
 Example::
 
-    with NnunetClient("127.0.0.1:8000") as client:
+    with NnunetClient("127.0.0.1:8000", model="liver") as client:   # model="nnunet" by default
         result = client.segment(image, spacing, mirroring=False)
         result.segmentation  # uint8/uint16 array shaped like image.shape[1:]
 """
@@ -27,7 +28,7 @@ from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import ClientError, InputValidationError
 from nnunet_triton.options import RequestOptions
 
-__all__ = ["SegmentationResult", "NnunetClient", "PROTOCOLS"]
+__all__ = ["SegmentationResult", "NnunetClient", "PROTOCOLS", "endpoint_model"]
 
 LOGGER = logging.getLogger(__name__)
 PROTOCOLS = ("http", "grpc")
@@ -74,17 +75,31 @@ def _as_spacing(spacing: Sequence[float]) -> np.ndarray:
         raise InputValidationError(f"spacing must be a sequence of numbers, got {spacing!r}.") from None
 
 
+def endpoint_model(model: str = io_names.ENDPOINT_MODEL, version: int | None = None) -> str:
+    """The Triton model to call for endpoint ``model``: the public endpoint (its promoted version), or the
+    pinned endpoint ``<model>__v<version>`` of exactly ``version``.
+
+    Raises:
+        ValueError: ``version`` is not an integer >= 1.
+    """
+    return model if version is None else io_names.pinned_endpoint(model, io_names.check_version(version))
+
+
 class NnunetClient:
-    """Talks to one Triton server serving the ``nnunet`` ensemble.
+    """Talks to one endpoint of a Triton server serving nnU-Net models (``nnunet`` by default).
 
     Args:
         url: ``host:port`` of the HTTP (default 8000) or gRPC (default 8001) endpoint.
         protocol: ``"http"`` or ``"grpc"``.
         timeout_s: end-to-end limit of one inference (HTTP network timeout, gRPC client deadline).
-        model_name: the endpoint model (``nnunet``).
+        model: the endpoint name (``nnunet``, ``liver``, ...: ``nnunet-triton build --name``).
+        version: call exactly this version of ``model`` (its pinned endpoint ``<model>__v<version>``);
+            default: the version the server promoted for ``model``.
         native_dtype: send FP16/INT16/UINT16/UINT8 images as they are, to the typed endpoint
             (``nnunet_int16``, ...: half the bytes of float32 for a CT), when the server has it; False,
-            or a repository without typed endpoints, sends float32 to ``model_name``. Same answer.
+            or a repository without typed endpoints, sends float32 to the FP32 endpoint. Same answer.
+        model_name: the Triton model to call, verbatim (the name this argument had before ``model``;
+            wins over ``model`` and ``version``).
     """
 
     def __init__(
@@ -93,8 +108,10 @@ class NnunetClient:
         protocol: str = "http",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         *,
-        model_name: str = io_names.ENDPOINT_MODEL,
+        model: str = io_names.ENDPOINT_MODEL,
+        version: int | None = None,
         native_dtype: bool = True,
+        model_name: str | None = None,
     ) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}.")
@@ -103,7 +120,7 @@ class NnunetClient:
         self.url = url
         self.protocol = protocol
         self.timeout_s = float(timeout_s)
-        self.model_name = model_name
+        self.model_name = model_name or endpoint_model(model, version)
         self.native_dtype = native_dtype
         self._typed_ready: dict[str, bool] = {}
         if protocol == "http":

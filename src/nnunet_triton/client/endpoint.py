@@ -61,6 +61,17 @@ class EndpointDescription:
     def file_ending(self) -> str:
         return str(self.published.get("file_ending") or ".nii.gz")
 
+    @property
+    def endpoint(self) -> str:
+        """The endpoint name (``liver``) the server published; the model name when it published none."""
+        return str(self.published.get("endpoint") or self.model_name)
+
+    @property
+    def version(self) -> int | None:
+        """The endpoint version answering (the promoted one for a public endpoint), None when unpublished."""
+        version = self.published.get("version")
+        return int(version) if isinstance(version, int) else None
+
 
 def _client(url: str, protocol: str, timeout_s: float) -> Any:
     if protocol == "http":
@@ -95,6 +106,16 @@ def _first_dim(metadata: Mapping[str, Any], key: str, tensor: str) -> int:
     return -1
 
 
+def _namespace(published: Mapping[str, Any]) -> str:
+    """The composing models' namespace of the endpoint version the description publishes (``""`` for a
+    repository built before endpoint names, whose description names none)."""
+    try:
+        version = io_names.check_version(published["version"])
+        return io_names.model_namespace(str(published["endpoint"]), version)
+    except (KeyError, ValueError, TypeError):
+        return ""
+
+
 def describe_endpoint(
     url: str, protocol: str = "http", *, model_name: str = io_names.ENDPOINT_MODEL, timeout_s: float = 30.0
 ) -> EndpointDescription:
@@ -111,11 +132,14 @@ def describe_endpoint(
         message = exc.message() if hasattr(exc, "message") else f"{type(exc).__name__}: {exc}"
         raise ClientError(f"cannot describe model {model_name!r} on {where}: {message}") from None
     steps = tuple(s["model_name"] for s in config.get("ensemble_scheduling", {}).get("step", []))
+    raw = config.get("parameters", {}).get(DESCRIPTION_PARAMETER, {}).get("string_value")
+    published = json.loads(raw) if raw else {}
     fold_models: tuple[str, ...] = ()
     orchestrators = 1
-    if io_names.ORCHESTRATOR_MODEL in steps:
+    orchestrator_name = _namespace(published) + io_names.ORCHESTRATOR_MODEL
+    if orchestrator_name in steps:
         try:
-            orchestrator = _model_config(client, io_names.ORCHESTRATOR_MODEL, protocol)
+            orchestrator = _model_config(client, orchestrator_name, protocol)
             orchestrators = sum(int(g.get("count", 1)) for g in orchestrator.get("instance_group", [])) or 1
             params = orchestrator.get("parameters", {})
             fold_models = tuple(
@@ -123,8 +147,6 @@ def describe_endpoint(
             )
         except Exception:  # an older repository or a locked-down config API: folds stay unknown
             LOGGER.debug("no orchestrator config on %s", where)
-    raw = config.get("parameters", {}).get(DESCRIPTION_PARAMETER, {}).get("string_value")
-    published = json.loads(raw) if raw else {}
     seg_dtype = next(
         (o["datatype"] for o in metadata.get("outputs", []) if o["name"] == io_names.SEGMENTATION), ""
     )
@@ -145,8 +167,9 @@ def describe_endpoint(
 
 def format_description(d: EndpointDescription) -> str:
     """Human-readable lines for ``nnunet-triton info``."""
+    version = f", version {d.version}" if d.version is not None else ""
     lines = [
-        f"endpoint        {d.model_name} on {d.url} (Triton {d.server_version})",
+        f"endpoint        {d.model_name}{version} on {d.url} (Triton {d.server_version})",
         f"pipeline        {' -> '.join(d.composing_models) or '(not an ensemble)'}",
         f"fold models     {', '.join(d.fold_models) or '(unknown)'}",
         f"orchestrators   {d.orchestrator_instances} instance(s) (requests computed at once)",
@@ -156,7 +179,7 @@ def format_description(d: EndpointDescription) -> str:
         f"PROBABILITIES FP32 [K={d.num_heads}, z, y, x]",
         f"labels          {json.dumps(d.labels)}" + ("" if d.published.get("labels") else " (generic)"),
     ]
-    for key in sorted(set(d.published) - {"labels"}):
+    for key in sorted(set(d.published) - {"labels", "endpoint", "version"}):
         lines.append(f"{key:<15} {json.dumps(d.published[key])}")
     if not d.published:
         lines.append(

@@ -3,7 +3,7 @@
 An nnU-Net script switches to Triton by changing the constructor line::
 
     predictor = nnUNetPredictor(tile_step_size=0.5, use_mirroring=True, device=torch.device("cuda"))
-    predictor = TritonPredictor(tile_step_size=0.5, use_mirroring=True, url="triton:8000")
+    predictor = TritonPredictor(tile_step_size=0.5, use_mirroring=True, url="triton:8000")  # model="liver"
     predictor.initialize_from_trained_model_folder(model_folder, use_folds=(0, 1))  # reads only the JSONs
     seg = predictor.predict_single_npy_array(image, {"spacing": spacing})
 
@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from nnunet_triton import io_names
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.client.endpoint import describe_endpoint, segment_with_retry
 from nnunet_triton.errors import InputValidationError, UnsupportedModelError
@@ -68,6 +69,8 @@ class TritonPredictor:
         protocol: str = "http",
         timeout_s: float = 600.0,
         retries: int = 3,
+        model: str = io_names.ENDPOINT_MODEL,
+        version: int | None = None,
     ) -> None:
         if not use_gaussian:
             raise UnsupportedModelError(
@@ -75,7 +78,7 @@ class TritonPredictor:
             )
         self.tile_step_size, self.use_mirroring = tile_step_size, use_mirroring
         self.verbose, self.allow_tqdm, self.retries = verbose, allow_tqdm, retries
-        self.client = NnunetClient(url, protocol=protocol, timeout_s=timeout_s)
+        self.client = NnunetClient(url, protocol=protocol, timeout_s=timeout_s, model=model, version=version)
         self.url, self.protocol = url, protocol
         self.use_folds: tuple[int | str, ...] | None = None
         self.dataset_json: dict[str, Any] | None = None
@@ -99,7 +102,7 @@ class TritonPredictor:
 
     def initialize_from_endpoint(self, use_folds: Sequence[int | str] | int | str | None = None) -> None:
         """No local model folder: take labels, channel names and file ending from the server's description."""
-        description = describe_endpoint(self.url, self.protocol)
+        description = describe_endpoint(self.url, self.protocol, model_name=self.client.model_name)
         published = description.published
         self.dataset_json = {
             "labels": description.labels,

@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nnunet_triton.errors import DeployError, ServerError
+from nnunet_triton.errors import DeployError, RepositoryError, ServerError
+from nnunet_triton.registry import read_registry
 from nnunet_triton.server import watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
@@ -242,8 +243,13 @@ def _memory_plan(repo: Path, volume: VolumeSpec,
     return plan.pool_args(gpus), summary
 
 
-def _model_control(mode: str, load_models: tuple[str, ...], recovery: bool) -> tuple[tuple[str, ...], bool]:
-    """(models to load, whether the watchdog runs) for a model control mode; ValueError when they clash."""
+def _model_control(mode: str, load_models: tuple[str, ...], recovery: bool,
+                   repository: Path | None = None) -> tuple[tuple[str, ...], bool]:
+    """(models to load, whether the watchdog runs) for a model control mode; ValueError when they clash.
+
+    Explicit mode loads ``load_models``, else every model of the repository's registry (every endpoint
+    and version: the old version stays loaded next to a new one until it is removed), else every folder.
+    """
     if mode not in ("none", "explicit"):
         raise ValueError(f"model_control_mode must be 'none' or 'explicit', got {mode!r}.")
     if load_models and mode != "explicit":
@@ -252,6 +258,13 @@ def _model_control(mode: str, load_models: tuple[str, ...], recovery: bool) -> t
         if recovery:
             LOGGER.warning("model_control_mode 'none': no watchdog, a model whose process dies stays broken")
         return (), False
+    if not load_models and repository is not None:
+        try:
+            registry = read_registry(repository)
+        except RepositoryError as exc:
+            raise ValueError(f"cannot serve {str(repository)!r}: {exc}") from None
+        if registry is not None:
+            load_models = registry.models()
     return load_models or ("*",), recovery
 
 
@@ -316,7 +329,7 @@ def start(
         # "terminate called after throwing an instance of 'std::invalid_argument' what(): stol"
         raise ValueError(f"model_repository must not contain whitespace (Triton 2.51's Python backend cannot "
                          f"start its stubs there), got {str(repo)!r}; build or copy it to another path.")
-    load_models, recovery = _model_control(model_control_mode, tuple(load_models), recovery)
+    load_models, recovery = _model_control(model_control_mode, tuple(load_models), recovery, repo)
     run_dir = resolve_home(home) / "run"
     launch_args = {
         "installation": prepare_home(home),

@@ -19,7 +19,7 @@ from nnunet_triton.server.health import (
     check_health,
     pid_alive,
     remove_shm_regions,
-    repository_models,
+    repository_expectations,
     stub_processes,
 )
 
@@ -120,8 +120,9 @@ class ServerHandle:
 
     def health(self, timeout_s: float = 2.0) -> HealthReport:
         """Whether the endpoint can answer now: server ready, every model ready with all its processes."""
-        return check_health(self.http_url, repository_models(self.model_repository),
-                            server_pid=self.pid if self.is_running() else None, timeout_s=timeout_s)
+        required, optional = repository_expectations(self.model_repository)
+        return check_health(self.http_url, required, server_pid=self.pid if self.is_running() else None,
+                            timeout_s=timeout_s, optional=optional)
 
     def watchdog_running(self) -> bool:
         if self._watchdog is not None:

@@ -11,7 +11,10 @@ both sides:
   alive (not zombie) as the model's config asks for (``instance_group`` counts, read once from
   ``/v2/models/<m>/config``).
 
-The endpoint is healthy when the server is ready and every model is ready with all its processes.
+The endpoint is healthy when the server is ready and every model is ready with all its processes. In a
+repository of several endpoints and versions (``nnunet_triton.registry``) the models that must be loaded
+are the public endpoints and their promoted versions; another version may be loaded or not (it is built,
+waiting to be validated or promoted, or kept for a rollback), but when it is loaded it must be whole.
 Only the standard library is used (it runs as a Kubernetes exec probe every few seconds): one
 ``/proc`` scan and two loopback HTTP requests per model, a few milliseconds (docs/reliability.md).
 
@@ -42,6 +45,7 @@ __all__ = [
     "find_server_pid",
     "pid_alive",
     "repository_models",
+    "repository_expectations",
     "expected_instances",
     "check_health",
     "main",
@@ -147,6 +151,23 @@ def repository_models(model_repository: str | Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "config.pbtxt").is_file())
 
 
+def repository_expectations(model_repository: str | Path) -> tuple[list[str], list[str]]:
+    """(models that must be loaded, models that may be) of a repository: with a registry, the public
+    endpoints and their promoted versions, then every other version's models; without one, every model
+    folder must be loaded."""
+    from nnunet_triton.errors import RepositoryError
+    from nnunet_triton.registry import read_registry
+
+    try:
+        registry = read_registry(model_repository)
+    except RepositoryError:
+        registry = None  # an older or hand-made repository: every folder counts
+    if registry is None:
+        return repository_models(model_repository), []
+    required = list(registry.required_models())
+    return required, sorted(set(registry.models()) - set(required))
+
+
 def expected_instances(config: Mapping[str, Any]) -> tuple[str, ...]:
     """Instance names Triton gives a model's instances (``<group name>_<index>``; the group name is
     ``<model>_<group index>`` unless the config names it). A ``KIND_GPU`` group without ``gpus`` counts
@@ -169,6 +190,7 @@ class ModelHealth:
     backend: str | None = None
     expected: tuple[str, ...] = ()  # instance names needing a stub (Python backend only)
     alive: tuple[str, ...] = ()  # instance names with a live stub
+    required: bool = True  # False: a version that may be unloaded (not promoted)
 
     @property
     def missing_processes(self) -> int:
@@ -181,11 +203,11 @@ class ModelHealth:
 
     @property
     def ok(self) -> bool:
-        return self.ready and not self.broken
+        return (self.ready or not self.required) and not self.broken
 
     def problem(self) -> str | None:
         if not self.ready:
-            return f"model {self.name!r} is not ready"
+            return None if not self.required else f"model {self.name!r} is not ready"
         if self.broken:
             dead = sorted(set(self.expected) - set(self.alive)) or [f"{self.missing_processes} instance(s)"]
             return (f"model {self.name!r}: {len(self.alive)} of {len(self.expected)} Python-backend "
@@ -251,8 +273,10 @@ def check_health(
     config_cache: MutableMapping[str, dict[str, Any]] | None = None,
     stubs: Sequence[StubProcess] | None = None,
     proc: str | Path = "/proc",
+    optional: Sequence[str] = (),
 ) -> HealthReport:
-    """Check the server at ``url`` (``host:port`` of HTTP) and ``models``.
+    """Check the server at ``url`` (``host:port`` of HTTP) and ``models`` (and ``optional``: models that may
+    be unloaded, but must be whole when loaded).
 
     ``server_pid`` limits the stubs to that server's children (None: any stub on the machine, right in
     a container). ``config_cache`` keeps model configs between calls (the watchdog's loop); ``stubs``
@@ -269,11 +293,12 @@ def check_health(
     stubs = stub_processes(server_pid, proc=proc) if stubs is None else stubs
     report: list[ModelHealth] = []
     errors: list[str] = []
-    for model in models:
+    maybe = set(optional)
+    for model in [*models, *(m for m in optional if m not in set(models))]:
         try:
             model_ready = _get(f"{base}/v2/models/{urllib.parse.quote(model)}/ready", timeout_s)[0] == 200
             if not model_ready:
-                report.append(ModelHealth(name=model, ready=False))
+                report.append(ModelHealth(name=model, ready=False, required=model not in maybe))
                 continue
             if model not in cache:
                 cache[model] = _model_config(base, model, timeout_s)
@@ -283,10 +308,10 @@ def check_health(
         config = cache[model]
         backend = config.get("backend") or config.get("platform") or None
         if backend != _PYTHON_BACKEND:
-            report.append(ModelHealth(name=model, ready=True, backend=backend))
+            report.append(ModelHealth(name=model, ready=True, backend=backend, required=model not in maybe))
             continue
         alive = tuple(sorted(s.instance for s in stubs if s.model == model))
-        report.append(ModelHealth(name=model, ready=True, backend=backend,
+        report.append(ModelHealth(name=model, ready=True, backend=backend, required=model not in maybe,
                                   expected=expected_instances({"name": model, **config}), alive=alive))
     return HealthReport(url=url, server_live=live, server_ready=ready, server_pid=server_pid,
                         models=tuple(report), errors=tuple(errors))
@@ -307,12 +332,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        models = repository_models(args.model_repository)
+        models, optional = repository_expectations(args.model_repository)
     except OSError as exc:
         sys.stderr.write(f"health: cannot list --model-repository {str(args.model_repository)!r}: {exc}\n")
         return 2
     server_pid = args.server_pid if args.server_pid is not None else find_server_pid()
-    report = check_health(args.url, models, server_pid=server_pid, timeout_s=args.timeout)
+    report = check_health(args.url, models, server_pid=server_pid, timeout_s=args.timeout, optional=optional)
     if args.json:
         sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")
     else:

@@ -11,7 +11,9 @@ every launcher starts the server with ``--model-control-mode=explicit``:
 * a reload that fails is retried with exponential backoff (1 s doubling to 30 s) until it succeeds;
 * every recovery is appended to ``events_file`` (JSON lines: model, dead instances, seconds taken).
 
-A model somebody unloaded on purpose has no stubs *and* is not ready: the watchdog leaves it alone.
+A model somebody unloaded on purpose has no stubs *and* is not ready: the watchdog leaves it alone. The
+repository's model folders are listed again every ``RESCAN_S`` seconds, so an endpoint version built and
+loaded while the server runs (``server.rollout``) is watched too.
 It exits when the server process is gone (``make stop`` stops it first). When the server died on its
 own (``kill -9``, the OOM killer) nothing restarts it here; the watchdog then ends the orphaned stubs
 (some linger for minutes) and removes the ``/dev/shm`` regions they leave behind (Triton removes them
@@ -74,6 +76,7 @@ TOKEN_ENV = "NNUNET_TRITON_CONTROL_TOKEN"
 DEFAULT_INTERVAL_S = 1.0
 WATCHING = "watching"  # first word of the log line written after the first check
 MAX_BACKOFF_S = 30.0
+RESCAN_S = 10.0  # how often the repository's model folders are listed again
 
 
 def new_token() -> str:
@@ -124,10 +127,13 @@ class Watchdog:
 
     def __init__(self, url: str, server_pid: int, models: Sequence[str], token: str, *,
                  events_file: str | Path | None = None, interval_s: float = DEFAULT_INTERVAL_S,
-                 load_timeout_s: float = 900.0, shm: str | Path = "/dev/shm") -> None:
+                 load_timeout_s: float = 900.0, shm: str | Path = "/dev/shm",
+                 model_repository: str | Path | None = None) -> None:
         self.url = url
         self.server_pid = server_pid
         self.models = list(models)
+        self.model_repository = Path(model_repository) if model_repository is not None else None
+        self._listed_at = time.monotonic()
         self.token = token
         self.events_file = Path(events_file) if events_file else None
         self.interval_s = interval_s
@@ -183,6 +189,7 @@ class Watchdog:
 
         Cheap when nothing is wrong: one ``/proc`` scan; Triton is asked (``check_health``) only about
         models with fewer live stubs than their config needs, or not seen ready yet."""
+        self._rescan()
         previous = self._stubs
         stubs = stub_processes(self.server_pid)
         if stubs:
@@ -202,6 +209,23 @@ class Watchdog:
         now = time.monotonic()
         return [self._recover(name, pending) for name, pending in list(self._pending.items())
                 if now >= pending.retry_at]
+
+    def _rescan(self) -> None:
+        """List the repository's model folders again (every ``RESCAN_S``): versions come and go."""
+        if self.model_repository is None or time.monotonic() - self._listed_at < RESCAN_S:
+            return
+        self._listed_at = time.monotonic()
+        try:
+            listed = repository_models(self.model_repository)
+        except OSError as exc:
+            LOGGER.warning("cannot list %s (%s); watching the %d models known", self.model_repository, exc,
+                           len(self.models))
+            return
+        gone = set(self.models) - set(listed)
+        for model in gone:
+            self._needed.pop(model, None)
+            self._configs.pop(model, None)
+        self.models = listed
 
     def _start_recovery(self, model: ModelHealth, previous: dict[tuple[str, str], StubProcess]) -> None:
         dead = tuple(sorted(set(model.expected) - set(model.alive)))
@@ -301,7 +325,8 @@ def fork_for_exec(server_args: list[str], model_repository: str | Path, *,
         code = 1
         try:
             logging.basicConfig(level=logging.INFO, format="watchdog %(levelname)s %(message)s")
-            watchdog = Watchdog(url, parent, models, token, events_file=events_file)
+            watchdog = Watchdog(url, parent, models, token, events_file=events_file,
+                                model_repository=model_repository)
             signal.signal(signal.SIGTERM, watchdog.stop)
             code = watchdog.run()
         finally:
@@ -329,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         LOGGER.error("%s is not set: the watchdog cannot use the model-control API", TOKEN_ENV)
         return 2
     watchdog = Watchdog(args.url, args.server_pid, repository_models(args.model_repository), token,
-                        events_file=args.events_file, interval_s=args.interval)
+                        events_file=args.events_file, interval_s=args.interval,
+                        model_repository=args.model_repository)
     signal.signal(signal.SIGTERM, watchdog.stop)
     return watchdog.run()
 

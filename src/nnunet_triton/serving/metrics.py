@@ -1,10 +1,12 @@
 """Custom Prometheus metrics of the Python models, served on Triton's metrics port next to ``nv_*``.
 
 Built on ``pb_utils.MetricFamily`` (python backend 2.51 has COUNTER, GAUGE and HISTOGRAM). Every
-metric carries the labels ``model`` (the Triton model: ``preprocess_model``, ``orchestrator_model``,
-``stitch_model``), ``dataset`` (``Dataset901_SynthCT``) and ``configuration`` (nnU-Net's results folder
-name ``<trainer>__<plans>__<configuration>``); ``dataset``/``configuration`` are the ``dataset_name``
-and ``model_folder`` of ``repository_metadata.json``. Failures also carry ``code``.
+metric carries the labels ``model`` (the Triton model: ``preprocess_model``,
+``liver__v2__orchestrator_model``, ...), ``endpoint`` and ``endpoint_version`` (the endpoint version the
+model belongs to: ``liver``, ``2``; ``io_names.endpoint_of_model``), ``dataset`` (``Dataset901_SynthCT``)
+and ``configuration`` (nnU-Net's results folder name ``<trainer>__<plans>__<configuration>``);
+``dataset``/``configuration`` are the ``dataset_name`` and ``model_folder`` the builder recorded. Failures
+also carry ``code``.
 
 Every step (all three Python models):
     nnunet_request_success_total      counter    requests answered successfully
@@ -50,6 +52,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nnunet_triton import io_names
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.parameters import PipelineParameters
 from nnunet_triton.serving._pb import pb_utils
@@ -133,9 +136,13 @@ ORCHESTRATOR_COUNTS: Mapping[str, MetricSpec] = {
 
 
 def metric_labels(model_name: str, config: InferenceConfig) -> dict[str, str]:
-    """Labels of every metric of ``model_name``: the Triton model and the nnU-Net model it serves."""
+    """Labels of every metric of ``model_name``: the Triton model, the endpoint version it belongs to and
+    the nnU-Net model it serves."""
+    endpoint, version = io_names.endpoint_of_model(model_name)
     return {
         "model": model_name,
+        "endpoint": endpoint,
+        "endpoint_version": str(version),
         "dataset": config.dataset_name,
         "configuration": f"{config.network.trainer_name}__{config.plans_name}__{config.configuration}",
     }

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton.errors import InputValidationError
-from nnunet_triton.options import RequestOptions
+from nnunet_triton.options import OPTION_FOLDS, RequestOptions
 
 __all__ = ["FORMAT", "IDENTITY_KEYS", "input_hash", "ReferenceWriter", "RecordedReference", "ReferenceError"]
 
@@ -38,6 +38,8 @@ MANIFEST = "reference.json"
 # what makes two deployments "the same model" (the endpoint's published description)
 IDENTITY_KEYS = ("dataset_name", "plans_name", "configuration", "trainer_name", "labels",
                  "regions_class_order", "patch_size", "spacing")
+MEANING_KEYS = ("labels", "regions_class_order")  # what an answer means: equal even across model versions
+FOLDS_OPTION = OPTION_FOLDS
 
 
 class ReferenceError(InputValidationError):
@@ -146,22 +148,36 @@ class RecordedReference:
     def cases(self) -> Mapping[str, Mapping[str, Any]]:
         return self.manifest["cases"]
 
-    def check_compatible(self, deployment: Mapping[str, Any], options: Mapping[str, Any]) -> None:
-        """Refuse a set of another model or recorded with other request options, naming the difference."""
+    def check_compatible(self, deployment: Mapping[str, Any], options: Mapping[str, Any], *,
+                         allow_model_change: bool = False) -> list[str]:
+        """Refuse a set of another model or recorded with other request options, naming the difference.
+
+        ``allow_model_change`` accepts another training of the same labels (a new endpoint version, other
+        plans or trainer) and returns the differences; the labels and regions, which say what an answer
+        means, must always be equal.
+        """
         recorded = self.manifest.get("deployment", {})
-        model = [f"{k}: recorded {recorded.get(k)!r}, served {deployment.get(k)!r}"
-                 for k in IDENTITY_KEYS if recorded.get(k) != deployment.get(k)]
-        if model:
+        differing = [k for k in IDENTITY_KEYS if recorded.get(k) != deployment.get(k)]
+        model = [f"{k}: recorded {recorded.get(k)!r}, served {deployment.get(k)!r}" for k in differing]
+        meaning = [m for m, k in zip(model, differing, strict=True) if k in MEANING_KEYS]
+        if meaning or (model and not allow_model_change):
+            hint = "" if meaning else " (a new version of the same labels: --allow-model-change)"
             raise ReferenceError(f"--against {self.folder}: the reference set is of another model ("
-                                 + "; ".join(model) + ").")
+                                 + "; ".join(meaning or model) + f"){hint}.")
         # an option recorded before it existed was recorded at its default
         recorded_options = {**RequestOptions().to_dict(), **self.options}
         changed = [f"{k}: recorded {recorded_options.get(k)!r}, now {v!r}" for k, v in options.items()
                    if recorded_options.get(k) != v]
+        if allow_model_change:  # another version may have other folds: it answers with all of its own
+            model += [c for c in changed if c.startswith(f"{FOLDS_OPTION}:")]
+            changed = [c for c in changed if not c.startswith(f"{FOLDS_OPTION}:")]
         if changed:
+            folds = any(c.startswith(f"{FOLDS_OPTION}:") for c in changed)
+            hint = " (a new version with other folds: --allow-model-change)" if folds else ""
             raise ReferenceError(f"--against {self.folder}: the options differ from the recording ("
                                  + "; ".join(changed) + "); compare with the recorded options or "
-                                 "record anew.")
+                                 f"record anew{hint}.")
+        return model
 
     def answer(self, case: str, image: np.ndarray, spacing: Any) -> tuple[np.ndarray, np.ndarray | None]:
         """The recorded answer for ``case``; ReferenceError when the case is not in the set, its input

@@ -2,9 +2,10 @@
 
 A PACS routes studies to the node's AE title. What happens, in order:
 
-1. **Association.** Only the senders of the :class:`~.access.AccessPolicy` are accepted (called AE title,
-   calling AE title and host, TLS, a limit per host); the others get an A-ASSOCIATE-RJ. Only image storage
-   SOP classes in uncompressed transfer syntaxes are accepted by default.
+1. **Association.** Only the senders of the :class:`~.access.AccessPolicy` are accepted (called AE title:
+   the node's or one its routes map to a model; calling AE title and host, TLS, a limit per host); the
+   others get an A-ASSOCIATE-RJ. Only image storage SOP classes in uncompressed transfer syntaxes are
+   accepted by default.
 2. **C-STORE.** pynetdicom writes the dataset to a temporary file as it arrives (never whole in memory); an
    association that sends more than ``max_instance_bytes`` for one instance is aborted. The instance is
    copied (a Deflate one inflated in chunks, with the same limit) into the spool's ``tmp/``, its header read
@@ -15,10 +16,13 @@ A PACS routes studies to the node's AE title. What happens, in order:
 3. **Completeness.** A series is complete when no instance of its *study* arrived for ``idle_timeout_s``
    and no association that delivered instances of the study is still open (it is held back at most
    ``max_open_wait_s``), the rule of Orthanc's stable studies plus the sender's own end of transfer.
-4. **Segmenting.** The series is read like a DICOM folder; a series whose Modality does not fit the model
-   (:mod:`.modality`) is refused. The SEG's UIDs are minted once and stored in the series' state before the
-   SEG is written (durably) to ``outgoing/``; its SeriesInstanceUID stays the same for every round of
-   the same source series.
+4. **Segmenting.** The series goes to the model (endpoint) of its route (:mod:`.routing`): the called AE
+   title of its first instance's association, else the first rule its attributes match, else the default;
+   the route is decided when the first instance is kept and recorded in the series' state (a restart keeps
+   it; later instances follow it, also those sent to another called AE title, which is logged). A series
+   nothing routes, or whose Modality does not fit its model (:mod:`.modality`), is refused. The SEG's UIDs
+   are minted once and stored in the series' state before the SEG is written (durably) to ``outgoing/``;
+   its SeriesInstanceUID stays the same for every round of the same source series.
 5. **Sending.** The SEG goes to the destination (C-STORE or STOW-RS). A retry sends the same file, without
    inference: killed after the PACS stored the SEG but before it answered, the node sends the same SOP
    instance again and the PACS keeps one. Failures that may pass (PACS or endpoint unreachable, refused,
@@ -49,47 +53,65 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pydicom
 
-from nnunet_triton.client.dicom.access import VERIFICATION, AccessPolicy
+from nnunet_triton.client.dicom.access import REJECT_UNAVAILABLE, VERIFICATION, AccessPolicy, Refusal
 from nnunet_triton.client.dicom.destination import DicomWebDestination, StoreDestination, parse_destination
 from nnunet_triton.client.dicom.modality import ModalityRule
 from nnunet_triton.client.dicom.node_admin import read_status, requeue
 from nnunet_triton.client.dicom.phi import describe
-from nnunet_triton.client.dicom.receiving import Receiving
+from nnunet_triton.client.dicom.receiving import STATUS_SUCCESS, Receiving
+from nnunet_triton.client.dicom.routing import NoRoute, Route, Routes
 from nnunet_triton.client.dicom.seg import SegmentLabel, generic_segment_labels, write_dicom_seg
 from nnunet_triton.client.dicom.spool import Spool, SpoolLimits, durable_json, durable_output
-from nnunet_triton.client.dicom.uids import valid_uid
+from nnunet_triton.client.dicom.uids import shown, valid_uid
 from nnunet_triton.client.dicom.volume import DicomOptions, read_series, scan_folder
 from nnunet_triton.client.endpoint import is_unavailable
 from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError, PacsError
 
 # the destinations and the spool commands are importable from here too (one module for the node)
-__all__ = ["StoreDestination", "DicomWebDestination", "parse_destination", "NodeConfig", "DicomNode",
-           "read_status", "requeue"]
+__all__ = ["StoreDestination", "DicomWebDestination", "parse_destination", "NodeConfig", "NodeModel",
+           "DicomNode", "Routes", "read_status", "requeue"]
 
 LOGGER = logging.getLogger(__name__)
 PROCESSED_KEPT = 1000  # outcomes kept in memory (DicomNode.processed)
+RECENT_SHOWN = 20  # outcomes shown in status.json, with their model
+ROUTE_KEYS = ("called_ae", "model", "route")  # a series' route in its state and its record
+
+
+@dataclass(frozen=True)
+class NodeModel:
+    """A model (endpoint) the node segments with: ``segment(volume)`` returns the label map of a
+    :class:`~.volume.DicomVolume`; ``labels`` name the DICOM-SEG segments (None: ``label_<v>`` for the values
+    present); ``modalities`` says which series fit it."""
+
+    segment: Callable[[Any], Any]
+    labels: Sequence[SegmentLabel] | None = None
+    modalities: ModalityRule = field(default_factory=lambda: ModalityRule(None))
 
 
 @dataclass(frozen=True)
 class NodeConfig:
     """What the node listens on, who may store, where it spools and sends, how it retries and its limits.
 
-    ``segment(volume)`` returns the label map for a :class:`~.volume.DicomVolume`; ``labels`` names the
-    DICOM-SEG segments (None: ``label_<v>`` for the values present). Times are seconds.
+    One model: ``segment(volume)`` returns the label map for a :class:`~.volume.DicomVolume`, ``labels``
+    names the DICOM-SEG segments (None: ``label_<v>`` for the values present), ``modalities`` the series that
+    fit; it is the ``routes``' default model (``Routes()``: everything to ``nnunet``). Several models:
+    ``models`` maps every endpoint name the ``routes`` name to its :class:`NodeModel` (``segment`` None).
+    Times are seconds.
     """
 
     ae_title: str
     port: int
     spool: Path
     destination: StoreDestination | DicomWebDestination
-    segment: Callable[[Any], Any]
+    segment: Callable[[Any], Any] | None = None
     labels: Sequence[SegmentLabel] | None = None
     host: str = "127.0.0.1"
     idle_timeout_s: float = 10.0
@@ -107,6 +129,8 @@ class NodeConfig:
     heartbeat_s: float = 2.0
     rescan_s: float = 5.0
     sweep_s: float = 60.0
+    routes: Routes = field(default_factory=Routes)
+    models: Mapping[str, NodeModel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.ae_title) <= 16:
@@ -119,6 +143,39 @@ class NodeConfig:
                 self.network_timeout_s, self.poll_s, self.heartbeat_s, self.rescan_s, self.sweep_s) <= 0:
             raise PacsError("retry window, delays and waits must be >= 0 and the node's intervals > 0.")
         self.access.check_listening(self.host)
+        self._check_models()
+
+    def _check_models(self) -> None:
+        routes = self.routes
+        if self.models:
+            if self.segment is not None or self.labels is not None or self.modalities != ModalityRule(None):
+                raise PacsError("give the node one model (segment, labels, modalities) or several (models), "
+                                "not both.")
+            missing = [name for name in routes.models if name not in self.models]
+            if missing:
+                raise PacsError(f"the routes send series to model {missing[0]!r} "
+                                f"({routes.where(missing[0])}) but the node has no such model (it has "
+                                f"{sorted(self.models)}).")
+            object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+        elif self.segment is None:
+            raise PacsError("the node needs a model: segment (one) or models (one per endpoint name).")
+        elif routes.models != (routes.default,):
+            others = [name for name in routes.models if name != routes.default]
+            raise PacsError(f"one segment callable is the routes' default model ({routes.default}) only; the "
+                            f"routes also name {others}: give models, one per endpoint name.")
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        """The endpoint names the node segments with."""
+        return tuple(self.models) if self.models else (str(self.routes.default),)
+
+    def model_for(self, name: object) -> NodeModel | None:
+        """The model the node segments with for endpoint ``name``; None when it serves no such model."""
+        if self.models:
+            return self.models.get(name) if isinstance(name, str) else None
+        if self.segment is None or name != self.routes.default:
+            return None
+        return NodeModel(self.segment, self.labels, self.modalities)
 
 
 @dataclass
@@ -131,6 +188,11 @@ class _Series:
     attempts: int = 0
     next_attempt: float = 0.0
     first_failure: float | None = None
+    routed: bool = False  # its route is recorded in its state (ROUTE_KEYS), and below
+    called_ae: str | None = None
+    model: str | None = None
+    route: str = ""
+    other_called: set[str] = field(default_factory=set)  # other called AE titles its instances came to
 
 
 class _Fatal(Exception):
@@ -158,6 +220,8 @@ class DicomNode(Receiving):
         self._server_closed = False
         self._threads: list[threading.Thread] = []
         self._processed: collections.deque[tuple[str, str]] = collections.deque(maxlen=PROCESSED_KEPT)
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_SHOWN)
+        self._called_ae: dict[int, str] = {}  # association -> its called AE title (for the routes)
         self._fatal: str | None = None
         self._dead = threading.Event()  # set once a fatal error is handled: status written, server closed
         self._degraded: dict[str, str] = {}  # what is wrong now but may pass: disk full, destination down
@@ -217,6 +281,10 @@ class DicomNode(Receiving):
             self._threads.append(thread)
         LOGGER.info("listening as %s on %s:%d%s, spool %s", self.config.ae_title, self.config.host,
                     self.config.port, " (TLS)" if access.tls else "", self.config.spool)
+        routes = self.config.routes
+        LOGGER.info("routes: called AE titles %s, %d rule(s), default %s; models %s",
+                    dict(routes.called_ae_titles) or "none", len(routes.rules), routes.default,
+                    ", ".join(self.config.served))
 
     def stop(self) -> None:
         """Stop listening; the series being processed finishes first, nothing spooled is removed."""
@@ -251,6 +319,109 @@ class DicomNode(Receiving):
         self._write_status()
         self._dead.set()
 
+    # --- receiving: called AE titles and routes ------------------------------------------------------
+    def _on_requested(self, event: Any) -> None:
+        """EVT_REQUESTED, as :meth:`.receiving.Receiving._on_requested` decides it, with the called AE titles
+        the routes map to a model accepted as the node's own; keeps the called AE title of an accepted
+        association for routing its series."""
+        assoc = event.assoc
+        request = assoc.requestor.primitive
+        host = str(assoc.requestor.address)
+        called = str(request.called_ae_title).strip()
+        own = called if called in self.config.routes.called_ae_titles else self.config.ae_title
+        if self._fatal is not None or self._server is None:
+            refusal: Refusal | None = Refusal(REJECT_UNAVAILABLE, "the node is not working (see its status)")
+        else:
+            from_host = sum(1 for a in self._server.active_associations if str(a.requestor.address) == host)
+            refusal = self.config.access.refusal(
+                own_ae=own, called_ae=called, calling_ae=str(request.calling_ae_title), host=host,
+                listening_host=self.config.host, from_host=from_host)
+        if refusal is None:
+            self._called_ae[id(assoc)] = called
+            return
+        LOGGER.warning("refused an association from %s: %s", host, refusal.reason)
+        assoc.acse.send_reject(*refusal.rsd)
+        assoc.is_rejected = True
+        assoc.kill()
+
+    def _on_closed(self, event: Any) -> None:
+        self._called_ae.pop(id(event.assoc), None)
+        super()._on_closed(event)
+
+    def _keep(self, staged: Path, study: str, series: str, sop: str, *, assoc_key: int) -> int:
+        """Keep the instance (:meth:`.receiving.Receiving._keep`); the first one kept of a series decides
+        and records its route before the C-STORE is answered."""
+        called = self._called_ae.get(assoc_key)
+        with self._lock:
+            entry = self._pending.get(series)
+            routed = entry is not None and entry.routed
+        decision = None if routed else self._decide(staged, called)
+        status = super()._keep(staged, study, series, sop, assoc_key=assoc_key)
+        if status != STATUS_SUCCESS:
+            return status
+        try:
+            self._note_route(series, sop, called, decision)
+        except OSError as exc:  # the instance is kept; the sender sends it again and the route is recorded
+            return self._spool_error(f"recording the route of series {series}", exc)
+        return status
+
+    def _decide(self, path: Path, called: str | None) -> Route | NoRoute:
+        """The route of a series whose instance ``path`` came to ``called`` (only the attributes the rules
+        read are read), or the :class:`NoRoute` saying why there is none."""
+        routes = self.config.routes
+        header: Any = {}
+        if routes.keywords and not (called and called in routes.called_ae_titles):
+            header = pydicom.dcmread(path, stop_before_pixels=True, defer_size=1 << 16,
+                                     specific_tags=list(routes.keywords))
+        try:
+            return routes.decide(called, header)
+        except NoRoute as exc:
+            return exc
+
+    def _note_route(self, series: str, sop: str, called: str | None,
+                    decision: Route | NoRoute | None) -> None:
+        """Record the route of a series in its state unless it has one (a later instance follows it, and so
+        does a series whose earlier SEG was sent: its record keeps the route)."""
+        with self._lock:
+            entry = self._pending.get(series)
+            if entry is None:  # a known instance of a sent series: nothing waits for a route
+                return
+            routed, first, model = entry.routed, entry.called_ae, entry.model
+            other = routed and called is not None and called != first and called not in entry.other_called
+            if other:
+                entry.other_called.add(str(called))
+        if other:
+            LOGGER.warning("series %s: an instance came to called AE title %s; the series follows the route "
+                           "of its first instance (called AE title %s): model %s", series, shown(called, 16),
+                           shown(first, 16), model or "(none)")
+        if routed:
+            return
+        with self._series_lock(series):
+            if not self.spool.series_dir(series).is_dir():  # its instances are in done/ only: no new round
+                return
+            state = self.spool.state(series)
+            new = "called_ae" not in state
+            if new:
+                if decision is None:
+                    decision = self._decide(self.spool.instance(series, sop), called)
+                state.update(self._route_keys(series, called, decision))
+                self.spool.write_state(series, state)
+        with self._lock:
+            _route_entry(entry, state)
+        if new and state.get("model"):
+            LOGGER.info("series %s: routed to model %s (%s)", series, state["model"], state.get("route"))
+        elif new:
+            LOGGER.warning("series %s: %s; it will be set aside", series, state.get("route"))
+
+    def _route_keys(self, series: str, called: str | None, decision: Route | NoRoute) -> dict[str, Any]:
+        record = self.spool.record(series)
+        if isinstance(record.get("model"), str):  # an earlier round was sent: the SEG series keeps its model
+            return {"called_ae": record.get("called_ae"), "model": record["model"],
+                    "route": f"{record.get('route') or 'recorded'}, as its earlier DICOM-SEG"}
+        if isinstance(decision, Route):
+            return {"called_ae": called, "model": decision.model, "route": decision.reason}
+        return {"called_ae": called, "route": str(decision)}
+
     # --- resume and spool scans --------------------------------------------------------------------
     def _resume(self) -> None:
         self.spool.clear_tmp()
@@ -274,6 +445,7 @@ class DicomNode(Receiving):
             study = str(valid_uid(state.get("study")) or uid)
             entry = _Series(study, now, count=self.spool.count(uid), attempts=int(state.get("attempts", 0)),
                             first_failure=state.get("first_failure"))
+            _route_entry(entry, state)
             with self._lock:
                 self._pending.setdefault(uid, entry)
                 self._study_seen.setdefault(study, now)
@@ -304,7 +476,7 @@ class DicomNode(Receiving):
         except OSError as exc:
             LOGGER.error("series %s: could not set aside an unreadable SEG: %s", uid, describe(exc))
             return
-        self._processed.append((uid, "failed: unreadable DICOM-SEG in outgoing/"))
+        self._outcome(uid, "failed: unreadable DICOM-SEG in outgoing/", None)
         LOGGER.error("series %s: the DICOM-SEG in outgoing/ is unreadable; moved to %s", uid, target)
 
     # --- the worker --------------------------------------------------------------------------------
@@ -439,10 +611,11 @@ class DicomNode(Receiving):
         if not eligible:
             reasons = sorted({reason for _, reason in scan.skipped}) or ["no instances"]
             raise InputValidationError(f"series {uid}: no image volume to segment ({'; '.join(reasons)}).")
-        refusal = self.config.modalities.refusal(str(eligible[0].first.get("Modality", "")))
+        name, model = self._model_of(uid, entry, state, eligible[0].first)
+        refusal = model.modalities.refusal(str(eligible[0].first.get("Modality", "")))
         if refusal:
-            raise InputValidationError(f"series {uid}: {refusal}; it is not segmented.")
-        LOGGER.info("series %s: segmenting %d instance(s)", uid, len(names))
+            raise InputValidationError(f"series {uid}: {refusal} (model {name}); it is not segmented.")
+        LOGGER.info("series %s: segmenting %d instance(s) with model %s", uid, len(names), name)
         volume = read_series(eligible[0], self.config.dicom_options)
         if seg is None or seg.get("covers") != names:  # a new round: new SOP instance, same SEG series
             series_uid = state.get("seg_series_uid") or record.get("seg_series_uid") or generate_uid()
@@ -450,22 +623,49 @@ class DicomNode(Receiving):
                    "instance_number": int(record.get("instance_number", 0)) + 1, "covers": names}
         state.update(seg=seg, seg_series_uid=seg["series_uid"], study=entry.study)
         self.spool.write_state(uid, state)  # the UIDs exist before the file does
-        segmentation = self.config.segment(volume)
-        labels = self.config.labels or generic_segment_labels(segmentation)
+        segmentation = model.segment(volume)
+        labels = model.labels or generic_segment_labels(segmentation)
         path = write_dicom_seg(segmentation, volume, labels, self.spool.seg_file(uid),
                                series_instance_uid=seg["series_uid"], sop_instance_uid=seg["sop_uid"],
                                instance_number=int(seg["instance_number"]), durable=True)
         self.spool.add(path.stat().st_size)
         return seg
 
+    def _model_of(self, uid: str, entry: _Series, state: dict[str, Any],
+                  header: Any) -> tuple[str, NodeModel]:
+        """The model of the series' recorded route; routed now (and recorded with the state) when it has
+        none (a spool of an earlier node, a crash before the route was written) or when the node no longer
+        serves its model (the routes changed). A series nothing routes cannot be segmented."""
+        recorded = state.get("model")
+        model = self.config.model_for(recorded)
+        if model is None:
+            called = state.get("called_ae") if isinstance(state.get("called_ae"), str) else None
+            try:
+                route = self.config.routes.decide(called, header)
+            except NoRoute as exc:
+                raise InputValidationError(f"series {uid}: {exc}; it is not segmented.") from None
+            if isinstance(recorded, str):
+                LOGGER.warning("series %s: its model %s is not served by this node now; routed again to "
+                               "model %s (%s)", uid, shown(recorded, 48), route.model, route.reason)
+            else:
+                LOGGER.info("series %s: routed to model %s (%s)", uid, route.model, route.reason)
+            state.update(called_ae=called, model=route.model, route=route.reason)
+            recorded, model = route.model, self.config.model_for(route.model)
+            if model is None:  # NodeConfig checks that every routed model is served
+                raise InputValidationError(f"series {uid}: model {route.model} is not served by this node.")
+        with self._lock:
+            _route_entry(entry, state)
+        return str(recorded), model
+
     def _send(self, uid: str, seg_path: Path) -> None:
         self.config.destination.send([seg_path], what=f"the DICOM-SEG of series {uid}")
         self._set_degraded("destination", None)
 
     def _finish(self, uid: str, seg: dict[str, Any], names: list[str]) -> None:
-        """Record what was sent, keep the instances for late ones, clear the round."""
+        """Record what was sent (and the route), keep the instances for late ones, clear the round."""
+        route = {k: v for k, v in self.spool.state(uid).items() if k in ROUTE_KEYS}
         record = {"seg_series_uid": seg["series_uid"], "sop_uid": seg["sop_uid"],
-                  "instance_number": seg["instance_number"], "covers": names, "sent_at": time.time()}
+                  "instance_number": seg["instance_number"], "covers": names, "sent_at": time.time(), **route}
         durable_json(self.spool.record_file(uid), record)
         folder = self.spool.series_dir(uid)
         self.spool.merge_into(folder, self.spool.done_dir(uid), names=set(names))
@@ -481,9 +681,14 @@ class DicomNode(Receiving):
             if not remaining:
                 self.spool.remove_tree(folder)
         if remaining:
-            self.spool.write_state(uid, {"seg_series_uid": seg["series_uid"], "study": entry.study})
-        self._processed.append((uid, "sent"))
-        LOGGER.info("series %s: DICOM-SEG sent", uid)
+            self.spool.write_state(uid, {"seg_series_uid": seg["series_uid"], "study": entry.study, **route})
+        self._outcome(uid, "sent", route.get("model"))
+        LOGGER.info("series %s: DICOM-SEG sent (model %s)", uid, route.get("model") or "unknown")
+
+    def _outcome(self, uid: str, outcome: str, model: object) -> None:
+        self._processed.append((uid, outcome))
+        self._recent.append({"series": uid, "model": model if isinstance(model, str) else None,
+                             "outcome": outcome.split(":")[0], "at": time.time()})
 
     def _series_lock(self, uid: str) -> threading.Lock:
         with self._lock:
@@ -491,8 +696,8 @@ class DicomNode(Receiving):
 
     def _forget(self, uid: str) -> None:
         with self._lock:
-            self._pending.pop(uid, None)
-        self._processed.append((uid, "sent"))
+            entry = self._pending.pop(uid, None)
+        self._outcome(uid, "sent", entry.model if entry else None)
         LOGGER.info("series %s: DICOM-SEG sent", uid)
 
     def _retry_or_fail(self, uid: str, attempt: int, message: str) -> None:
@@ -524,6 +729,10 @@ class DicomNode(Receiving):
         target = self.spool.unique_failed(uid)
         folder = self.spool.series_dir(uid)
         seg = self.spool.seg_file(uid)
+        with self._lock:
+            entry = self._pending.get(uid)
+            model, route = (entry.model, entry.route) if entry is not None else (None, "")
+        routed = f"model: {model} ({route})\n" if model else ""
         try:
             with self._series_lock(uid):
                 if folder.is_dir():
@@ -533,7 +742,7 @@ class DicomNode(Receiving):
             if seg.exists():
                 self.spool.move(seg, target / "nnunet_seg.dcm.unsent")
             with durable_output(target / "error.txt") as temp:
-                temp.write_text(message + "\n")
+                temp.write_text(message + "\n" + routed)
         except OSError as exc:  # a full disk: keep the series where it is and try again later
             LOGGER.error("series %s: could not move it to failed/ (%s); trying again later", uid,
                          describe(exc))
@@ -544,7 +753,7 @@ class DicomNode(Receiving):
             return
         with self._lock:
             self._pending.pop(uid, None)
-        self._processed.append((uid, f"failed: {message}"))
+        self._outcome(uid, f"failed: {message}", model)
         LOGGER.error("series %s: moved to %s: %s", uid, target, message)
 
     # --- health ------------------------------------------------------------------------------------
@@ -564,16 +773,22 @@ class DicomNode(Receiving):
 
     def status(self) -> dict[str, Any]:
         """What ``status.json`` holds: state ``ok`` | ``degraded`` | ``unhealthy``, the reasons, counts."""
+        busy = self._busy
         with self._lock:
             pending = len(self._pending)
             degraded = sorted(self._degraded.values())
+            by_model = collections.Counter(e.model or "(no route yet)" for e in self._pending.values())
+            busy_entry = self._pending.get(busy[0]) if busy else None
+            recent = list(self._recent)
         state = "unhealthy" if self._fatal else ("degraded" if degraded else "ok")
-        busy = self._busy
         return {"state": state, "reason": self._fatal or "; ".join(degraded), "pid": os.getpid(),
                 "updated": time.time(), "heartbeat_s": self.config.heartbeat_s, "pending_series": pending,
                 "busy_series": busy[0] if busy else None, "busy_since": busy[1] if busy else None,
+                "busy_model": busy_entry.model if busy_entry else None,
                 "spool_bytes": self.spool.used, "max_spool_bytes": self.config.limits.max_spool_bytes,
-                "listening": f"{self.config.ae_title}@{self.config.host}:{self.config.port}"}
+                "listening": f"{self.config.ae_title}@{self.config.host}:{self.config.port}",
+                "models": list(self.config.served), "routes": self.config.routes.summary(),
+                "pending_by_model": dict(by_model), "recent": recent}
 
     def _write_status(self) -> None:
         try:
@@ -584,6 +799,18 @@ class DicomNode(Receiving):
             LOGGER.debug("could not write the node status: %s", describe(exc))
         except Exception as exc:  # noqa: BLE001 - the monitor must outlive a bug in the status
             LOGGER.error("could not write the node status: %s", describe(exc))
+
+
+def _route_entry(entry: _Series, state: Mapping[str, Any]) -> None:
+    """Copy a series' recorded route (its state's ROUTE_KEYS) to its entry (under the node's lock once the
+    entry is in ``_pending``)."""
+    if "called_ae" not in state and not isinstance(state.get("model"), str):
+        return
+    called, model = state.get("called_ae"), state.get("model")
+    entry.routed = True
+    entry.called_ae = called if isinstance(called, str) else None
+    entry.model = model if isinstance(model, str) else None
+    entry.route = str(state.get("route") or "")
 
 
 def _seg_sop(path: Path) -> str | None:

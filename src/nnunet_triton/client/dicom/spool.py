@@ -3,11 +3,12 @@
 Layout (every name below the folders is a validated UID, :mod:`.uids`)::
 
     incoming/<series>/<sop>.dcm      received instances, durable before the C-STORE is answered
-    incoming/<series>/.state.json    the series' round: attempts, first failure, the SEG's UIDs and the
-                                     instances it covers
+    incoming/<series>/.state.json    the series' round: its route (called AE title, model, why), attempts,
+                                     first failure, the SEG's UIDs and the instances it covers
     outgoing/<series>.dcm            the SEG of the current round, written once, sent until it is stored
     done/<series>.json               what was sent for a series (SEG series UID, instance number, SOP UIDs
-                                     covered); UIDs only, kept for ``record_retention_s``
+                                     covered, its route); UIDs and names only, kept for
+                                     ``record_retention_s``
     done/<series>/<sop>.dcm          the instances of a sent series, kept for ``done_retention_s`` so that a
                                      late instance leads to the whole series being segmented again
     failed/<series>[.<n>]/           instances, ``error.txt``, the unsent SEG; kept for ``failed_retention_s``

@@ -2,9 +2,11 @@
 
 Pure functions of typed frozen specs; nothing here needs Docker or a cluster.
 
-* :mod:`.repository_info` -- :class:`RepositoryInfo` (from ``repository_metadata.json`` or planned from a
-  model folder) and the TorchScript/libtorch compatibility check.
-* :mod:`.sizing` -- ``/dev/shm``, CUDA and pinned pool and host memory per volume size.
+* :mod:`.repository_info` -- :class:`RepositoryInfo` (every endpoint version of a repository, one
+  :class:`PipelineInfo` each, from the registry ``repository_metadata.json`` or planned from model folders)
+  and the TorchScript/libtorch compatibility check.
+* :mod:`.sizing` -- ``/dev/shm``, CUDA and pinned pool and host memory per volume size (summed over every
+  endpoint version one server loads).
 * :mod:`.docker` -- tritonserver flags, Dockerfile build args, ``docker build``/``docker run`` lines.
 * :mod:`.k8s` -- Deployment, Service, HPA, ServiceMonitor (a kustomize base) as dicts and YAML.
 
@@ -28,6 +30,7 @@ from nnunet_triton.server.deploy.docker import (
 from nnunet_triton.server.deploy.k8s import K8sSpec, ModelSource, manifest_files, manifests
 from nnunet_triton.server.deploy.repository_info import (
     ModelGeometry,
+    PipelineInfo,
     RepositoryInfo,
     check_torch_compatible,
     triton_release,
@@ -40,6 +43,7 @@ __all__ = [
     "MemoryPlan",
     "ModelGeometry",
     "ModelSource",
+    "PipelineInfo",
     "RepositoryInfo",
     "TritonRelease",
     "VolumeSpec",

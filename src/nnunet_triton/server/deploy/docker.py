@@ -11,6 +11,10 @@ with :data:`EXIT_BAD_REPOSITORY` and one clear line when it cannot be served, so
 (:data:`RESTART_POLICY`) restarts a crashed or killed server but gives up on a repository that never
 loads.
 
+One server serves the whole repository: every endpoint name (``nnunet-triton deploy --model A B --name
+liver lung``), every version of each, and their public and pinned endpoints; sizes add up over them
+(:func:`~nnunet_triton.server.deploy.sizing.plan_memory`).
+
 Server flags (triton.md 1.8, 3.6): ``--model-control-mode=explicit`` with one ``--load-model`` per model
 of the repository (an ensemble loads its steps, but the orchestrator's BLS callees ``fold_<k>`` are
 invisible to the repository manager and would never load), ``--cuda-memory-pool-byte-size`` per GPU and
@@ -25,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton import __version__
+from nnunet_triton import __version__, io_names
 from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE
 from nnunet_triton.errors import DeployError
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible, triton_release
@@ -79,9 +83,10 @@ STUB_TIMEOUT_S = 120  # stub start handshake; stubs importing cupy/torch on a bu
 
 @dataclass(frozen=True)
 class DeploySpec:
-    """One containerized deployment of a repository.
+    """One containerized deployment of a repository: one server for every endpoint in it.
 
     Attributes:
+        info: the whole repository (every endpoint version); its pipelines must share one target.
         repository: host path of the built repository (bind-mounted read-only at ``/models``).
         gpus: host GPU ids given to the container; empty = CPU-only host (no ``--gpus``).
         http_port, grpc_port, metrics_port: host ports published for the container's 8000/8001/8002.
@@ -218,13 +223,16 @@ def health_command(port: int = CONTAINER_PORTS["http"]) -> str:
 
 
 def check_image_compatible(spec: DeploySpec) -> None:
-    """Refuse TorchScript files exported by a torch newer than the one that loads them in the image."""
-    if spec.info.fold_runner == "python":
-        runtime, what = spec.image_torch, f"the Python fold runner's pip torch in {spec.image_tag}"
-    else:
-        release = triton_release(spec.triton_release, spec.image_torch_version)
-        runtime, what = release.libtorch, f"libtorch of {spec.base_image}"
-    check_torch_compatible(spec.info, runtime, what)
+    """Refuse TorchScript files exported by a torch newer than the one that loads them in the image: each
+    endpoint version against the torch of its own fold runner (the image's pip torch for the Python
+    runner, its libtorch otherwise)."""
+    for pipeline in spec.info.pipelines:
+        if pipeline.fold_runner == "python":
+            runtime, what = spec.image_torch, f"the Python fold runner's pip torch in {spec.image_tag}"
+        else:
+            release = triton_release(spec.triton_release, spec.image_torch_version)
+            runtime, what = release.libtorch, f"libtorch of {spec.base_image}"
+        check_torch_compatible(RepositoryInfo(pipelines=(pipeline,), models=pipeline.models), runtime, what)
 
 
 def dockerfile_build_args(spec: DeploySpec) -> dict[str, str]:
@@ -295,18 +303,22 @@ def docker_stop_commands(container_name: str = "nnunet-triton", exit_timeout_s: 
 
 
 def builder_args(options: Any, *, folds: tuple[int | str, ...] | None = None,
-                 configuration: str | None = None, export_device: str | None = "cuda") -> tuple[str, ...]:
+                 configuration: str | None = None, export_device: str | None = "cuda",
+                 name: str | None = None) -> tuple[str, ...]:
     """``repository/build.py`` flags that rebuild ``options`` (a BuildOptions) in the export container
-    (``export_device`` cuda on the GPU export host; None: the builder's default, cpu)."""
+    (``export_device`` cuda on the GPU export host; None: the builder's default, cpu) as the endpoint
+    ``name`` (``--name``: one run per endpoint writes it into the shared repository; None: the builder's
+    default name)."""
     fold_args = ("--folds", *map(str, folds)) if folds else ()
     config_args = ("--configuration", configuration) if configuration else ()
     torch_args = ("--serving-torch", options.serving_torch) if options.serving_torch else ()
     device_args = ("--export-device", export_device) if export_device else ()
+    name_args = ("--name", name) if name else ()
     return ("--target", str(options.target), "--precision", options.fold_precision,
             *device_args, "--tile-batch-size", str(options.tile_batch_size),
             "--fold-instances", str(options.fold_instances),
             "--orchestrator-instances", str(options.orchestrator_instances),
-            "--max-inflight", str(options.max_inflight), *fold_args, *config_args, *torch_args)
+            "--max-inflight", str(options.max_inflight), *fold_args, *config_args, *torch_args, *name_args)
 
 
 def export_container_command(*, source_root: str, model_dir: str, out_dir: str, builder_args: tuple[str, ...],
@@ -355,20 +367,38 @@ def cpu_export_command(spec: DeploySpec, *, source_root: str, model_dir: str, ou
     )
 
 
-def endpoint_usage(http: str, grpc: str, metrics: str, *, undeploy: str, images: str = "<images>") -> str:
-    """What ``make deploy`` prints once the server is up: endpoints, example calls, how to stop it."""
-    return f"""
-endpoint model 'nnunet' (IMAGE fp32 [C, z, y, x] + SPACING fp64 [3] -> SEGMENTATION)
-  HTTP     http://{http}   (ready: http://{http}/v2/health/ready)
-  gRPC     {grpc}
-  metrics  http://{metrics}/metrics
-call it:
-  nnunet-triton predict -i {images} -o build/predictions --url {http}   (or python -m nnunet_triton)
-  python -c "from nnunet_triton.client.client import NnunetClient; import numpy as np; \\
-image = np.zeros((1, 32, 64, 64), np.float32); \\
-print(NnunetClient('{http}').segment(image, (1.0, 1.0, 1.0)).segmentation.shape)"
-stop it:
-  {undeploy}"""
+def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str, *, undeploy: str,
+                   images: str = "<images>") -> str:
+    """What ``make deploy`` prints once the server is up: every endpoint of the repository with its URL and
+    versions, example calls, how to stop it."""
+    names = info.endpoints
+    urls = {name: f"http://{http}/v2/models/{name}" for name in names}
+    width, url_width = max(map(len, names)), max(map(len, urls.values()))
+    lines = [f"{len(names)} endpoint(s) on one server, each IMAGE fp32 [C, z, y, x] + SPACING fp64 [3] -> "
+             "SEGMENTATION:"]
+    for name in names:
+        mine = [p for p in info.pipelines if p.name == name]  # the promoted version first
+        pinned = ", ".join(io_names.pinned_endpoint(name, v) for v in sorted(p.version for p in mine))
+        lines.append(f"  {name:<{width}}  {urls[name]:<{url_width}}  (runs version {mine[0].version}; "
+                     f"pinned: {pinned})")
+    lines.append("  typed copies <name>_fp16, _int16, _uint16, _uint8 take those images as they are")
+    calls = [f"  nnunet-triton predict --model {name} -i {images} -o build/predictions/{name} --url {http}"
+             for name in names]
+    return "\n".join([
+        "",
+        *lines,
+        f"  HTTP     http://{http}   (ready: http://{http}/v2/health/ready)",
+        f"  gRPC     {grpc}",
+        f"  metrics  http://{metrics}/metrics",
+        f"call it (or python -m nnunet_triton; `nnunet-triton info --url {http}` describes every endpoint):",
+        *calls,
+        '  python -c "from nnunet_triton.client.client import NnunetClient; import numpy as np; \\',
+        "image = np.zeros((1, 32, 64, 64), np.float32); \\",
+        f"client = NnunetClient('{http}', model='{names[0]}'); \\",
+        'print(client.segment(image, (1.0, 1.0, 1.0)).segmentation.shape)"',
+        "stop it:",
+        f"  {undeploy}",
+    ])
 
 
 def shell_line(argv: tuple[str, ...]) -> str:

@@ -2,13 +2,15 @@
 
     python3 -m nnunet_triton.server.deploy.entrypoint --model-repository /models -- tritonserver ...
 
-Checks, before anything starts: the repository is readable and built (``repository_metadata.json`` with every
-listed model's ``config.pbtxt`` and no unlisted model directory: :meth:`RepositoryInfo.from_repository`),
-and the TorchScript fold models of the Python runner were exported by a torch not newer than this image's
-(:func:`check_torch_compatible`). A refusal is one line on stderr, ``nnunet-triton: cannot serve the model
-repository /models: <reason>``, and exit status :data:`~.docker.EXIT_BAD_REPOSITORY` (78); the generated
-``docker run`` restarts on failure a bounded number of times (:data:`~.docker.RESTART_POLICY`), so such a
-container ends up exited with that line in its log instead of restarting without a word.
+Checks, before anything starts: the repository is readable and built (the registry
+``repository_metadata.json`` with every listed model's ``config.pbtxt`` and no unlisted model directory:
+:meth:`RepositoryInfo.from_repository`), every endpoint version in it was built for one target (one server
+serves them all), and the TorchScript fold models of each endpoint version that uses the Python runner were
+exported by a torch not newer than this image's (:func:`check_torch_compatible`). A refusal is one line on
+stderr, ``nnunet-triton: cannot serve the model repository /models: <reason>``, and exit status
+:data:`~.docker.EXIT_BAD_REPOSITORY` (78); the generated ``docker run`` restarts on failure a bounded number
+of times (:data:`~.docker.RESTART_POLICY`), so such a container ends up exited with that line in its log
+instead of restarting without a word.
 
 Otherwise it execs (same pid, so PID 1 of the container stays the server)
 ``python3 -m nnunet_triton.server.thread_budget exec --watchdog --model-repository DIR -- <command>``.
@@ -37,12 +39,16 @@ def repository_problem(repository: Path) -> str | None:
         return f"{str(repository)!r} is not a directory (mount the built repository there)"
     try:
         info = RepositoryInfo.from_repository(repository)
-        if info.fold_runner == "python":
+        info.target  # noqa: B018 - raises DeployError when the endpoint versions mix targets
+        python_runner = [p for p in info.pipelines if p.fold_runner == "python"]
+        if python_runner:
             try:
                 torch = importlib.metadata.version("torch")
             except importlib.metadata.PackageNotFoundError:
                 return "torch is not installed in this image (the Python fold runner needs it)"
-            check_torch_compatible(info, torch, f"the torch {torch} of this image")
+            for pipeline in python_runner:
+                check_torch_compatible(RepositoryInfo(pipelines=(pipeline,), models=pipeline.models), torch,
+                                       f"the torch {torch} of this image")
     except (NnunetTritonError, OSError, ValueError, KeyError, TypeError) as exc:
         return str(exc)
     return None

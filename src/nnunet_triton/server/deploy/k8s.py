@@ -1,14 +1,21 @@
 """Kubernetes manifests (a kustomize base) for one Triton per GPU (or per CPU pod) behind a Service, scaled on
 queue time. The cpu variant (``gpus=0``, the cpu image) is what ``podman kube play`` runs on a CPU host.
 
+One Deployment serves the whole repository: every endpoint name in it (``deploy --model A B --name liver
+lung``), every version and their public and pinned endpoints, loaded by one server per pod and sized for
+all of them together; its pod template carries the repository's input hash (a new build of any endpoint
+rolls the pods) and the endpoint names.
+
 Follows the pattern of Triton's ``deploy/k8s-onprem`` chart: a long startup probe on ``/v2/health/ready``
 (the model is READY only after warm-up), an HPA on a custom per-pod metric served by prometheus-adapter
 from Triton's queue-time counters. Differences: liveness and readiness are exec probes of
 ``nnunet_triton.server.health`` (Triton's endpoints stay 200 while a model's process is dead; the watchdog in
 the container reloads it, and liveness restarts the container only when that failed for a minute); the
-metric is the queue time of ``orchestrator_model`` only (the stage that holds a whole request), the
-model repository comes from an init container image or a PVC, and ``/dev/shm`` is a memory-backed
-emptyDir sized by :func:`~nnunet_triton.server.deploy.sizing.plan_memory` (Python-backend shm regions).
+metric is the queue time per request of the orchestrator models only (the stage that holds a whole
+request: ``orchestrator_model``, or ``<name>__v<N>__orchestrator_model`` of every other endpoint version,
+summed per pod, so one metric scales a pod whatever endpoint its requests call), the model repository
+comes from an init container image or a PVC, and ``/dev/shm`` is a memory-backed emptyDir sized by
+:func:`~nnunet_triton.server.deploy.sizing.plan_memory` (Python-backend shm regions).
 Manifests are plain dicts; :func:`manifest_files` renders them to YAML (PyYAML imported lazily).
 """
 
@@ -31,6 +38,7 @@ from nnunet_triton.server.deploy.sizing import MemoryPlan
 
 __all__ = [
     "QUEUE_METRIC",
+    "ORCHESTRATOR_MODELS",
     "ModelSource",
     "K8sSpec",
     "deployment",
@@ -43,6 +51,9 @@ __all__ = [
 ]
 
 QUEUE_METRIC = "nnunet_orchestrator_queue_us"
+# every endpoint version's orchestrator: orchestrator_model (nnunet v1), liver__v2__orchestrator_model, ...
+# (and an ensemble's member<i>_orchestrator_model); Prometheus anchors the regular expression
+ORCHESTRATOR_MODELS = 'model=~".*orchestrator_model"'
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _PROBE_PERIOD_S = 10
 
@@ -192,8 +203,10 @@ def deployment(spec: K8sSpec) -> dict[str, Any]:
             "command": ["/bin/sh", "-c", f"cp -R {CONTAINER_REPOSITORY}/. /repository/"],
             "volumeMounts": [{"name": "model-repository", "mountPath": "/repository"}],
         }]
-    # a new build changes the hash, which rolls the pods even when image and PVC path stay the same
-    annotations = {"nnunet-triton/input-hash": spec.info.input_hash or "not-built-yet"}
+    # a new build (of any endpoint) changes the repository's hash, which rolls the pods even when image and
+    # PVC path stay the same
+    annotations = {"nnunet-triton/input-hash": spec.info.input_hash or "not-built-yet",
+                   "nnunet-triton/endpoints": ",".join(spec.info.endpoints)}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -250,10 +263,13 @@ def manifests(spec: K8sSpec) -> dict[str, dict[str, Any]]:
 
 
 def adapter_rules(spec: K8sSpec) -> dict[str, Any]:
-    """prometheus-adapter Helm values: per-pod average queue time (us) of orchestrator_model over 1 min."""
-    model = 'model="orchestrator_model"'
-    query = (f"avg(delta(nv_inference_queue_duration_us{{<<.LabelMatchers>>,{model}}}[1m])"
-             f"/(1+delta(nv_inference_request_success{{<<.LabelMatchers>>,{model}}}[1m]))) by (<<.GroupBy>>)")
+    """prometheus-adapter Helm values: per-pod queue time (us) per request of the orchestrator models over
+    1 min (the queue time of every endpoint version's orchestrator over its requests; with one endpoint,
+    that of ``orchestrator_model``)."""
+    model = ORCHESTRATOR_MODELS
+    query = (f"sum(delta(nv_inference_queue_duration_us{{<<.LabelMatchers>>,{model}}}[1m])) by (<<.GroupBy>>)"
+             f"/(1+sum(delta(nv_inference_request_success{{<<.LabelMatchers>>,{model}}}[1m])) "
+             "by (<<.GroupBy>>))")
     return {"rules": {"custom": [{
         "seriesQuery": f'nv_inference_queue_duration_us{{{model},namespace!="",pod!=""}}',
         "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},

@@ -1,9 +1,11 @@
 """What a deployment needs to know about a built (or planned) model repository, and the torch check.
 
-:class:`RepositoryInfo` comes either from a built repository (``repository_metadata.json`` written by
-``repository/build.py`` plus one ``1/inference_config.json``) or, before anything is built, from the
-model folder's :class:`InferenceConfig` and the :class:`BuildOptions` the builder will get (the model
-names then come from ``model_specs.repository_specs``, exactly what the builder writes).
+:class:`RepositoryInfo` holds one :class:`PipelineInfo` per endpoint version of the repository (several
+nnU-Net models, and versions of each, behind one server) and every model a server loads. It comes either
+from a built repository (the registry ``repository_metadata.json`` written by the builder plus one
+``1/inference_config.json`` per version) or, before anything is built, from the model folder's
+:class:`InferenceConfig` and the :class:`BuildOptions` the builder will get (the model names then come from
+``model_specs.repository_specs`` renamed into the version's namespace, exactly what the builder writes).
 
 TorchScript compatibility: a ``model.pt`` saved by a newer torch may not load in an older libtorch
 (pytorch/pytorch#62313: a newer export fails in an older Triton with "Unknown type name 'NoneType'").
@@ -14,27 +16,31 @@ for the ``python`` runner.
 
 from __future__ import annotations
 
-import json
+import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.builder.torch_compat import TRITON_RELEASES, TritonRelease, torch_minor, torch_minor_text
-from nnunet_triton.errors import DeployError
+from nnunet_triton.errors import DeployError, RepositoryError
 from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.registry import REGISTRY_FILE, Registry, read_registry
 
 __all__ = [
     "METADATA_FILE",
     "ModelGeometry",
+    "PipelineInfo",
     "RepositoryInfo",
     "triton_release",
     "check_torch_compatible",
 ]
 
-METADATA_FILE = io_names.REPOSITORY_METADATA_FILE
+METADATA_FILE = REGISTRY_FILE
 # each has 1/inference_config.json
 _CONFIG_DIRS = (io_names.PREPROCESS_MODEL, io_names.ORCHESTRATOR_MODEL, io_names.STITCH_MODEL)
+_FOLD_MODEL = re.compile(rf"(member[0-9]+_|{io_names.PREVIOUS_STAGE_PREFIX})?fold_.+")
 _REQUIRED_KEYS = ("models", "folds", "target", "fold_runner", "fold_precision", "tile_batch_size",
                   "build_options", "torch_version", "input_hash")
 
@@ -78,8 +84,8 @@ class ModelGeometry:
 
 
 @dataclass(frozen=True)
-class RepositoryInfo:
-    """Everything deploy needs about a repository; ``torch_version``/``input_hash`` are None until built."""
+class PipelineInfo:
+    """One endpoint version's pipeline; ``torch_version``/``input_hash`` are None until built."""
 
     models: tuple[str, ...]
     folds: tuple[int | str, ...]
@@ -96,73 +102,154 @@ class RepositoryInfo:
     # (what, exporting torch), e.g. ("fold_0/1/model.pt", "2.5.1")
     torch_versions: tuple[tuple[str, str], ...] = ()
     input_hash: str | None = None
+    name: str = io_names.ENDPOINT_MODEL
+    version: int = 1
+    stages: int = 1  # pipelines of preprocess/orchestrator/stitch: ensemble members, or a cascade's two
+
+    @property
+    def label(self) -> str:
+        """``liver v2``: how logs and ``info`` name the pipeline."""
+        return f"{self.name} v{self.version}"
 
     @property
     def fold_models(self) -> tuple[str, ...]:
-        return tuple(name for name in self.models if name.startswith("fold_"))
+        """Every fold model of the version (ensemble members' and a cascade's previous stage's too)."""
+        namespace = io_names.model_namespace(self.name, self.version)
+        return tuple(name for name in self.models
+                     if name.startswith(namespace) and _FOLD_MODEL.fullmatch(name[len(namespace):]))
 
     @property
     def fold_output_bytes(self) -> int:
         return 2 if self.fold_precision == "fp16" else 4
 
     @classmethod
-    def planned(cls, config: InferenceConfig, options: Any) -> RepositoryInfo:
-        """What ``repository/build.py`` will build for ``config`` with ``options`` (a BuildOptions)."""
+    def planned(cls, config: InferenceConfig, options: Any, *, name: str = io_names.ENDPOINT_MODEL,
+                version: int = 1) -> PipelineInfo:
+        """What the builder will build for ``config`` with ``options`` (a BuildOptions) as version
+        ``version`` of ``name`` (the builder's own spec list in the version's namespace)."""
         from nnunet_triton.builder import model_specs  # the builder's own spec list (Python >= 3.11 module)
 
+        specs = model_specs.repository_specs(config, options)
+        _, renaming = model_specs.namespaced_specs(specs, name, version)
         return cls(
-            models=tuple(sorted(spec.name for spec in model_specs.repository_specs(config, options))),
+            models=tuple(sorted(renaming.values())),
             folds=tuple(config.folds), target=str(options.target), fold_runner=str(options.runner),
             fold_precision=options.fold_precision, tile_batch_size=options.tile_batch_size,
             max_inflight=options.max_inflight, preprocess_instances=options.preprocess_instances,
             orchestrator_instances=options.orchestrator_instances,
             stitch_instances=options.stitch_instances, fold_instances=options.fold_instances,
-            geometry=ModelGeometry.from_config(config),
+            geometry=ModelGeometry.from_config(config), name=name, version=version,
         )
 
     @classmethod
-    def from_repository(cls, repository: str | Path) -> RepositoryInfo:
-        """Read ``<repository>/repository_metadata.json`` and check it against the model directories."""
-        repo = Path(repository)
-        meta = _read_metadata(repo)
-        models = tuple(sorted(meta["models"]))
-        _check_model_dirs(repo, models)
+    def from_metadata(cls, repo: Path, name: str, version: int, meta: dict[str, Any]) -> PipelineInfo:
+        """The pipeline of ``name`` v``version`` from what the builder recorded of it (registry entry)."""
+        where = f"{REGISTRY_FILE} of {str(repo)!r}, {name} version {version}"
+        missing = [key for key in _REQUIRED_KEYS if key not in meta]
+        if missing:
+            raise DeployError(f"{where} lacks the keys {missing} (rebuild the repository).")
         options = meta["build_options"]
         exports = tuple((str(e.get("path", f"fold_{e.get('fold')}")), str(e["torch_version"]))
                         for e in meta.get("exports", ()) if e.get("torch_version"))
         return cls(
-            models=models, folds=tuple(meta["folds"]), target=str(meta["target"]),
+            models=tuple(sorted(meta["models"])), folds=tuple(meta["folds"]), target=str(meta["target"]),
             fold_runner=str(meta["fold_runner"]), fold_precision=str(meta["fold_precision"]),
             tile_batch_size=int(meta["tile_batch_size"]), max_inflight=int(options.get("max_inflight", 1)),
             preprocess_instances=int(options.get("preprocess_instances", 1)),
             orchestrator_instances=int(options.get("orchestrator_instances", 1)),
             stitch_instances=int(options.get("stitch_instances", 1)),
             fold_instances=int(options.get("fold_instances", 1)),
-            geometry=ModelGeometry.from_config(_read_config(repo)),
-            torch_versions=(*exports, ("the repository build", str(meta["torch_version"]))),
-            input_hash=str(meta["input_hash"]),
+            geometry=ModelGeometry.from_config(
+                _read_config(repo, io_names.model_namespace(name, version), where)),
+            torch_versions=(*exports, (f"the build of {name} version {version}", str(meta["torch_version"]))),
+            input_hash=str(meta["input_hash"]), name=name, version=version,
+            stages=len(meta.get("ensemble_members") or ()) or (2 if meta.get("previous_stage") else 1),
         )
 
 
-def _read_metadata(repo: Path) -> dict[str, Any]:
-    path = repo / METADATA_FILE
+@dataclass(frozen=True)
+class RepositoryInfo:
+    """Everything deploy needs about a repository: every endpoint version it serves (``pipelines``, the
+    promoted ones first) and every model a server loads (``models``: the versions' models and the public
+    endpoints)."""
+
+    pipelines: tuple[PipelineInfo, ...]
+    models: tuple[str, ...]
+    input_hash: str | None = None  # over every version's input hash and the promoted versions; None: planned
+
+    @property
+    def target(self) -> str:
+        """The one target every pipeline was built for (a server is started for one)."""
+        targets = sorted({p.target for p in self.pipelines})
+        if len(targets) != 1:
+            raise DeployError(f"the repository mixes targets {targets} "
+                              f"({', '.join(f'{p.label}: {p.target}' for p in self.pipelines)}); a server "
+                              "serves one target: build every endpoint with the same --target.")
+        return targets[0]
+
+    @property
+    def fold_runner(self) -> str:
+        """``python`` when any pipeline runs its folds in Python stubs (the image then needs torch)."""
+        return "python" if any(p.fold_runner == "python" for p in self.pipelines) else "libtorch"
+
+    @property
+    def torch_versions(self) -> tuple[tuple[str, str], ...]:
+        return tuple(entry for p in self.pipelines for entry in p.torch_versions)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(sorted({p.name for p in self.pipelines}))
+
+    @property
+    def first(self) -> PipelineInfo:
+        """The first pipeline (the promoted version of the first endpoint)."""
+        return self.pipelines[0]
+
+    @classmethod
+    def planned(cls, config: InferenceConfig, options: Any, *,
+                name: str = io_names.ENDPOINT_MODEL) -> RepositoryInfo:
+        """What the builder will build for ``config`` with ``options``: one endpoint, version 1."""
+        pipeline = PipelineInfo.planned(config, options, name=name)
+        return cls(pipelines=(pipeline,),
+                   models=tuple(sorted({*pipeline.models, *io_names.public_endpoints(name)})))
+
+    @classmethod
+    def from_repository(cls, repository: str | Path) -> RepositoryInfo:
+        """Read ``<repository>/repository_metadata.json`` (the registry) and check it against the model
+        directories."""
+        repo = Path(repository)
+        registry = _read_registry(repo)
+        _check_model_dirs(repo, registry.models())
+        pipelines = []
+        for name, entry in sorted(registry.endpoints.items()):
+            order = [entry.promoted, *sorted(v for v in entry.versions if v != entry.promoted)]
+            pipelines += [PipelineInfo.from_metadata(repo, name, v, dict(entry.versions[v].metadata))
+                          for v in order]
+        pipelines.sort(key=lambda p: p.version != registry.endpoints[p.name].promoted)  # promoted first
+        digest = hashlib.sha256()
+        for p in pipelines:
+            promoted = registry.endpoints[p.name].promoted
+            digest.update(f"{p.name} {p.version} {p.input_hash} {promoted}\n".encode())
+        return cls(pipelines=tuple(pipelines), models=registry.models(), input_hash=digest.hexdigest())
+
+
+def _read_registry(repo: Path) -> Registry:
     try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
+        registry = read_registry(repo)
+    except RepositoryError as exc:
+        raise DeployError(str(exc)) from None
+    if registry is None:
         raise DeployError(
-            f"{str(repo)!r} is not a built model repository: {METADATA_FILE} is missing "
-            "(build it with `python -m repository.build --model <results folder> --out <dir>`)."
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise DeployError(f"{str(path)!r} is not valid JSON: {exc}.") from None
-    missing = [key for key in _REQUIRED_KEYS if key not in meta]
-    if missing:
-        raise DeployError(f"{str(path)!r} lacks the keys {missing} (rebuild the repository).")
-    return meta
+            f"{str(repo)!r} is not a built model repository: {REGISTRY_FILE} is missing "
+            "(build it with `nnunet-triton build --model <results folder> --out <dir>`)."
+        )
+    if not registry.endpoints:
+        raise DeployError(f"{str(repo)!r} holds no endpoint (every one was removed): build one.")
+    return registry
 
 
 def _check_model_dirs(repo: Path, models: tuple[str, ...]) -> None:
-    """Every model in the metadata has a config, and every model directory is in the metadata.
+    """Every model in the registry has a config, and every model directory is in the registry.
 
     With ``--model-control-mode explicit`` only listed models load; a fold model missing from the list
     would only fail at the first BLS call (BLS callees are invisible to the repository manager).
@@ -171,19 +258,23 @@ def _check_model_dirs(repo: Path, models: tuple[str, ...]) -> None:
     missing, unlisted = sorted(set(models) - on_disk), sorted(on_disk - set(models))
     if missing or unlisted:
         raise DeployError(
-            f"repository {str(repo)!r} disagrees with its {METADATA_FILE}: models without config.pbtxt "
-            f"{missing}, model directories not in the metadata {unlisted} (rebuild it with --force)."
+            f"repository {str(repo)!r} disagrees with its {REGISTRY_FILE}: models without config.pbtxt "
+            f"{missing}, model directories not in the registry {unlisted} (rebuild it with --force)."
         )
 
 
-def _read_config(repo: Path) -> InferenceConfig:
-    for name in _CONFIG_DIRS:
-        path = repo / name / io_names.VERSION_DIR / io_names.INFERENCE_CONFIG_FILE
+def _read_config(repo: Path, namespace: str, where: str) -> InferenceConfig:
+    """The version's configuration (an ensemble's first member's: members predict the same labels from the
+    same channels, which is what sizing needs)."""
+    candidates = [namespace + prefix + step for prefix in ("", io_names.member_prefix(0))
+                  for step in _CONFIG_DIRS]
+    for model in candidates:
+        path = repo / model / io_names.VERSION_DIR / io_names.INFERENCE_CONFIG_FILE
         if path.is_file():
             return InferenceConfig.from_json(path.read_text())
     raise DeployError(
-        f"repository {str(repo)!r} has no 1/inference_config.json in any of {list(_CONFIG_DIRS)}; "
-        "deploy needs the full pipeline (not a --folds-only build)."
+        f"{where}: no 1/inference_config.json in any of {candidates}; deploy needs the full pipeline (not a "
+        "--folds-only build)."
     )
 
 

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from nnunet_triton.numerics.resampling import compute_new_shape
-from nnunet_triton.server.deploy.repository_info import ModelGeometry, RepositoryInfo
+from nnunet_triton.server.deploy.repository_info import ModelGeometry, PipelineInfo, RepositoryInfo
 
 __all__ = ["MiB", "GiB", "VolumeSpec", "TensorBytes", "MemoryPlan", "tensor_bytes", "stub_bytes",
            "plan_memory"]
@@ -94,6 +94,8 @@ class MemoryPlan:
     host_memory_bytes: int  # container memory request/limit (shm included: tmpfs pages count)
     shm_default_bytes: int = SHM_DEFAULT_BYTES
     shm_growth_bytes: int = SHM_GROWTH_BYTES
+    # the share of each endpoint version ("liver v2"): shm, stubs, working memory, pools (MiB)
+    pipelines: tuple[tuple[str, dict[str, int]], ...] = ()
 
     def pool_args(self, gpus: int) -> tuple[str, ...]:
         """tritonserver flags that size the CUDA pool of each of ``gpus`` GPUs and the pinned pool
@@ -112,7 +114,8 @@ class MemoryPlan:
                 "host_memory_mib": self.host_memory_mib,
                 "tile_batch_mib": round(t.tile_batch / MiB, 1),
                 "preprocessed_mib": round(t.preprocessed / MiB, 1), "logits_mib": round(t.logits / MiB, 1),
-                "resampled_shape": list(t.resampled_shape)}
+                "resampled_shape": list(t.resampled_shape),
+                "per_endpoint_version": {label: dict(share) for label, share in self.pipelines}}
 
     @property
     def shm_mib(self) -> int:
@@ -147,7 +150,7 @@ def resampled_shape(geometry: ModelGeometry, volume: VolumeSpec) -> tuple[int, .
     return compute_new_shape(shape_t, spacing_t, target)
 
 
-def tensor_bytes(info: RepositoryInfo, volume: VolumeSpec) -> TensorBytes:
+def tensor_bytes(info: PipelineInfo, volume: VolumeSpec) -> TensorBytes:
     """Bytes per request of every pipeline tensor for ``volume`` (see the module docstring)."""
     geo = info.geometry
     v_in = math.prod(volume.shape)
@@ -178,7 +181,7 @@ def _region(tensors: tuple[int, ...], block: int = 0) -> int:
     return SHM_DEFAULT_BYTES + grown
 
 
-def _working_bytes(info: RepositoryInfo, t: TensorBytes, volume: VolumeSpec) -> int:
+def _working_bytes(info: PipelineInfo, t: TensorBytes, volume: VolumeSpec) -> int:
     """Process memory of one request outside shm, host-side upper bound (CPU code paths).
 
     preprocess resamples in float64 (input and output copies: 2 x IMAGE + 2 x PREPROCESSED); the
@@ -191,47 +194,80 @@ def _working_bytes(info: RepositoryInfo, t: TensorBytes, volume: VolumeSpec) -> 
     return preprocess + orchestrator + stitch
 
 
-def stub_bytes(info: RepositoryInfo, per_gpu: int = 1) -> int:
+def stub_bytes(info: PipelineInfo, per_gpu: int = 1) -> int:
     """Host memory of the Python stubs: torch is imported by the orchestrator (always: its fold loop runs
     on torch tensors) and by the Python fold runner, NumPy/SciPy (and CuPy) alone by preprocess and stitch."""
-    torch_stubs = info.orchestrator_instances
+    torch_stubs = info.orchestrator_instances * info.stages
     if info.fold_runner == "python":
         torch_stubs += info.fold_instances * len(info.fold_models)
-    plain_stubs = info.preprocess_instances + info.stitch_instances
+    plain_stubs = (info.preprocess_instances + info.stitch_instances) * info.stages
     return per_gpu * (plain_stubs * STUB_BYTES + torch_stubs * TORCH_STUB_BYTES)
 
 
-def plan_memory(info: RepositoryInfo, volume: VolumeSpec, *, gpus: int = 1,
-                in_flight_requests: int | None = None) -> MemoryPlan:
-    """Size shm, pools and host memory for ``info`` serving ``volume``.
+@dataclass(frozen=True)
+class _Share:
+    """One pipeline's part of the plan (bytes)."""
 
-    Args:
-        gpus: GPUs visible to the server (KIND_GPU instance groups are created once per GPU).
-        in_flight_requests: whole requests whose tensors coexist (default: orchestrator instances, the
-            stage that holds a request longest).
-    """
+    tensors: TensorBytes
+    shm: int
+    cuda: int
+    pinned: int
+    stubs: int
+    working: int
+
+    def mib(self) -> dict[str, int]:
+        return {"shm_mib": _ceil_div(self.shm, MiB), "stub_mib": _ceil_div(self.stubs, MiB),
+                "working_mib": _ceil_div(self.working, MiB), "cuda_pool_mib": _ceil_div(self.cuda, MiB),
+                "pinned_pool_mib": _ceil_div(self.pinned, MiB)}
+
+
+def _share(info: PipelineInfo, volume: VolumeSpec, gpus: int, in_flight_requests: int | None) -> _Share:
+    """What one endpoint version adds to the server (see :func:`plan_memory`)."""
     t = tensor_bytes(info, volume)
     gpu_target = info.target == "gpu"
     per_gpu = max(1, gpus) if gpu_target else 1
     requests = in_flight_requests or info.orchestrator_instances
     tiles = info.max_inflight * t.tile_batch  # one orchestrator instance's tile batches in flight
-    stubs = [  # (instances, shm region of one instance)
-        (info.preprocess_instances, _region((t.image, t.preprocessed))),
-        (info.orchestrator_instances, _region((t.preprocessed, t.logits), tiles)),
-        (info.stitch_instances, _region((t.logits, t.segmentation, t.probabilities))),
+    stubs = [  # (instances, shm region of one instance); every stage of an ensemble or cascade has its own
+        (info.preprocess_instances * info.stages, _region((t.image, t.preprocessed))),
+        (info.orchestrator_instances * info.stages, _region((t.preprocessed, t.logits), tiles)),
+        (info.stitch_instances * info.stages, _region((t.logits, t.segmentation, t.probabilities))),
     ]
     if info.fold_runner == "python":
         stubs.append((info.fold_instances * len(info.fold_models), _region((), t.tile_batch)))
-    shm = _round_up(sum(n * per_gpu * region for n, region in stubs) + SHM_MARGIN_BYTES, MiB)
-    cuda_pool = pinned = 0
+    shm = sum(n * per_gpu * region for n, region in stubs)
+    cuda = pinned = 0
     if gpu_target:
         all_tiles = info.orchestrator_instances * tiles
-        volumes = requests * (t.preprocessed + t.logits)
-        cuda_pool = max(CUDA_POOL_MIN_BYTES, _round_up((all_tiles + volumes) * HEADROOM, 64 * MiB))
+        cuda = math.ceil((all_tiles + requests * (t.preprocessed + t.logits)) * HEADROOM)
         staged = all_tiles + requests * (t.image + t.segmentation + t.probabilities)
-        pinned = max(PINNED_POOL_MIN_BYTES, _round_up(staged * HEADROOM, 64 * MiB))
-    stub_memory = stub_bytes(info, per_gpu)
-    working = requests * _working_bytes(info, t, volume)
-    host = _round_up(shm + pinned + SERVER_BYTES + stub_memory + working, 256 * MiB)
-    return MemoryPlan(tensors=t, shm_bytes=shm, cuda_pool_bytes=cuda_pool, pinned_pool_bytes=pinned,
-                      host_memory_bytes=host)
+        pinned = math.ceil(staged * HEADROOM)
+    return _Share(tensors=t, shm=shm, cuda=cuda, pinned=pinned, stubs=stub_bytes(info, per_gpu),
+                  working=requests * info.stages * _working_bytes(info, t, volume))
+
+
+def plan_memory(info: RepositoryInfo | PipelineInfo, volume: VolumeSpec, *, gpus: int = 1,
+                in_flight_requests: int | None = None) -> MemoryPlan:
+    """Size shm, pools and host memory for a server of ``info`` serving ``volume``.
+
+    A repository with several endpoints (or versions of one) loads every pipeline: their stubs, shm regions
+    and pools add up, and each may hold its own requests at once (an upper bound: a version that is not
+    promoted only gets pinned requests). The server itself and the shm margin count once.
+
+    Args:
+        gpus: GPUs visible to the server (KIND_GPU instance groups are created once per GPU).
+        in_flight_requests: whole requests whose tensors coexist per pipeline (default: its orchestrator
+            instances, the stage that holds a request longest).
+    """
+    pipelines = info.pipelines if isinstance(info, RepositoryInfo) else (info,)
+    gpu_target = info.target == "gpu"
+    shares = [_share(p, volume, gpus, in_flight_requests) for p in pipelines]
+    shm = _round_up(sum(s.shm for s in shares) + SHM_MARGIN_BYTES, MiB)
+    cuda_pool = pinned = 0
+    if gpu_target:
+        cuda_pool = max(CUDA_POOL_MIN_BYTES, _round_up(sum(s.cuda for s in shares), 64 * MiB))
+        pinned = max(PINNED_POOL_MIN_BYTES, _round_up(sum(s.pinned for s in shares), 64 * MiB))
+    host = _round_up(shm + pinned + SERVER_BYTES + sum(s.stubs + s.working for s in shares), 256 * MiB)
+    return MemoryPlan(tensors=shares[0].tensors, shm_bytes=shm, cuda_pool_bytes=cuda_pool,
+                      pinned_pool_bytes=pinned, host_memory_bytes=host,
+                      pipelines=tuple((p.label, s.mib()) for p, s in zip(pipelines, shares, strict=True)))

@@ -1,0 +1,113 @@
+"""``nnunet-triton versions | load | promote | rollback | remove``: endpoint versions of a repository, on the
+running server without a restart (:mod:`nnunet_triton.server.rollout`).
+
+    nnunet-triton versions [--model-repository DIR] [--json]
+    nnunet-triton load     --name liver --version 2        the version answers on liver__v2 (validate it)
+    nnunet-triton promote  --name liver --version 2        liver (+ liver_int16, ...) runs version 2
+    nnunet-triton rollback --name liver                    back to the version promoted before
+    nnunet-triton remove   --name liver [--version 1]      unload and delete a version (or the whole name)
+
+The repository is ``--model-repository`` (default: the one the server of ``--home`` serves, else
+``build/model_repository``). The server is the one ``nnunet-triton serve`` recorded for that repository, or
+``--url HOST:PORT`` with the server's model-control token in ``$NNUNET_TRITON_CONTROL_TOKEN``; without a
+server only the repository's files change (``load`` needs a server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from nnunet_triton.cli.build import DEFAULT_OUT, endpoint_name, endpoint_version
+from nnunet_triton.cli.common import say
+from nnunet_triton.errors import ServerError
+from nnunet_triton.server import rollout
+from nnunet_triton.server.triton_install import DEFAULT_HOME, HOME_ENV, resolve_home
+
+__all__ = ["add_parsers"]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-repository", type=Path, default=None,
+                   help=f"the repository (default: the one the server of --home serves, else {DEFAULT_OUT})")
+    p.add_argument("--home", default=None, help=f"server home (default ${HOME_ENV} or {DEFAULT_HOME})")
+    p.add_argument("--url", default=None,
+                   help="HTTP host:port of a server not started here (token: $NNUNET_TRITON_CONTROL_TOKEN)")
+
+
+def add_parsers(sub: Any) -> None:
+    """Mount ``versions``, ``load``, ``promote``, ``rollback`` and ``remove`` on the subparsers ``sub``."""
+    p = sub.add_parser("versions", help="list the endpoints of a repository, their versions, which is "
+                                        "promoted and which are loaded")
+    p.add_argument("--json", action="store_true")
+    _common(p)
+    p.set_defaults(run=_versions)
+    for command, text, version in (
+            ("load", "load a version on the running server (it answers on <name>__v<N>)", "required"),
+            ("promote", "make the public endpoint run a version (loaded first), no restart", "required"),
+            ("rollback", "promote the version the endpoint ran before", None),
+            ("remove", "unload and delete a version (not the promoted one), or an endpoint", "optional")):
+        p = sub.add_parser(command, help=text)
+        p.add_argument("--name", required=True, type=endpoint_name, help="endpoint name")
+        if version is not None:
+            p.add_argument("--version", type=endpoint_version, required=version == "required",
+                           dest="endpoint_version",
+                           help="the version" + ("" if version == "required" else
+                                                 " (default: every version)"))
+        _common(p)
+        p.set_defaults(run=_run, action=command)
+
+
+def _repository(args: argparse.Namespace) -> Path:
+    if args.model_repository is not None:
+        return args.model_repository
+    from nnunet_triton.server.handle import ServerHandle
+
+    state = resolve_home(args.home) / "run" / "server.json"
+    if state.is_file():
+        try:
+            handle = ServerHandle.from_state_file(state)
+            if handle.is_running():
+                return Path(handle.model_repository)
+        except (ValueError, TypeError, KeyError):
+            pass
+    return DEFAULT_OUT
+
+
+def _control(args: argparse.Namespace, repository: Path) -> rollout.ModelControl | None:
+    if args.url:
+        return rollout.env_control(args.url)
+    return rollout.local_control(repository, args.home)
+
+
+def _versions(args: argparse.Namespace) -> int:
+    repository = _repository(args)
+    rows = rollout.versions(repository, _control(args, repository))
+    if args.json:
+        sys.stdout.write(json.dumps({"model_repository": str(repository), "versions": rows}, indent=2) + "\n")
+    else:
+        sys.stdout.write(f"{repository}\n{rollout.format_versions(rows)}\n")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    repository = _repository(args)
+    control = _control(args, repository)
+    version = getattr(args, "endpoint_version", None)
+    if args.action == "load":
+        if control is None:
+            raise ServerError(f"no running server serves {repository} (start one with `nnunet-triton serve "
+                              f"--model-repository {repository}`, or give --url and the token): load needs "
+                              "one.")
+        step = rollout.load_version(repository, args.name, version, control)
+        say(step.summary("loaded") + f"; call it as {args.name}__v{version}")
+    elif args.action == "promote":
+        say(rollout.promote(repository, args.name, version, control).summary("promoted"))
+    elif args.action == "rollback":
+        say(rollout.rollback(repository, args.name, control).summary("rolled back to"))
+    else:
+        say(rollout.remove(repository, args.name, version, control).summary("removed"))
+    return 0
