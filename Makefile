@@ -30,8 +30,10 @@ MODEL_REPOSITORY ?= build/model_repository
 # An nnU-Net results folder (dataset.json, plans.json, fold_k/checkpoint_final.pth); default: the committed fixture.
 FIXTURE_MODEL := tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny
 MODEL ?=
-# deploy: endpoint names, one per MODEL folder (MODEL="A B" NAME="liver lung": two endpoints, one server)
+# endpoint name (repository, serve: one; deploy: one per MODEL folder, MODEL="A B" NAME="liver lung": two
+# endpoints, one server); empty: nnunet. BUILD_ARGS: more builder flags, e.g. --new-version or --promote
 NAME ?=
+BUILD_ARGS ?=
 CONFIG ?=
 FOLDS ?=
 TARGET ?= embedded
@@ -103,7 +105,7 @@ test-unit: $(SETUP_STAMP) ## Run the unit tests only (no server)
 
 serve: $(SETUP_STAMP) ## Start tritonserver on MODEL_REPOSITORY (with MODEL=<results folder>: build it first); `make stop` stops it
 	$(if $(MODEL),$(MAKE) --no-print-directory repository MODEL="$(MODEL)" OUT="$(MODEL_REPOSITORY)" \
-		CONFIG="$(CONFIG)" FOLDS="$(FOLDS)" BUILD_TARGET="$(BUILD_TARGET)")
+		CONFIG="$(CONFIG)" FOLDS="$(FOLDS)" BUILD_TARGET="$(BUILD_TARGET)" NAME="$(NAME)" BUILD_ARGS="$(BUILD_ARGS)")
 	$(SERVER) start --model-repository "$(MODEL_REPOSITORY)" --host $(TRITON_HOST) \
 		--http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT)
 
@@ -141,9 +143,10 @@ gpu-bundle: $(SETUP_STAMP) ## One file (<= 50 MiB) with what the GPU test machin
 soak: $(SETUP_STAMP) ## Bounded soak: mixed valid/invalid requests, answers checked, RSS and /dev/shm growth -> build/soak/
 	$(PY) tools/soak.py --duration $(SOAK_DURATION) --concurrency $(SOAK_CONCURRENCY) --out build/soak
 
-repository: $(SETUP_STAMP) ## Build a model repository: MODEL=<results folder> [CONFIG=3d_fullres] [FOLDS="0 1"] [OUT=build/model_repository] [BUILD_TARGET=cpu|gpu]
+repository: $(SETUP_STAMP) ## Build MODEL=<results folder> into a model repository as endpoint NAME (default nnunet; other names stay): [CONFIG=3d_fullres] [FOLDS="0 1"] [OUT=build/model_repository] [BUILD_TARGET=cpu|gpu] [BUILD_ARGS=--new-version]
 	$(PY) -m repository.build --model $(or $(MODEL),$(FIXTURE_MODEL)) --out "$(OUT)" --target $(BUILD_TARGET) \
-		$(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS))
+		$(if $(NAME),--name $(NAME)) $(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS)) \
+		$(BUILD_ARGS)
 
 export: $(SETUP_STAMP) ## Export each fold of MODEL="<results folder> ..." to TorchScript under EXPORT_OUT=build/export (checked against the eager network)
 	$(PY) -m network_models.export --model $(or $(MODEL),$(FIXTURE_MODEL)) --out "$(EXPORT_OUT)" \

@@ -136,7 +136,7 @@ def check_version(version: object) -> int:
         value = int(version)
     except ValueError:
         raise ValueError(f"endpoint version must be an integer >= 1, got {version!r}.") from None
-    if value < 1 or (isinstance(version, str) and version.strip() != str(value)):
+    if value < 1 or (isinstance(version, str) and version != str(value)):
         raise ValueError(f"endpoint version must be an integer >= 1, got {version!r}.")
     return value
 

@@ -337,3 +337,54 @@ def test_an_older_single_model_repository_is_rebuilt_as_the_default_name_and_kep
     assert sorted(p.name for p in out.iterdir()) == ["nnunet", "repository_metadata.json"]
     build.build_repository(MODEL_DIR, out, folds=(0,), folds_only=True)  # the default name: as it always was
     assert sorted(p.name for p in out.iterdir()) == ["fold_0", "repository_metadata.json"]
+
+
+def test_promote_and_rollback_without_a_server_rewrite_the_public_endpoint_and_the_registry(tmp_path) -> None:
+    from nnunet_triton.server import rollout
+
+    model, out = _copy_model(tmp_path), tmp_path / "repo"
+    build.build_repository(model, out)
+    build.build_repository(model, out, options=BuildOptions(tile_batch_size=2),
+                           endpoint=build.VersionChoice(new_version=True))
+    step = rollout.promote(out, "nnunet", 2)
+    assert (step.promoted, step.server) == (2, None)
+    assert "in the repository only" in step.summary("promoted")
+    for public, pinned in zip(("nnunet", "nnunet_int16"), ("nnunet__v2", "nnunet__v2_int16"), strict=True):
+        assert (out / public / "config.pbtxt").read_text() == (out / pinned / "config.pbtxt").read_text(
+            ).replace(f'name: "{pinned}"', f'name: "{public}"')
+    assert _description(out, "nnunet")["version"] == 2
+    rollout.rollback(out, "nnunet")
+    entry = read_registry(out).endpoint("nnunet")
+    assert (entry.promoted, entry.previous, _description(out, "nnunet")["version"]) == (1, 2, 1)
+    rows = rollout.versions(out)
+    assert [(r["version"], r["promoted"], r["previous"], r["loaded"]) for r in rows] == [
+        (1, True, False, None), (2, False, True, None)]
+    with pytest.raises(RepositoryError, match="has no version 9"):
+        rollout.promote(out, "nnunet", 9)
+    rollout.remove(out, "nnunet", 2)
+    with pytest.raises(RepositoryError, match="nothing to roll back to"):
+        rollout.rollback(out, "nnunet")
+
+
+def test_two_builds_of_the_same_new_version_at_once_keep_the_first_and_refuse_the_second(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, out = _copy_model(tmp_path), tmp_path / "repo"
+    build.build_repository(model, out)
+    install = build._install
+    raced: list[build.BuildResult] = []
+
+    def install_after_another_build(*args, **kwargs):
+        if not raced:  # another process lands version 2 while this build was exporting
+            monkeypatch.setattr(build, "_install", install)
+            raced.append(build.build_repository(model, out, options=BuildOptions(tile_batch_size=3),
+                                                endpoint=build.VersionChoice(new_version=True)))
+        return install(*args, **kwargs)
+
+    monkeypatch.setattr(build, "_install", install_after_another_build)
+    with pytest.raises(RepositoryError, match="another build wrote nnunet version 2 .* build again"):
+        build.build_repository(model, out, options=BuildOptions(tile_batch_size=2),
+                               endpoint=build.VersionChoice(new_version=True))
+    assert raced[0].version == 2
+    assert "max_batch_size: 3" in (out / "nnunet__v2__fold_0" / "config.pbtxt").read_text()
+    assert {p.parent.name for p in out.glob("*/config.pbtxt")} == set(read_registry(out).models())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "repo"]

@@ -87,8 +87,11 @@ def test_build_serve_predict_stop_from_any_directory_answer_as_nnunet(installed,
         assert predicted.returncode == 0, predicted.stderr[-3000:]
         answer = sitk.GetArrayFromImage(sitk.ReadImage(str(work / "out" / "case.nii.gz")))
         np.testing.assert_array_equal(answer, reference(SYNTHCT, case.name, False).segmentation)
-        info = _run([command, "info", "--url", url, "--json"], cwd=work, env=env)
-        assert info.returncode == 0 and json.loads(info.stdout)["published"]["dataset_name"] == SYNTHCT
+        info = _run([command, "info", "--url", url, "--json", *home], cwd=work, env=env)
+        assert info.returncode == 0, info.stderr[-3000:]
+        (endpoint,) = json.loads(info.stdout)["endpoints"]
+        assert endpoint["published"]["dataset_name"] == SYNTHCT
+        assert [(v["version"], v["promoted"], v["loaded"]) for v in endpoint["versions"]] == [(1, True, True)]
     finally:
         stopped = _run([command, "stop", *home], cwd=work, env=env)
     assert stopped.returncode == 0, stopped.stderr[-3000:]

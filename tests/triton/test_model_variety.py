@@ -192,13 +192,21 @@ def test_cli_writes_postprocessed_segmentations_unless_disable_postprocessing(
     raw = predictor(key, None, False).predict_single_npy_array(image, {"spacing": list(case.spacing)})
     python_path = os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": python_path}
-    for out, flags, expected in (
-        ("pp", [], apply_postprocessing(raw, [largest] * len(PP_KWARGS), PP_KWARGS)),
-        ("raw", ["--disable-postprocessing"], raw),
-    ):
+    expected_pp = apply_postprocessing(raw, [largest] * len(PP_KWARGS), PP_KWARGS)
+    for out, flags, expected in (("pp", [], expected_pp), ("raw", ["--disable-postprocessing"], raw)):
         command = [sys.executable, "-m", "nnunet_triton.cli", "predict", "--url", server.http_url,
                    "-i", str(tmp_path / "in"), "-o", str(tmp_path / out), "--disable-tta", *flags]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
         assert result.returncode == 0, result.stderr
         written = sitk.GetArrayFromImage(sitk.ReadImage(str(tmp_path / out / f"{case.name}.nii.gz")))
         np.testing.assert_array_equal(written, expected)
+    # validate --model applies the postprocessing the endpoint publishes as deployed (nnU-Net's own function),
+    # so the postprocessed answer passes exactly; before, nnU-Net's raw prediction was the reference
+    from nnunet_triton import cli
+
+    assert (raw != expected_pp).any()
+    report = tmp_path / "report"
+    assert cli.main(["validate", "--model", key, "-i", str(tmp_path / "in"), "--url", server.http_url,
+                     "--no-mirroring", "--exact", "--report", str(report)]) == 0
+    assert cli.main(["validate", "--model", key, "-i", str(tmp_path / "in"), "--url", server.http_url,
+                     "--no-mirroring", "--exact", "--no-postprocessing", "--report", str(report)]) == 0

@@ -56,6 +56,29 @@ def test_report_is_healthy_only_when_server_and_every_model_are_ready_with_their
     assert not down.healthy and down.problems() == ["tritonserver at h:1 is not live"]
 
 
+def test_a_version_that_may_be_unloaded_is_fine_unloaded_but_broken_when_loaded_without_its_processes():
+    unloaded = health.ModelHealth("liver__v1__fold_0", ready=False, required=False)
+    broken = health.ModelHealth("liver__v1__fold_0", ready=True, backend="python",
+                                expected=("liver__v1__fold_0_0_0",), alive=(), required=False)
+    assert (unloaded.ok, unloaded.problem()) == (True, None)
+    assert not broken.ok and "0 of 1 Python-backend processes alive" in broken.problem()
+
+
+def test_a_registry_requires_the_public_endpoints_and_promoted_versions_and_allows_the_others(tmp_path):
+    from nnunet_triton.registry import Registry, write_registry
+
+    (tmp_path / "stray").mkdir()
+    (tmp_path / "stray" / "config.pbtxt").write_text('name: "stray"\n')
+    assert health.repository_expectations(tmp_path) == (["stray"], [])  # no registry: every folder counts
+    registry = Registry().with_version("liver", 1, {"models": ["liver__v1", "liver__v1__fold_0"]})
+    registry = registry.with_version("liver", 2, {"models": ["liver__v2", "liver__v2__fold_0"]})
+    write_registry(tmp_path, registry)
+    required, optional = health.repository_expectations(tmp_path)
+    assert required == ["liver", "liver__v1", "liver__v1__fold_0", "liver_fp16", "liver_int16",
+                        "liver_uint16", "liver_uint8"]
+    assert optional == ["liver__v2", "liver__v2__fold_0"]
+
+
 def test_check_health_reports_an_unreachable_server_without_raising():
     report = health.check_health("127.0.0.1:9", ["nnunet"], timeout_s=1)  # port 9 (discard): refused
     assert not report.healthy and "is not reachable" in report.problems()[0]

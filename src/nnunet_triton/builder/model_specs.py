@@ -16,7 +16,7 @@ Ensembles of configurations and cascades: :mod:`.composite_specs`.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -421,15 +421,18 @@ def repository_specs(config: InferenceConfig, options: BuildOptions, *, folds_on
             stitch_spec(config, options), endpoint, *typed_endpoint_specs(endpoint))
 
 
-def namespaced_specs(specs: Sequence[ModelSpec], name: str, version: int
+def namespaced_specs(specs: Sequence[ModelSpec], name: str, version: int, *,
+                     described: Mapping[str, object] | None = None
                      ) -> tuple[tuple[ModelSpec, ...], dict[str, str]]:
     """The models of version ``version`` of endpoint ``name`` from the specs of one built pipeline.
 
     Every composing model gets the namespace ``io_names.model_namespace(name, version)`` (ensemble steps
     and the orchestrator's ``fold_models`` follow); the pipeline's endpoint ``nnunet`` and its typed copies
     become the pinned endpoint ``<name>__v<version>`` (+ typed copies), whose published description names
-    the endpoint and the version. Returns the specs and the renaming ``{old name: new name}``.
+    the endpoint and the version (and whatever ``described`` adds: the deployed postprocessing). Returns the
+    specs and the renaming ``{old name: new name}``.
     """
+    described_extra = dict(described or {})
     namespace = io_names.model_namespace(name, version)
     pinned = io_names.pinned_endpoint(name, version)
     endpoints = dict(zip(io_names.public_endpoints(io_names.ENDPOINT_MODEL),
@@ -446,7 +449,7 @@ def namespaced_specs(specs: Sequence[ModelSpec], name: str, version: int
             parameters[PARAM_FOLD_MODELS] = ",".join(rename(m) for m in folds)
         if DESCRIPTION_PARAMETER in parameters:
             described = json.loads(str(parameters[DESCRIPTION_PARAMETER]))
-            described |= {"endpoint": name, "version": version}
+            described |= {"endpoint": name, "version": version, **(described_extra or {})}
             parameters[DESCRIPTION_PARAMETER] = json.dumps(described, sort_keys=True)
         steps = tuple(replace(step, model_name=rename(step.model_name)) for step in spec.ensemble_steps) \
             if spec.ensemble_steps else spec.ensemble_steps

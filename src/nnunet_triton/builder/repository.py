@@ -287,7 +287,8 @@ def build_repository(
                                           "folds": list(previous[1].folds)}
         return metadata
 
-    result = _land(out, endpoint, input_hash, specs, write, force=force, start=start)
+    result = _land(out, endpoint, input_hash, specs, write, force=force, start=start,
+                   described=_published_postprocessing(pp_plan))
     if result.rebuilt:
         LOGGER.info("built %s version %d into %s in %.1f s (folds %s, target %s)", result.name,
                     result.version, out, result.seconds, list(config.folds), options.target)
@@ -420,7 +421,8 @@ def build_ensemble_repository(
         }
 
     specs = composite_specs.ensemble_repository_specs(configs, options)
-    result = _land(out, endpoint, input_hash, specs, write, force=force, start=start)
+    result = _land(out, endpoint, input_hash, specs, write, force=force, start=start,
+                   described=_published_postprocessing(pp_plan))
     if result.rebuilt:
         LOGGER.info("built ensemble %s version %d of %d members into %s in %.1f s", result.name,
                     result.version, len(configs), out, result.seconds)
@@ -465,8 +467,14 @@ def _chosen_version(registry: Registry | None, choice: VersionChoice, input_hash
     return version, False, choice.promote or entry.promoted == version
 
 
+def _published_postprocessing(plan: PostprocessingPlan | None) -> dict[str, Any]:
+    """What the endpoint's description says of the deployed postprocessing (``validate`` applies the same)."""
+    return {"postprocessing": None if plan is None else json.loads(plan.to_json())["steps"]}
+
+
 def _land(out: Path, choice: VersionChoice, input_hash: str, specs: Sequence[ModelSpec],
-          write: Callable[[Path], dict[str, Any]], *, force: bool, start: float) -> BuildResult:
+          write: Callable[[Path], dict[str, Any]], *, force: bool, start: float,
+          described: dict[str, Any] | None = None) -> BuildResult:
     """Write the pipeline of ``specs`` (``write`` builds it, unprefixed, into a folder and returns its
     metadata) as one version of ``choice.name`` into ``out``; see the module docstring."""
     state, registry = _repository_state(out)
@@ -493,7 +501,7 @@ def _land(out: Path, choice: VersionChoice, input_hash: str, specs: Sequence[Mod
         raw.mkdir()
         models.mkdir()
         metadata = write(raw)
-        named, renaming = model_specs.namespaced_specs(specs, choice.name, version)
+        named, renaming = model_specs.namespaced_specs(specs, choice.name, version, described=described)
         written = {p.name for p in raw.iterdir()}
         if written != set(renaming):
             raise RuntimeError(f"the build wrote {sorted(written)} but its specs name {sorted(renaming)}")
@@ -512,7 +520,10 @@ def _land(out: Path, choice: VersionChoice, input_hash: str, specs: Sequence[Mod
             replace_directory(models, out)
             promoted = True
         else:
-            promoted = _install(out, models, stage / "trash", choice.name, version, metadata, promote)
+            before = registry.endpoints.get(choice.name) if registry is not None else None
+            held = before.versions.get(version) if before is not None else None
+            promoted = _install(out, models, stage / "trash", choice.name, version, metadata, promote,
+                                expected=held.input_hash if held is not None else None)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return BuildResult(out=out, rebuilt=True, input_hash=input_hash, seconds=time.perf_counter() - start,
@@ -525,13 +536,18 @@ def _renamed_path(path: str, renaming: dict[str, str]) -> str:
 
 
 def _install(out: Path, models: Path, trash: Path, name: str, version: int, metadata: dict[str, Any],
-             promote: bool) -> bool:
+             promote: bool, *, expected: str | None) -> bool:
     """Move the staged version's folders into ``out`` and commit the registry (under the lock); returns
-    whether the public endpoint runs the version."""
+    whether the public endpoint runs the version. ``expected`` is the input hash the version had when the
+    build chose it (None: it did not exist): another build that changed it meanwhile wins, this one stops."""
     trash.mkdir()
     with locked(out):
         registry = read_registry(out) or Registry()
         entry = registry.endpoints.get(name)
+        now = entry.versions[version].input_hash if entry is not None and version in entry.versions else None
+        if now != expected:
+            raise RepositoryError(f"another build wrote {name} version {version} into {str(out)!r} while "
+                                  "this one ran; nothing of this build was kept: build again.")
         replaced = set(entry.versions[version].models) if entry and version in entry.versions else set()
         landed = registry.with_version(name, version, metadata, promote=promote)
         promoted = landed.endpoint(name).promoted == version
@@ -586,6 +602,8 @@ def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> l
             repository of this nnunet-triton.
     """
     out = Path(out)
+    if not out.is_dir():
+        raise RepositoryError(f"{str(out)!r} is not a model repository (no such folder).")
     with locked(out):
         registry = read_registry(out)
         if registry is None:

@@ -13,8 +13,9 @@ from typing import Any
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner, Target
 from nnunet_triton.builder.repository import VersionChoice, build_ensemble_repository, build_repository
+from nnunet_triton.cli.common import endpoint_name, endpoint_version
 from nnunet_triton.errors import NnunetTritonError, PlansError
-from nnunet_triton.io_names import ENDPOINT_MODEL, check_endpoint_name, check_version
+from nnunet_triton.io_names import ENDPOINT_MODEL
 from nnunet_triton.numerics.model_folder import parse_fold, read_model_folder
 
 __all__ = ["DEFAULT_OUT", "add_parsers", "add_arguments", "add_endpoint_arguments", "endpoint_choice", "run",
@@ -30,22 +31,6 @@ def add_parsers(sub: Any) -> None:
                                      "name and version; other names and versions stay as they are)")
     p.set_defaults(run=run)
     add_arguments(p)
-
-
-def endpoint_name(text: str) -> str:
-    """argparse type of an endpoint name (``io_names.check_endpoint_name``)."""
-    try:
-        return check_endpoint_name(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def endpoint_version(text: str) -> int:
-    """argparse type of an endpoint version (an integer >= 1)."""
-    try:
-        return check_version(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_endpoint_arguments(p: Any) -> None:

@@ -18,7 +18,8 @@ from nnunet_triton.numerics.model_folder import parse_fold
 from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE, RequestOptions, parse_int
 
 __all__ = ["DEFAULT_PORTS", "URL_ENV", "add_connection_arguments", "add_request_option_arguments",
-           "add_endpoint_selection", "endpoint_model", "request_options", "url", "say", "positive_int"]
+           "add_endpoint_selection", "endpoint_model", "endpoint_name", "endpoint_version", "request_options",
+           "url", "say", "positive_int"]
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 URL_ENV = "NNUNET_TRITON_URL"
@@ -37,14 +38,16 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true")
 
 
-def _name(text: str) -> str:
+def endpoint_name(text: str) -> str:
+    """argparse type of an endpoint name (``io_names.check_endpoint_name``)."""
     try:
         return io_names.check_endpoint_name(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _version(text: str) -> int:
+def endpoint_version(text: str) -> int:
+    """argparse type of an endpoint version (an integer >= 1)."""
     try:
         return io_names.check_version(text)
     except ValueError as exc:
@@ -56,10 +59,10 @@ def add_endpoint_selection(parser: argparse.ArgumentParser, *, flag: str = "--mo
     ``--model`` being the results folder) and ``--model-version N``/``--endpoint-version N`` (a pinned
     version; default: the promoted one). Read back with :func:`endpoint_model`."""
     names = [flag] + (["--endpoint"] if flag != "--endpoint" else [])
-    parser.add_argument(*names, dest="endpoint", type=_name, default=io_names.ENDPOINT_MODEL,
+    parser.add_argument(*names, dest="endpoint", type=endpoint_name, default=io_names.ENDPOINT_MODEL,
                         help=f"endpoint name on the server (default {io_names.ENDPOINT_MODEL}; "
                              "`nnunet-triton info` lists them)")
-    parser.add_argument(f"{flag}-version", dest="endpoint_version", type=_version, default=None,
+    parser.add_argument(f"{flag}-version", dest="endpoint_version", type=endpoint_version, default=None,
                         help="call exactly this version of the endpoint (<name>__v<N>; default: the version "
                              "the server promoted)")
 

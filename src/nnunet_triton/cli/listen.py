@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.cli.common import add_connection_arguments, url
+from nnunet_triton.cli.common import add_connection_arguments, endpoint_name, url
 from nnunet_triton.cli.dicomweb import add_auth_arguments, add_modality_argument, auth_from_args
 from nnunet_triton.errors import ClientError, InputValidationError
 from nnunet_triton.options import RequestOptions
@@ -71,13 +71,6 @@ def parse_duration(text: str) -> float:
     if not match:
         raise argparse.ArgumentTypeError(f"a duration such as 90, 30m, 24h or 7d, got {text!r}")
     return float(match[1]) * _SECONDS[match[2]]
-
-
-def _endpoint_name(text: str) -> str:
-    try:
-        return io_names.check_endpoint_name(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parsers(sub: Any) -> None:
@@ -129,7 +122,7 @@ def add_parsers(sub: Any) -> None:
                    help="dataset.json naming the default model's segments (when the server does not publish "
                         "labels)")
     routing = p.add_argument_group("which model (endpoint) segments a series")
-    routing.add_argument("--model", type=_endpoint_name, default=None, metavar="NAME",
+    routing.add_argument("--model", type=endpoint_name, default=None, metavar="NAME",
                          help=f"the endpoint every series goes to (default {io_names.ENDPOINT_MODEL}); with "
                               "--routes, the default model when the file names none")
     routing.add_argument("--routes", type=Path, default=None, metavar="FILE",

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.cli.build import DEFAULT_OUT, endpoint_name, endpoint_version
-from nnunet_triton.cli.common import say
+from nnunet_triton.cli.build import DEFAULT_OUT
+from nnunet_triton.cli.common import endpoint_name, endpoint_version, say
 from nnunet_triton.errors import ServerError
 from nnunet_triton.server import rollout
 from nnunet_triton.server.triton_install import DEFAULT_HOME, HOME_ENV, resolve_home

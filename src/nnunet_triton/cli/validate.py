@@ -123,7 +123,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
         if mismatch:
             raise InputValidationError(f"the server at {server_url} serves another model than --model "
                                        f"{args.model} (" + "; ".join(mismatch) + ").")
-        reference = NnunetReference(args.model, options)
+        reference = NnunetReference(args.model, options, postprocessing=published.get("postprocessing"))
         kind = "nnU-Net (nnUNetPredictor, CPU)"
     versions = {**_versions(description), "reference_device": "cpu" if args.model else None}
     writer = ReferenceWriter(args.record, identity, options.to_dict(), versions) \

@@ -169,7 +169,7 @@ def format_description(d: EndpointDescription) -> str:
     """Human-readable lines for ``nnunet-triton info``."""
     version = f", version {d.version}" if d.version is not None else ""
     lines = [
-        f"endpoint        {d.model_name}{version} on {d.url} (Triton {d.server_version})",
+        f"endpoint        {d.model_name} on {d.url} (Triton {d.server_version}{version})",
         f"pipeline        {' -> '.join(d.composing_models) or '(not an ensemble)'}",
         f"fold models     {', '.join(d.fold_models) or '(unknown)'}",
         f"orchestrators   {d.orchestrator_instances} instance(s) (requests computed at once)",

@@ -243,12 +243,27 @@ def _memory_plan(repo: Path, volume: VolumeSpec,
     return plan.pool_args(gpus), summary
 
 
+def _repository_load_list(repositories: Sequence[Path]) -> tuple[str, ...]:
+    """Every model of the repositories: a registry's models (every endpoint and version), else every folder
+    holding a config.pbtxt (a repository not built by this project)."""
+    from nnunet_triton.server.health import repository_models
+
+    found: list[str] = []
+    for repository in repositories:
+        try:
+            registry = read_registry(repository)
+        except RepositoryError as exc:
+            raise ValueError(f"cannot serve {str(repository)!r}: {exc}") from None
+        found += registry.models() if registry is not None else repository_models(repository)
+    return tuple(found)
+
+
 def _model_control(mode: str, load_models: tuple[str, ...], recovery: bool,
-                   repository: Path | None = None) -> tuple[tuple[str, ...], bool]:
+                   repositories: Sequence[Path] = ()) -> tuple[tuple[str, ...], bool]:
     """(models to load, whether the watchdog runs) for a model control mode; ValueError when they clash.
 
-    Explicit mode loads ``load_models``, else every model of the repository's registry (every endpoint
-    and version: the old version stays loaded next to a new one until it is removed), else every folder.
+    Explicit mode loads ``load_models``, else every model of the repositories (:func:`_repository_load_list`:
+    the old version of an endpoint stays loaded next to a new one until it is removed).
     """
     if mode not in ("none", "explicit"):
         raise ValueError(f"model_control_mode must be 'none' or 'explicit', got {mode!r}.")
@@ -258,13 +273,8 @@ def _model_control(mode: str, load_models: tuple[str, ...], recovery: bool,
         if recovery:
             LOGGER.warning("model_control_mode 'none': no watchdog, a model whose process dies stays broken")
         return (), False
-    if not load_models and repository is not None:
-        try:
-            registry = read_registry(repository)
-        except RepositoryError as exc:
-            raise ValueError(f"cannot serve {str(repository)!r}: {exc}") from None
-        if registry is not None:
-            load_models = registry.models()
+    if not load_models and repositories:
+        load_models = _repository_load_list(repositories)
     return load_models or ("*",), recovery
 
 
@@ -329,7 +339,9 @@ def start(
         # "terminate called after throwing an instance of 'std::invalid_argument' what(): stol"
         raise ValueError(f"model_repository must not contain whitespace (Triton 2.51's Python backend cannot "
                          f"start its stubs there), got {str(repo)!r}; build or copy it to another path.")
-    load_models, recovery = _model_control(model_control_mode, tuple(load_models), recovery, repo)
+    extra_repositories = [Path(a.split("=", 1)[1]) for a in extra_args if a.startswith("--model-repository=")]
+    load_models, recovery = _model_control(model_control_mode, tuple(load_models), recovery,
+                                           (repo, *extra_repositories))
     run_dir = resolve_home(home) / "run"
     launch_args = {
         "installation": prepare_home(home),

@@ -60,10 +60,14 @@ class Reference(Protocol):
 
 @dataclass
 class NnunetReference:
-    """nnU-Net's ``nnUNetPredictor.predict_single_npy_array`` on CPU for ``model_folder``."""
+    """nnU-Net's ``nnUNetPredictor.predict_single_npy_array`` on CPU for ``model_folder``, then nnU-Net's own
+    ``apply_postprocessing`` with the steps the endpoint publishes as deployed (``postprocessing``: the
+    description's list of ``remove_all_but_largest_component_from_segmentation`` calls; none or empty: the
+    raw prediction), unless the request options switch postprocessing off."""
 
     model_folder: Path
     options: RequestOptions
+    postprocessing: Sequence[Mapping[str, Any]] | None = None
     _predictor: Any = None
 
     def answer(self, case: str, image: np.ndarray, spacing: Sequence[float]
@@ -77,8 +81,23 @@ class NnunetReference:
                                                           None, None, self.options.probabilities)
         if self.options.probabilities:
             segmentation, probabilities = result
-            return np.asarray(segmentation), np.asarray(probabilities, dtype=np.float32)
-        return np.asarray(result), None
+            return self._postprocessed(np.asarray(segmentation)), np.asarray(probabilities, dtype=np.float32)
+        return self._postprocessed(np.asarray(result)), None
+
+    def _postprocessed(self, segmentation: np.ndarray) -> np.ndarray:
+        """nnU-Net's ``apply_postprocessing`` (``nnUNetv2_apply_postprocessing``) with the deployed steps."""
+        if not self.postprocessing or not self.options.postprocessing:
+            return segmentation
+        from nnunetv2.postprocessing.remove_connected_components import (
+            apply_postprocessing,
+            remove_all_but_largest_component_from_segmentation,
+        )
+
+        kwargs = [{"labels_or_regions": [tuple(m) if isinstance(m, list) else m
+                                         for m in step["labels_or_regions"]],
+                   "background_label": step.get("background_label", 0)} for step in self.postprocessing]
+        functions = [remove_all_but_largest_component_from_segmentation] * len(kwargs)
+        return np.asarray(apply_postprocessing(segmentation, functions, kwargs))
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ from typing import Any
 
 import pydicom
 
-from nnunet_triton.client.dicom.access import REJECT_UNAVAILABLE, VERIFICATION, AccessPolicy, Refusal
+from nnunet_triton.client.dicom.access import VERIFICATION, AccessPolicy
 from nnunet_triton.client.dicom.destination import DicomWebDestination, StoreDestination, parse_destination
 from nnunet_triton.client.dicom.modality import ModalityRule
 from nnunet_triton.client.dicom.node_admin import read_status, requeue
@@ -320,29 +320,13 @@ class DicomNode(Receiving):
         self._dead.set()
 
     # --- receiving: called AE titles and routes ------------------------------------------------------
-    def _on_requested(self, event: Any) -> None:
-        """EVT_REQUESTED, as :meth:`.receiving.Receiving._on_requested` decides it, with the called AE titles
-        the routes map to a model accepted as the node's own; keeps the called AE title of an accepted
-        association for routing its series."""
-        assoc = event.assoc
-        request = assoc.requestor.primitive
-        host = str(assoc.requestor.address)
-        called = str(request.called_ae_title).strip()
-        own = called if called in self.config.routes.called_ae_titles else self.config.ae_title
-        if self._fatal is not None or self._server is None:
-            refusal: Refusal | None = Refusal(REJECT_UNAVAILABLE, "the node is not working (see its status)")
-        else:
-            from_host = sum(1 for a in self._server.active_associations if str(a.requestor.address) == host)
-            refusal = self.config.access.refusal(
-                own_ae=own, called_ae=called, calling_ae=str(request.calling_ae_title), host=host,
-                listening_host=self.config.host, from_host=from_host)
-        if refusal is None:
-            self._called_ae[id(assoc)] = called
-            return
-        LOGGER.warning("refused an association from %s: %s", host, refusal.reason)
-        assoc.acse.send_reject(*refusal.rsd)
-        assoc.is_rejected = True
-        assoc.kill()
+    def _own_ae_title(self, called: str) -> str:
+        """The called AE titles the routes map to a model are the node's own too."""
+        return called if called in self.config.routes.called_ae_titles else self.config.ae_title
+
+    def _accepted(self, assoc: Any, called: str) -> None:
+        """Keep the called AE title of an accepted association: it routes the series it stores."""
+        self._called_ae[id(assoc)] = called
 
     def _on_closed(self, event: Any) -> None:
         self._called_ae.pop(id(event.assoc), None)

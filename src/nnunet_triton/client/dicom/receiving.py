@@ -43,20 +43,30 @@ class Receiving:
     _server: Any
 
     # --- associations ------------------------------------------------------------------------------
+    def _own_ae_title(self, called: str) -> str:
+        """The AE title an association must call to reach this node (a node that answers to several titles,
+        one per routed model, accepts ``called`` when it is one of them)."""
+        return self.config.ae_title
+
+    def _accepted(self, assoc: Any, called: str) -> None:
+        """An association was accepted; ``called`` is the AE title it called (kept by a routing node)."""
+
     def _on_requested(self, event: Any) -> None:
         """EVT_REQUESTED: decide the association before pynetdicom negotiates it."""
         assoc = event.assoc
         request = assoc.requestor.primitive
         host = str(assoc.requestor.address)
+        called = str(request.called_ae_title).strip()
         if self._fatal is not None or self._server is None:
             refusal: Refusal | None = Refusal(REJECT_UNAVAILABLE, "the node is not working (see its status)")
         else:
             from_host = sum(1 for a in self._server.active_associations if str(a.requestor.address) == host)
             refusal = self.config.access.refusal(
-                own_ae=self.config.ae_title, called_ae=str(request.called_ae_title),
+                own_ae=self._own_ae_title(called), called_ae=called,
                 calling_ae=str(request.calling_ae_title), host=host, listening_host=self.config.host,
                 from_host=from_host)
         if refusal is None:
+            self._accepted(assoc, called)
             return
         LOGGER.warning("refused an association from %s: %s", host, refusal.reason)
         assoc.acse.send_reject(*refusal.rsd)
