@@ -51,17 +51,19 @@ def test_build_writes_every_model_and_metadata_when_target_cpu(built) -> None:
     out, result = built
     assert result.rebuilt
     assert _files(out) == [
-        "fold_0/1/inference_config.json", "fold_0/1/model.pt", "fold_0/1/model.py", "fold_0/config.pbtxt",
+        "fold_0/1/__pycache__", "fold_0/1/inference_config.json", "fold_0/1/model.pt", "fold_0/1/model.py",
+        "fold_0/config.pbtxt",
         "nnunet/config.pbtxt", "nnunet__v1/config.pbtxt", "nnunet__v1_fp16/config.pbtxt",
         "nnunet__v1_int16/config.pbtxt", "nnunet__v1_uint16/config.pbtxt", "nnunet__v1_uint8/config.pbtxt",
         "nnunet_fp16/config.pbtxt", "nnunet_int16/config.pbtxt",
         "nnunet_uint16/config.pbtxt", "nnunet_uint8/config.pbtxt",
-        "orchestrator_model/1/inference_config.json", "orchestrator_model/1/model.py",
-        "orchestrator_model/config.pbtxt",
-        "preprocess_model/1/inference_config.json", "preprocess_model/1/model.py",
-        "preprocess_model/config.pbtxt",
+        "orchestrator_model/1/__pycache__", "orchestrator_model/1/inference_config.json",
+        "orchestrator_model/1/model.py", "orchestrator_model/config.pbtxt",
+        "preprocess_model/1/__pycache__", "preprocess_model/1/inference_config.json",
+        "preprocess_model/1/model.py", "preprocess_model/config.pbtxt",
         "repository_metadata.json",
-        "stitch_model/1/inference_config.json", "stitch_model/1/model.py", "stitch_model/config.pbtxt",
+        "stitch_model/1/__pycache__", "stitch_model/1/inference_config.json", "stitch_model/1/model.py",
+        "stitch_model/config.pbtxt",
     ]
     assert (out / "nnunet" / "1").is_dir() and (out / "nnunet__v1" / "1").is_dir()
     # the public endpoint is the pinned endpoint of the promoted version under its own name
@@ -73,6 +75,9 @@ def test_build_writes_every_model_and_metadata_when_target_cpu(built) -> None:
     for config in out.glob("*/config.pbtxt"):
         message = text_format.Parse(config.read_text(), model_config_pb2.ModelConfig())
         assert message.name == config.parent.name
+    # a file where Python would put model.py's bytecode: serving must not change the repository (Triton
+    # would take the model for a changed one and reload it when anything depending on it is loaded)
+    assert all(p.is_file() and p.stat().st_size == 0 for p in out.glob("*/1/__pycache__"))
 
 
 def test_build_metadata_records_versions_hashes_and_export_checks(built) -> None:

@@ -39,6 +39,7 @@ from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import ClientError
 from nnunet_triton.registry import read_registry
 from nnunet_triton.server import rollout
+from nnunet_triton.server.health import stub_processes
 from nnunet_triton.server.watchdog import TOKEN_ENV
 
 MULTI = "Dataset903_SynthMulti/nnUNetTrainer__nnUNetPlans__3d_tiny"
@@ -73,6 +74,11 @@ def server(triton_server):
 def _segment(handle, image, spacing, model="nnunet", version=None):
     with NnunetClient(handle.grpc_url, "grpc", timeout_s=TIMEOUT_S, model=model, version=version) as client:
         return client.segment(image, spacing, mirroring=False).segmentation
+
+
+def _stubs(handle) -> dict[str, int]:
+    """Model instance -> pid of its Python-backend process."""
+    return {stub.instance: stub.pid for stub in stub_processes(handle.pid)}
 
 
 def test_two_models_on_one_server_each_answer_their_own_nnunet_result(server) -> None:
@@ -131,6 +137,7 @@ def test_promotion_and_rollback_under_load_fail_no_request_and_never_mix_version
         while sum(1 for sent, _, _ in answers if sent > since) < count and time.monotonic() < deadline:
             time.sleep(0.2)
 
+    stubs_before = _stubs(server)
     threads = [threading.Thread(target=client_loop) for _ in range(4)]
     for thread in threads:
         thread.start()
@@ -151,8 +158,10 @@ def test_promotion_and_rollback_under_load_fail_no_request_and_never_mix_version
     assert errors == []
     assert all(which in (1, 2) for _, _, which in answers), "an answer equal to neither version (a mix)"
     # requests were in flight while each switch happened
-    assert any(sent < started and answered > promoted for sent, answered, _ in answers)
-    assert any(sent < rolling_back and answered > rolled_back for sent, answered, _ in answers)
+    assert any(sent < promoted and answered > started for sent, answered, _ in answers)
+    assert any(sent < rolled_back and answered > rolling_back for sent, answered, _ in answers)
+    # the switches reloaded only the public endpoints: every model process is the one that served before
+    assert _stubs(server) == stubs_before
     # once a switch returned, every new request ran on the version it switched to
     assert {w for sent, done, w in answers if promoted < sent and done < rolling_back} == {2}
     assert {w for sent, _, w in answers if sent > rolled_back} == {1}

@@ -134,10 +134,18 @@ class VersionChoice:
                 raise ValueError(f"give a version ({self.version}) or ask for a new one, not both.")
 
 
+# An empty FILE named __pycache__ next to model.py: the stub's Python (whose embedded interpreter ignores
+# PYTHONDONTWRITEBYTECODE) then cannot write model.py's bytecode into the repository. Written, that folder
+# would make Triton take the model for a changed one and reload it on the next load of anything depending on
+# it: a promotion (server.rollout) would restart the processes of the version it switches to.
+BYTECODE_BLOCKER = "__pycache__"
+
+
 def _write_python_model(model_dir: Path, step: str, config: InferenceConfig) -> None:
     version = model_dir / VERSION_DIR
     version.mkdir(parents=True, exist_ok=True)
     (version / "model.py").write_text(adapter_source(step))
+    (version / BYTECODE_BLOCKER).write_bytes(b"")
     config.save(version)
 
 

@@ -94,6 +94,32 @@ class ModelControl:
     def unload(self, model: str) -> None:
         self._control(model, "unload")
 
+    def index(self) -> list[dict[str, Any]]:
+        """Triton's repository index: every model it knows with its state (READY, UNLOADING, ...)."""
+        headers = {"Content-Type": "application/json", **({CONTROL_HEADER: self.token} if self.token else {})}
+        url = f"http://{self.url}/v2/repository/index"
+        status, body = self._open(urllib.request.Request(url, data=b"{}", method="POST", headers=headers))
+        if status != 200:
+            raise ServerError(f"the repository index of {self.url} answered {status}: "
+                              f"{body.decode(errors='replace').strip()}")
+        return list(json.loads(body))
+
+    def wait_unloaded(self, models: Sequence[str], timeout_s: float = 300.0) -> None:
+        """Wait until Triton has finished unloading ``models`` (an unload returns while the model still
+        drains its requests; its files must stay until then, and the server is not ready meanwhile)."""
+        import time
+
+        wanted = set(models)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            busy = sorted(m["name"] for m in self.index() if m.get("name") in wanted
+                          and str(m.get("state", "")).upper() in ("UNLOADING", "READY", "LOADING"))
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(f"{len(busy)} model(s) still not unloaded after {timeout_s:.0f} s: {busy}")
+            time.sleep(0.1)
+
     def ready(self, model: str) -> bool:
         """``GET /v2/models/<model>/ready`` (not restricted)."""
         url = f"http://{self.url}/v2/models/{urllib.parse.quote(model)}/ready"
@@ -247,10 +273,13 @@ def remove(repository: str | Path, name: str, version: int | None = None,
         models = list(entry.version(version).models)
         remaining = registry.without_version(name, version).endpoint(name).promoted  # refuses the promoted
     if control is not None:
+        unloaded = []
         for model in reversed(_load_order(repository, models)):  # ensembles first
             if control.ready(model):
                 LOGGER.info("unloading %s", model)
                 control.unload(model)
+                unloaded.append(model)
+        control.wait_unloaded(unloaded)  # the folders go only once nothing runs from them
     removed = remove_endpoint(repository, name, version)
     return RolloutStep(name, version, tuple(removed), remaining, control.url if control else None)
 
