@@ -22,6 +22,7 @@ __all__ = [
     "DeployError",
     "PacsError",
     "RepositoryError",
+    "OlderRepositoryError",
     "RequestCancelledError",
     "NOT_RUNNING_MESSAGES",
 ]
@@ -132,6 +133,10 @@ class RepositoryError(NnunetTritonError):
     malformed or from an older nnunet-triton, removing the promoted version, a repository locked too long."""
 
     triton_code = "NOT_FOUND"
+
+
+class OlderRepositoryError(RepositoryError):
+    """The repository was written by an older nnunet-triton (one model, no registry of endpoints)."""
 
 
 class RequestCancelledError(NnunetTritonError):

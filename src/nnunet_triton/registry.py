@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.errors import RepositoryError
+from nnunet_triton.errors import OlderRepositoryError, RepositoryError
 
 __all__ = [
     "REGISTRY_FILE",
@@ -220,7 +220,7 @@ class Registry:
             raise RepositoryError(f"{where} must hold a JSON object, got {type(data).__name__}.")
         if data.get("format") != FORMAT:
             if "input_hash" in data and "format" not in data:
-                raise RepositoryError(
+                raise OlderRepositoryError(
                     f"{where} was written by an older nnunet-triton (one model per repository, no endpoint "
                     "registry): build the repository again (build --force, or into a new folder).")
             raise RepositoryError(f"{where} has format {data.get('format')!r}; this nnunet-triton reads "

@@ -51,6 +51,7 @@ ADAPTERS = {
     io_names.STITCH_MODEL: "stitch",
 }
 FOLD_RUNNER_ADAPTER = "fold_runner"
+FOLD_RUNNER_KEY = "fold runner"  # adapters_needed's key of the fold runner (every fold model writes one)
 COMBINE_ADAPTER = "combine"
 # what each model does, for its model.py's docstring
 _WHAT = {
@@ -83,7 +84,7 @@ def adapters_needed(options: BuildOptions, folds_only: bool) -> dict[str, str]:
     """Model name (or ``"fold runner"``) -> the step its model.py imports."""
     adapters = {} if folds_only else dict(ADAPTERS)
     if options.runner is FoldRunner.PYTHON:
-        adapters["fold runner"] = FOLD_RUNNER_ADAPTER
+        adapters[FOLD_RUNNER_KEY] = FOLD_RUNNER_ADAPTER
     return adapters
 
 

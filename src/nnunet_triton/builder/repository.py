@@ -52,6 +52,7 @@ from nnunet_triton.builder import composite_specs, config_gen, model_specs, torc
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.build_inputs import (
     COMBINE_ADAPTER,
+    FOLD_RUNNER_KEY,
     METADATA_FILE,
     adapter_source,
     adapters_needed,
@@ -62,7 +63,7 @@ from nnunet_triton.builder.build_inputs import (
 )
 from nnunet_triton.builder.config_gen import ModelSpec
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
-from nnunet_triton.errors import PlansError, RepositoryError
+from nnunet_triton.errors import OlderRepositoryError, PlansError, RepositoryError
 from nnunet_triton.io_names import TORCHSCRIPT_FILE, VERSION_DIR
 from nnunet_triton.numerics.ensembling import check_ensemble_members
 from nnunet_triton.numerics.model_folder import read_model_folder
@@ -73,7 +74,6 @@ from nnunet_triton.numerics.postprocessing import (
     find_postprocessing_pkl,
     load_postprocessing_pkl,
 )
-from nnunet_triton.options import ProbabilitiesOutput
 from nnunet_triton.registry import Registry, locked, read_registry, write_registry
 
 __all__ = [
@@ -166,7 +166,7 @@ def _export_fold_models(tmp: Path, model_dir: Path, config: InferenceConfig, opt
                                             options=export_options, exported=exported)
         exports.append({**result.to_dict(), "path": str(Path(fold_dir.relative_to(tmp)) / TORCHSCRIPT_FILE)})
         if options.runner is FoldRunner.PYTHON:
-            _write_python_model(fold_dir.parent, adapters["fold runner"], config)
+            _write_python_model(fold_dir.parent, adapters[FOLD_RUNNER_KEY], config)
     return exports
 
 
@@ -174,23 +174,26 @@ def _build_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: Bu
                 folds_only: bool, export_options: export.ExportOptions,
                 postprocessing: PostprocessingPlan | None = None,
                 previous: tuple[Path, InferenceConfig] | None = None) -> list[dict[str, Any]]:
+    """The files of one pipeline (model.py, inference_config.json, postprocessing.json, model.pt) under the
+    plain model names; the configs are written when the version lands (:func:`_land`)."""
     adapters = adapters_needed(options, folds_only)
     exports = []
-    specs = list(model_specs.repository_specs(config, options, folds_only=folds_only))
     if previous is not None and not folds_only:  # cascade: the previous stage's pipeline feeds this one
-        cascade = composite_specs.cascade_ensemble_spec(config)
-        specs = [s for s in specs if not model_specs.is_endpoint(s)]
-        specs += [cascade, *model_specs.typed_endpoint_specs(cascade)]
         exports += _build_prefixed_into(tmp, *previous, options, io_names.PREVIOUS_STAGE_PREFIX,
-                                        export_options, probabilities=ProbabilitiesOutput.NEVER)
-    for spec in specs:
-        config_gen.write_config(spec, tmp / spec.name)
-        (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)  # Triton needs a version dir, ensembles too
-        if spec.name in adapters:
-            _write_python_model(tmp / spec.name, adapters[spec.name], config)
-        if spec.name == io_names.STITCH_MODEL and postprocessing is not None:
-            (tmp / spec.name / VERSION_DIR / POSTPROCESSING_FILE).write_text(postprocessing.to_json())
+                                        export_options)
+    _write_python_models(tmp, adapters, config)
+    if postprocessing is not None and not folds_only:
+        (tmp / io_names.STITCH_MODEL / VERSION_DIR / POSTPROCESSING_FILE).write_text(postprocessing.to_json())
     return exports + _export_fold_models(tmp, model_dir, config, options, export_options, adapters)
+
+
+def _write_python_models(tmp: Path, adapters: dict[str, str], config: InferenceConfig, *,
+                         prefix: str = "") -> None:
+    """model.py + inference_config.json of every pipeline step in ``adapters`` (the fold runner's are
+    written with the fold models)."""
+    for name, step in adapters.items():
+        if name != FOLD_RUNNER_KEY:
+            _write_python_model(tmp / (prefix + name), step, config)
 
 
 def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, input_hash: str,
@@ -349,16 +352,11 @@ def _postprocessing_plan(model_dir: Path, config: InferenceConfig,
 
 
 def _build_prefixed_into(tmp: Path, model_dir: Path, config: InferenceConfig, options: BuildOptions,
-                         prefix: str, export_options: export.ExportOptions, *,
-                         probabilities: ProbabilitiesOutput) -> list[dict[str, Any]]:
-    """One pipeline's models with ``prefix`` on every name (ensemble member, cascade's previous stage)."""
+                         prefix: str, export_options: export.ExportOptions) -> list[dict[str, Any]]:
+    """The files of one pipeline with ``prefix`` on every model name (ensemble member, cascade's previous
+    stage); the configs are written when the version lands."""
     adapters = adapters_needed(options, folds_only=False)
-    by_name = {prefix + name: path for name, path in adapters.items()}
-    for spec in composite_specs.prefixed_pipeline_specs(config, options, prefix, probabilities=probabilities):
-        config_gen.write_config(spec, tmp / spec.name)
-        (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)
-        if spec.name in by_name:
-            _write_python_model(tmp / spec.name, by_name[spec.name], config)
+    _write_python_models(tmp, adapters, config, prefix=prefix)
     return _export_fold_models(tmp, model_dir, config, options, export_options, adapters, prefix=prefix)
 
 
@@ -407,17 +405,11 @@ def build_ensemble_repository(
         members = []
         for index, (model_dir, config) in enumerate(zip(model_dirs, configs, strict=True)):
             exports = _build_prefixed_into(tmp, model_dir, config, options, io_names.member_prefix(index),
-                                           export_options, probabilities=ProbabilitiesOutput.ALWAYS)
+                                           export_options)
             members.append(_metadata(model_dir, config, options, "", exports, seconds=0.0))
-        combine = composite_specs.combine_spec(configs, options)
-        config_gen.write_config(combine, tmp / combine.name)
-        _write_python_model(tmp / combine.name, COMBINE_ADAPTER, configs[0])
+        _write_python_model(tmp / io_names.COMBINE_MODEL, COMBINE_ADAPTER, configs[0])
         if pp_plan is not None:
-            (tmp / combine.name / VERSION_DIR / POSTPROCESSING_FILE).write_text(pp_plan.to_json())
-        endpoint_spec = composite_specs.configuration_ensemble_spec(configs)
-        for spec in (endpoint_spec, *model_specs.typed_endpoint_specs(endpoint_spec)):
-            config_gen.write_config(spec, tmp / spec.name)
-            (tmp / spec.name / VERSION_DIR).mkdir(exist_ok=True)
+            (tmp / io_names.COMBINE_MODEL / VERSION_DIR / POSTPROCESSING_FILE).write_text(pp_plan.to_json())
         return {
             **members[0],
             "input_hash": input_hash,
@@ -447,14 +439,8 @@ def _repository_state(out: Path) -> tuple[str, Registry | None]:
         return "foreign", None
     try:
         registry = read_registry(out)
-    except RepositoryError:
-        if (out / METADATA_FILE).is_file() and '"input_hash"' in (out / METADATA_FILE).read_text()[:4096]:
-            try:
-                if "format" not in json.loads((out / METADATA_FILE).read_text()):
-                    return "legacy", None
-            except ValueError:
-                pass
-        raise
+    except OlderRepositoryError:
+        return "legacy", None
     return ("registry", registry) if registry is not None else ("foreign", None)
 
 
@@ -510,12 +496,14 @@ def _land(out: Path, choice: VersionChoice, input_hash: str, specs: Sequence[Mod
         models.mkdir()
         metadata = write(raw)
         named, renaming = model_specs.namespaced_specs(specs, choice.name, version, described=described)
-        written = {p.name for p in raw.iterdir()}
-        if written != set(renaming):
-            raise RuntimeError(f"the build wrote {sorted(written)} but its specs name {sorted(renaming)}")
+        unexpected = {p.name for p in raw.iterdir()} - set(renaming)
+        if unexpected:
+            raise RuntimeError(f"the build wrote {sorted(unexpected)}, which its specs do not name")
+        # a version folder for every model (Triton needs one, ensembles too), then its namespaced name
         for old, new in renaming.items():
+            (raw / old / VERSION_DIR).mkdir(parents=True, exist_ok=True)
             (raw / old).rename(models / new)
-        for spec in named:
+        for spec in named:  # the one place a version's configs are written
             config_gen.write_config(spec, models / spec.name)
         metadata["models"] = sorted(renaming.values())
         metadata["exports"] = [{**e, "path": _renamed_path(e["path"], renaming)} for e in metadata["exports"]]

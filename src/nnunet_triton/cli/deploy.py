@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
+from nnunet_triton.cli.common import endpoint_name
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server import deploy
 from nnunet_triton.server.deploy import docker, k8s
@@ -157,15 +158,6 @@ def _read_configs(args: argparse.Namespace) -> dict[str, Any]:  # {endpoint name
                                         f"configuration {config.configuration!r} in {str(model)!r}.")
             configs.setdefault(endpoint.name, config)
     return configs
-
-
-def _planned(configs: dict[str, Any], options: Any) -> deploy.RepositoryInfo:
-    """What the builder will write for ``configs`` ({endpoint name: InferenceConfig}): version 1 of each
-    name, every name's public endpoints (``RepositoryInfo.planned`` for several names)."""
-    pipelines = tuple(deploy.PipelineInfo.planned(configs[name], options, name=name)
-                      for name in sorted(configs))
-    models = {model for p in pipelines for model in (*p.models, *io_names.public_endpoints(p.name))}
-    return deploy.RepositoryInfo(pipelines=pipelines, models=tuple(sorted(models)))
 
 
 def _build(args: argparse.Namespace, target: str, export_device: str | None = None) -> None:
@@ -344,7 +336,7 @@ def _build_cpu_repository(args: argparse.Namespace, engine: str) -> docker.Deplo
     options = _build_options(args, "cpu", serving_torch=serving_torch)
     if args.out == Path(DEFAULT_OUT["docker"]).absolute():
         args.out = Path(CPU_IMAGE_OUT).absolute()
-    spec = _cpu_image(args, engine, _planned(configs, options))
+    spec = _cpu_image(args, engine, deploy.RepositoryInfo.planned(configs, options))
     print(f"build the repository {args.out} with the image's torch {docker.IMAGE_TORCH['cpu']} (one run per "
           "endpoint, each writes its name into the repository):")
     if args.execute:
@@ -401,7 +393,7 @@ def _deploy_docker_gpu(args: argparse.Namespace, engine: str) -> int:
     # the repository as built now (locally or by the executed export step), else as it will be built
     built = (local or args.execute) and (args.out / METADATA_FILE).is_file()
     spec = _docker_spec(args, deploy.RepositoryInfo.from_repository(args.out) if built
-                        else _planned(configs, options), engine=engine)
+                        else deploy.RepositoryInfo.planned(configs, options), engine=engine)
     print("2. build the serving image:")
     _run([docker.docker_build_command(spec, context=str(container_engine.source_root()))], args.execute,
          tool=engine)
@@ -490,7 +482,7 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
                 "build them into it first (`make deploy TARGET=docker MODEL=\"A B\" NAME=\"liver lung\"` "
                 "shows how), or leave out --name to serve what it holds.")
     else:
-        info = _planned(_read_configs(args), _build_options(args, "gpu"))
+        info = deploy.RepositoryInfo.planned(_read_configs(args), _build_options(args, "gpu"))
         print(f"note: {repo} is not built yet; `make deploy TARGET=docker` shows how to build it")
     if info.target != "gpu":
         raise NnunetTritonError(f"{repo} was built for target {info.target!r}; the pods get one GPU each: "
@@ -551,14 +543,6 @@ def add_parsers(sub: Any) -> None:
     _arguments(undeploy_parser, undeploy=True)
 
 
-def _endpoint_name(text: str) -> str:
-    """argparse type of an endpoint name (``io_names.check_endpoint_name``)."""
-    try:
-        return io_names.check_endpoint_name(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     p.add_argument("--target", choices=tuple(DEFAULT_OUT), default="embedded")
     p.add_argument("--out", type=Path, default=None,
@@ -577,7 +561,7 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
                    help="nnU-Net results folder(s): with one --name per folder each is its own endpoint in "
                         "one server; else one endpoint (several folders, embedded only: an ensemble of "
                         "configurations); k8s with a built --repository needs none")
-    p.add_argument("--name", type=_endpoint_name, nargs="+", default=None,
+    p.add_argument("--name", type=endpoint_name, nargs="+", default=None,
                    help=f"endpoint names, one per --model folder (--model A B --name liver lung: two "
                         f"endpoints in one repository and one server), or one for all of them (default "
                         f"{io_names.ENDPOINT_MODEL}); k8s with a built --repository: the endpoints it must "

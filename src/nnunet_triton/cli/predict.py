@@ -304,15 +304,10 @@ def info(args: argparse.Namespace) -> int:
 
 def _local_server(home: str | None, server_url: str) -> Any:
     """The server ``nnunet-triton serve`` recorded in ``home`` when it runs at ``server_url``, else None."""
-    from nnunet_triton.server.handle import ServerHandle
-    from nnunet_triton.server.triton_install import resolve_home
+    from nnunet_triton.server.handle import recorded_server
 
-    state = resolve_home(home) / "run" / "server.json"
-    try:
-        handle = ServerHandle.from_state_file(state)
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    if not handle.is_running() or server_url not in (handle.http_url, handle.grpc_url):
+    handle = recorded_server(home)
+    if handle is None or not handle.is_running() or server_url not in (handle.http_url, handle.grpc_url):
         return None
     return handle
 
@@ -333,25 +328,20 @@ def _registry(repository: Path | None) -> Any:
 def _served_endpoints(server_url: str, local: Any) -> list[str]:
     """Public endpoints the server has loaded (Triton's repository index needs the model-control token: the
     local server's or ``$NNUNET_TRITON_CONTROL_TOKEN``); ``nnunet`` when the index cannot be read."""
-    import os
-    import urllib.request
-
     from nnunet_triton import io_names
-    from nnunet_triton.server.watchdog import CONTROL_HEADER, TOKEN_ENV
+    from nnunet_triton.errors import ServerError
+    from nnunet_triton.server.model_control import ModelControl
 
-    token = (local.control_token if local is not None else None) or os.environ.get(TOKEN_ENV)
-    if not token or ":" not in server_url:
+    control = ModelControl(local.http_url, local.control_token) if local is not None else \
+        ModelControl.from_env(server_url)
+    if not control.token:
         return [io_names.ENDPOINT_MODEL]
-    http = local.http_url if local is not None else server_url
-    request = urllib.request.Request(f"http://{http}/v2/repository/index", data=b'{"ready": true}',
-                                     method="POST", headers={CONTROL_HEADER: token,
-                                                             "Content-Type": "application/json"})
     try:
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10) as answer:
-            index = json.loads(answer.read())
-    except (OSError, ValueError):
+        index = control.index()
+    except (ServerError, ValueError):
         return [io_names.ENDPOINT_MODEL]
-    names = sorted({m["name"] for m in index if io_names.endpoint_of_model(m["name"]) == (m["name"], 0)})
+    names = sorted({m["name"] for m in index if m.get("state") == "READY"
+                    and io_names.endpoint_of_model(m["name"]) == (m["name"], 0)})
     return names or [io_names.ENDPOINT_MODEL]
 
 
@@ -360,9 +350,9 @@ def _version_rows(repository: Path | None, registry: Any, server_url: str,
     if registry is None or repository is None:
         return []
     from nnunet_triton.server import rollout
+    from nnunet_triton.server.model_control import ModelControl
 
-    http = local.http_url if local is not None else server_url
-    return rollout.versions(repository, rollout.ModelControl(http))
+    return rollout.versions(repository, ModelControl(local.http_url if local is not None else server_url))
 
 
 def _split(local: Any, repository: Path | None, registry: Any) -> dict[str, Any]:

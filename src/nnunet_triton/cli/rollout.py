@@ -25,7 +25,9 @@ from nnunet_triton.cli.build import DEFAULT_OUT
 from nnunet_triton.cli.common import endpoint_name, endpoint_version, say
 from nnunet_triton.errors import ServerError
 from nnunet_triton.server import rollout
-from nnunet_triton.server.triton_install import DEFAULT_HOME, HOME_ENV, resolve_home
+from nnunet_triton.server.handle import recorded_server
+from nnunet_triton.server.model_control import ModelControl
+from nnunet_triton.server.triton_install import DEFAULT_HOME, HOME_ENV
 
 __all__ = ["add_parsers"]
 
@@ -64,22 +66,13 @@ def add_parsers(sub: Any) -> None:
 def _repository(args: argparse.Namespace) -> Path:
     if args.model_repository is not None:
         return args.model_repository
-    from nnunet_triton.server.handle import ServerHandle
-
-    state = resolve_home(args.home) / "run" / "server.json"
-    if state.is_file():
-        try:
-            handle = ServerHandle.from_state_file(state)
-            if handle.is_running():
-                return Path(handle.model_repository)
-        except (ValueError, TypeError, KeyError):
-            pass
-    return DEFAULT_OUT
+    handle = recorded_server(args.home)
+    return Path(handle.model_repository) if handle is not None and handle.is_running() else DEFAULT_OUT
 
 
 def _control(args: argparse.Namespace, repository: Path) -> rollout.ModelControl | None:
     if args.url:
-        return rollout.env_control(args.url)
+        return ModelControl.from_env(args.url)
     return rollout.local_control(repository, args.home)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from nnunet_triton.cli import build
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server.embedded import DEFAULT_HOST, start
-from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle
+from nnunet_triton.server.handle import EXIT_TIMEOUT_S, recorded_server
 from nnunet_triton.server.triton_install import (
     DEFAULT_HOME,
     HOME_ENV,
@@ -113,19 +113,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return _cmd_start(args)
 
 
-def _recorded_handle(home: str | None) -> ServerHandle | None:
-    state_file = resolve_home(home) / "run" / "server.json"
-    if not state_file.is_file():
-        return None
-    try:
-        return ServerHandle.from_state_file(state_file)
-    except (ValueError, TypeError, KeyError) as exc:
-        LOGGER.warning("ignoring unreadable state file %s: %s", state_file, exc)
-        return None
-
-
 def _cmd_start(args: argparse.Namespace) -> int:
-    running = _recorded_handle(args.home)
+    running = recorded_server(args.home)
     if running is not None and running.is_running():
         LOGGER.error(
             "a server is already running (pid %d, http %s); run `stop` first", running.pid, running.http_url
@@ -160,7 +149,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
-    handle = _recorded_handle(args.home)
+    handle = recorded_server(args.home)
     if handle is None:
         LOGGER.info("no server recorded under %s", resolve_home(args.home) / "run")
         return 0
@@ -170,7 +159,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    handle = _recorded_handle(args.home)
+    handle = recorded_server(args.home)
     if handle is None:
         sys.stdout.write(json.dumps({"running": False, "ready": False}) + "\n")
         return 3

@@ -25,6 +25,7 @@ from nnunet_triton.server.health import (
 
 __all__ = [
     "ServerHandle",
+    "recorded_server",
 ]
 
 LOGGER = logging.getLogger(__name__)
@@ -211,6 +212,21 @@ class ServerHandle:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def recorded_server(home: str | Path | None = None) -> ServerHandle | None:
+    """The server ``nnunet-triton serve`` recorded in ``<home>/run/server.json`` (running or not); None when
+    there is none, or its state file cannot be read (logged)."""
+    from nnunet_triton.server.triton_install import resolve_home
+
+    state_file = resolve_home(home) / "run" / "server.json"
+    if not state_file.is_file():
+        return None
+    try:
+        return ServerHandle.from_state_file(state_file)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        LOGGER.warning("ignoring unreadable state file %s: %s", state_file, exc)
+        return None
 
 
 def _is_watchdog(pid: int) -> bool:

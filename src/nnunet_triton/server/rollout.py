@@ -21,7 +21,7 @@ ensemble with the promoted version's steps. So:
 Every change holds the repository's lock (``registry.locked``) and commits the registry last. Without a server
 (``control`` None) only the files change; a server started later loads what the registry lists.
 
-The model-control API is restricted to the launcher's token (``server.watchdog.CONTROL_HEADER``):
+The model-control API is restricted to the launcher's token (``server.model_control``):
 :func:`local_control` finds the server ``nnunet-triton serve`` recorded for a repository; another server
 needs its URL and ``$NNUNET_TRITON_CONTROL_TOKEN``.
 """
@@ -30,10 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +39,11 @@ from nnunet_triton import io_names
 from nnunet_triton.builder.repository import remove_endpoint, write_public_endpoints
 from nnunet_triton.errors import RepositoryError, ServerError
 from nnunet_triton.registry import Registry, locked, read_registry, write_registry
-from nnunet_triton.server.watchdog import CONTROL_HEADER, TOKEN_ENV
+from nnunet_triton.server.handle import recorded_server
+from nnunet_triton.server.model_control import ModelControl
 
 __all__ = [
-    "ModelControl",
+    "ModelControl",  # re-exported: the control every function here takes
     "RolloutStep",
     "local_control",
     "load_version",
@@ -59,94 +56,14 @@ __all__ = [
 LOGGER = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ModelControl:
-    """Triton's model-control API of one server (``--model-control-mode=explicit``) and its token."""
-
-    url: str  # host:port of the HTTP endpoint
-    token: str | None = None
-    timeout_s: float = 900.0  # a load waits for the model's stubs (torch imports, warm-up)
-
-    def _open(self, request: urllib.request.Request) -> tuple[int, bytes]:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(request, timeout=self.timeout_s) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
-        except (urllib.error.URLError, OSError) as exc:
-            raise ServerError(f"the server at {self.url} is not reachable: {exc}.") from None
-
-    def _control(self, model: str, action: str) -> None:
-        headers = {"Content-Type": "application/json", **({CONTROL_HEADER: self.token} if self.token else {})}
-        url = f"http://{self.url}/v2/repository/models/{urllib.parse.quote(model)}/{action}"
-        status, body = self._open(urllib.request.Request(url, data=b"{}", method="POST", headers=headers))
-        if status != 200:
-            text = body.decode(errors="replace").strip()
-            hint = (f" (the model-repository API needs the server's token: ${TOKEN_ENV})"
-                    if status in (401, 403) or "restricted" in text.lower() else "")
-            raise ServerError(f"{action} of model {model!r} on {self.url} answered {status}: {text}{hint}")
-
-    def load(self, model: str) -> None:
-        """Load ``model`` (reload it when its files changed; a no-op when loaded and unchanged)."""
-        self._control(model, "load")
-
-    def unload(self, model: str) -> None:
-        self._control(model, "unload")
-
-    def index(self) -> list[dict[str, Any]]:
-        """Triton's repository index: every model it knows with its state (READY, UNLOADING, ...)."""
-        headers = {"Content-Type": "application/json", **({CONTROL_HEADER: self.token} if self.token else {})}
-        url = f"http://{self.url}/v2/repository/index"
-        status, body = self._open(urllib.request.Request(url, data=b"{}", method="POST", headers=headers))
-        if status != 200:
-            raise ServerError(f"the repository index of {self.url} answered {status}: "
-                              f"{body.decode(errors='replace').strip()}")
-        return list(json.loads(body))
-
-    def wait_unloaded(self, models: Sequence[str], timeout_s: float = 300.0) -> None:
-        """Wait until Triton has finished unloading ``models`` (an unload returns while the model still
-        drains its requests; its files must stay until then, and the server is not ready meanwhile)."""
-        import time
-
-        wanted = set(models)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            busy = sorted(m["name"] for m in self.index() if m.get("name") in wanted
-                          and str(m.get("state", "")).upper() in ("UNLOADING", "READY", "LOADING"))
-            if not busy:
-                return
-            if time.monotonic() > deadline:
-                raise ServerError(f"{len(busy)} model(s) still not unloaded after {timeout_s:.0f} s: {busy}")
-            time.sleep(0.1)
-
-    def ready(self, model: str) -> bool:
-        """``GET /v2/models/<model>/ready`` (not restricted)."""
-        url = f"http://{self.url}/v2/models/{urllib.parse.quote(model)}/ready"
-        return self._open(urllib.request.Request(url))[0] == 200
-
-
 def local_control(repository: str | Path, home: str | Path | None = None) -> ModelControl | None:
     """The model control of the server ``nnunet-triton serve`` runs on ``repository`` (recorded in
     ``<home>/run/server.json``), or None when no such server runs."""
-    from nnunet_triton.server.handle import ServerHandle
-    from nnunet_triton.server.triton_install import resolve_home
-
-    state = resolve_home(home) / "run" / "server.json"
-    if not state.is_file():
-        return None
-    try:
-        handle = ServerHandle.from_state_file(state)
-    except (ValueError, TypeError, KeyError):
-        return None
-    if not handle.is_running() or Path(handle.model_repository).resolve() != Path(repository).resolve():
+    handle = recorded_server(home)
+    if handle is None or not handle.is_running() or \
+            Path(handle.model_repository).resolve() != Path(repository).resolve():
         return None
     return ModelControl(handle.http_url, handle.control_token)
-
-
-def env_control(url: str) -> ModelControl:
-    """The model control of the server at ``url`` with the token from ``$NNUNET_TRITON_CONTROL_TOKEN``."""
-    return ModelControl(url, os.environ.get(TOKEN_ENV) or None)
 
 
 @dataclass(frozen=True)

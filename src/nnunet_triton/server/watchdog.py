@@ -39,15 +39,13 @@ import secrets
 import signal
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton.errors import ServerError
 from nnunet_triton.server.health import (
     ModelHealth,
     StubProcess,
@@ -58,6 +56,7 @@ from nnunet_triton.server.health import (
     stub_processes,
     unmapped_shm_regions,
 )
+from nnunet_triton.server.model_control import CONTROL_HEADER, TOKEN_ENV, ModelControl
 
 __all__ = [
     "CONTROL_HEADER",
@@ -71,8 +70,6 @@ __all__ = [
 ]
 
 LOGGER = logging.getLogger("nnunet_triton.server.watchdog")
-CONTROL_HEADER = "x-nnunet-triton-control"
-TOKEN_ENV = "NNUNET_TRITON_CONTROL_TOKEN"
 DEFAULT_INTERVAL_S = 1.0
 WATCHING = "watching"  # first word of the log line written after the first check
 MAX_BACKOFF_S = 30.0
@@ -137,7 +134,7 @@ class Watchdog:
         self.token = token
         self.events_file = Path(events_file) if events_file else None
         self.interval_s = interval_s
-        self.load_timeout_s = load_timeout_s
+        self._api = ModelControl(url, token, timeout_s=load_timeout_s)
         self.shm = Path(shm)
         self._configs: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, _Pending] = {}
@@ -235,11 +232,11 @@ class Watchdog:
 
     def _recover(self, model: str, pending: _Pending) -> Recovery:
         try:
-            self._control(model, "unload")
-            self._wait_not_ready(model)
-            self._control(model, "load")
+            self._api.unload(model)
+            self._api.wait_not_ready(model)
+            self._api.load(model)
             error = None
-        except (OSError, RuntimeError, urllib.error.URLError) as exc:
+        except ServerError as exc:
             error = str(exc)
         recovery = Recovery(model=model, dead=pending.dead, detected_at=pending.detected_at,
                             seconds=round(time.time() - pending.detected_at, 3), ok=error is None,
@@ -266,31 +263,6 @@ class Watchdog:
         if kept:
             LOGGER.warning("removed the shm region(s) %s of model %r's dead process (their memory is "
                            "released when tritonserver exits)", kept, model)
-
-    def _control(self, model: str, action: str) -> None:
-        url = f"http://{self.url}/v2/repository/models/{urllib.parse.quote(model)}/{action}"
-        headers = {CONTROL_HEADER: self.token, "Content-Type": "application/json"}
-        request = urllib.request.Request(url, data=b"{}", method="POST", headers=headers)
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(request, timeout=self.load_timeout_s) as response:
-                response.read()
-        except urllib.error.HTTPError as exc:
-            body = exc.read().decode(errors="replace")
-            raise RuntimeError(f"{action} of model {model!r} answered {exc.code}: {body}") from None
-
-    def _wait_not_ready(self, model: str, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        url = f"http://{self.url}/v2/models/{urllib.parse.quote(model)}/ready"
-        while time.monotonic() < deadline:
-            try:
-                with opener.open(url, timeout=2.0):
-                    pass
-            except urllib.error.HTTPError:
-                return  # 400: not ready (unloading or gone)
-            time.sleep(0.05)
-        raise RuntimeError(f"model {model!r} still ready {timeout_s:.0f} s after its unload")
 
     def _record(self, recovery: Recovery) -> None:
         if self.events_file is None:

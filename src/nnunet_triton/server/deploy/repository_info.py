@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,12 +207,14 @@ class RepositoryInfo:
         return self.pipelines[0]
 
     @classmethod
-    def planned(cls, config: InferenceConfig, options: Any, *,
+    def planned(cls, config: InferenceConfig | Mapping[str, InferenceConfig], options: Any, *,
                 name: str = io_names.ENDPOINT_MODEL) -> RepositoryInfo:
-        """What the builder will build for ``config`` with ``options``: one endpoint, version 1."""
-        pipeline = PipelineInfo.planned(config, options, name=name)
-        return cls(pipelines=(pipeline,),
-                   models=tuple(sorted({*pipeline.models, *io_names.public_endpoints(name)})))
+        """What the builder will build with ``options``: version 1 of ``name`` for ``config``, or version 1
+        of every endpoint of ``{name: config}``."""
+        configs = config if isinstance(config, Mapping) else {name: config}
+        pipelines = tuple(PipelineInfo.planned(configs[n], options, name=n) for n in sorted(configs))
+        models = {m for p in pipelines for m in (*p.models, *io_names.public_endpoints(p.name))}
+        return cls(pipelines=pipelines, models=tuple(sorted(models)))
 
     @classmethod
     def from_repository(cls, repository: str | Path) -> RepositoryInfo:
