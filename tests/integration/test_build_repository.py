@@ -393,3 +393,59 @@ def test_two_builds_of_the_same_new_version_at_once_keep_the_first_and_refuse_th
     assert "max_batch_size: 3" in (out / "nnunet__v2__fold_0" / "config.pbtxt").read_text()
     assert {p.parent.name for p in out.glob("*/config.pbtxt")} == set(read_registry(out).models())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "repo"]
+
+
+def test_a_build_killed_before_its_registry_landed_leaves_folders_the_next_build_takes_over(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, out = _copy_model(tmp_path), tmp_path / "repo"
+    build.build_repository(model, out)
+
+    def killed(*args, **kwargs):  # the process dies after the folders moved in, before the commit point
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build, "write_registry", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build.build_repository(model, out, options=BuildOptions(tile_batch_size=2),
+                               endpoint=build.VersionChoice(new_version=True))
+    monkeypatch.undo()
+    assert (out / "nnunet__v2__fold_0").is_dir()  # left behind, but listed nowhere
+    assert sorted(read_registry(out).endpoint("nnunet").versions) == [1]
+    again = build.build_repository(model, out, options=BuildOptions(tile_batch_size=3),
+                                   endpoint=build.VersionChoice(new_version=True))
+    assert again.version == 2
+    assert "max_batch_size: 3" in (out / "nnunet__v2__fold_0" / "config.pbtxt").read_text()
+    assert {p.parent.name for p in out.glob("*/config.pbtxt")} == set(read_registry(out).models())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "repo"]
+
+
+class _RefusingControl:
+    """A server that loads the version but refuses the public endpoint with its new steps."""
+
+    url = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def load(self, model: str) -> None:
+        self.loaded.append(model)
+        if model == "nnunet" and self.loaded.count("nnunet") == 1:
+            from nnunet_triton.errors import ServerError
+
+            raise ServerError("load of model 'nnunet' answered 400: refused")
+
+
+def test_a_promotion_the_server_refuses_puts_the_public_endpoint_back_and_keeps_the_registry(tmp_path):
+    from nnunet_triton.errors import ServerError
+    from nnunet_triton.server import rollout
+
+    model, out = _copy_model(tmp_path), tmp_path / "repo"
+    build.build_repository(model, out)
+    build.build_repository(model, out, options=BuildOptions(tile_batch_size=2),
+                           endpoint=build.VersionChoice(new_version=True))
+    before = (out / "nnunet" / "config.pbtxt").read_text()
+    control = _RefusingControl()
+    with pytest.raises(ServerError, match="refused"):
+        rollout.promote(out, "nnunet", 2, control)
+    assert (out / "nnunet" / "config.pbtxt").read_text() == before  # version 1's steps again
+    assert control.loaded.count("nnunet") == 2  # and loaded again with them
+    assert read_registry(out).endpoint("nnunet").promoted == 1
