@@ -57,7 +57,7 @@ SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
 .PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy container-engine demo pacs-demo validate perf \
-	perf-defaults perf-two-models soak gpu-check gpu-bundle
+	perf-defaults perf-two-models soak gpu-check gpu-bundle triton-backends
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' \
@@ -97,8 +97,15 @@ lock: | $(PY) ## Regenerate requirements/constraints.txt from `pip freeze` of .v
 lint: $(SETUP_STAMP) ## Run ruff
 	$(VENV)/bin/ruff check .
 
-test: $(SETUP_STAMP) $(PERF_STAMP) ## Run the full test suite (unit + embedded Triton server + perf_analyzer)
+test: $(SETUP_STAMP) $(PERF_STAMP) triton-backends ## Run the full test suite (unit + embedded Triton server + perf_analyzer)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Triton's PyTorch backend for the embedded server (libtorch fold models), built against .venv's torch from
+# BACKEND_SOURCE (default: shared/triton-src beside the checkout or an ancestor); cached by sources + torch +
+# compiler: ~75 s-6 min the first time on 2 cores, ~2 s after. Installs its apt packages as root.
+BACKEND_SOURCE ?=
+triton-backends: $(SETUP_STAMP) ## Build Triton's PyTorch backend for libtorch fold models into build/triton-backends (cached)
+	$(VENV)/bin/nnunet-triton install-backend pytorch $(if $(BACKEND_SOURCE),--source $(BACKEND_SOURCE))
 
 test-unit: $(SETUP_STAMP) ## Run the unit tests only (no server)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from google.protobuf import text_format
@@ -372,3 +373,21 @@ def test_python_pipeline_models_switch_metrics_off_only_when_asked() -> None:
         for spec in (preprocess_spec(config, options), orchestrator_spec(config, options),
                      stitch_spec(config, options)):
             assert _params(_parse(spec)).get("metrics") == expected, spec.name
+
+
+@pytest.mark.parametrize(("per_sample", "max_batch", "request_tiles", "label"),
+                         [(None, 1, 1, "exact"), (False, 8, 4, "batched")])
+def test_libtorch_folds_on_cpu_forward_one_tile_per_request_unless_batched_mode_asked(
+        per_sample, max_batch, request_tiles, label):
+    options = BuildOptions(fold_runner="libtorch", tile_batch_size=4, orchestrator_instances=2,
+                           per_sample_forward=per_sample)
+    fold = _parse(fold_spec(_config(), 0, options))
+    orchestrator = _params(_parse(orchestrator_spec(_config(), options)))
+    described = json.loads(_params(_parse(next(
+        s for s in repository_specs(_config(), options) if s.name == io_names.ENDPOINT_MODEL)))[
+        "nnunet_description"])
+
+    assert (fold.max_batch_size, int(orchestrator["tile_batch_size"])) == (max_batch, request_tiles)
+    assert [w.batch_size for w in fold.model_warmup] == sorted({1, request_tiles, max_batch})
+    assert described["fold_forward"].split(":")[0] == label
+    assert options.loading_torch is None  # the embedded server's backend is built against this torch

@@ -103,10 +103,12 @@ class BuildOptions:
         torch_threads: Python runner ``torch.set_num_threads``; 0 keeps torch's default (one thread per
             core), which is right for a single fold instance on a dedicated machine and matches an
             nnU-Net process on the same machine (oneDNN's rounding depends on the thread count).
-        per_sample_forward: Python runner: run every tile of a dynamic batch as its own batch-1
-            forward, as nnU-Net does, which is bit-identical to nnU-Net on CPU (oneDNN picks other
-            convolution kernels for other batch sizes, ~5e-6 apart); ``False`` runs each dynamic
-            batch as one forward. Default (None): True on target cpu, False on gpu.
+        per_sample_forward: every tile runs through the network as its own batch-1 forward, as nnU-Net
+            does, which is bit-identical to nnU-Net on CPU (oneDNN picks other convolution kernels for
+            other batch sizes, ~5e-6 apart): the Python runner splits each dynamic batch; for libtorch
+            folds the orchestrator sends one tile per request and ``max_batch_size`` is 1
+            (:attr:`libtorch_per_sample`). ``False`` runs each dynamic batch as one forward (faster,
+            not exact). Default (None): True on target cpu, False on gpu.
         max_inflight: orchestrator's in-flight BLS batches per instance (< python thread-pool-size 32).
         max_voxels: preprocess_model's ``max_voxels`` parameter: the most voxels an IMAGE, and the
             volume it resamples to, may have (``nnunet_triton.numerics.limits``); 0 = no limit.
@@ -116,7 +118,8 @@ class BuildOptions:
             False writes their ``metrics`` parameter as "false".
         serving_torch: major.minor of the torch that loads the fold models where they are served
             (``builder.torch_compat``); default (None): the libtorch of tritonserver 24.10 (2.5) for the
-            libtorch runner, the serving environment's own torch for the Python runner.
+            libtorch runner on gpu, else the serving environment's own torch (the Python runner, and the
+            PyTorch backend `make triton-backends` builds against it for the embedded server).
     """
 
     target: Target = Target.CPU
@@ -174,8 +177,30 @@ class BuildOptions:
         return FoldRunner.LIBTORCH if self.target is Target.GPU else FoldRunner.PYTHON
 
     @property
+    def libtorch_per_sample(self) -> bool:
+        """libtorch folds with ``per_sample_forward``: the backend runs each dynamic batch as ONE forward
+        (oneDNN's kernels, hence its rounding, differ by batch size: a batch of 4 is up to 3.8e-5 off
+        nnU-Net's one-tile logits), so exactness needs one tile per request and no merging."""
+        return self.runner is FoldRunner.LIBTORCH and bool(self.per_sample_forward)
+
+    @property
+    def fold_forward(self) -> str:
+        """How the fold networks run, as ``info``, the metadata and ``validate`` label it."""
+        if self.per_sample_forward:
+            return "exact: one tile per forward, as nnU-Net"
+        return "batched: one forward per dynamic batch (faster; on CPU not bitwise nnU-Net's logits)"
+
+    @property
+    def fold_request_tiles(self) -> int:
+        """Tiles per orchestrator request to a fold model (1 for :attr:`libtorch_per_sample`)."""
+        return 1 if self.libtorch_per_sample else self.tile_batch_size
+
+    @property
     def fold_max_batch_size(self) -> int:
-        """The fold models' ``max_batch_size``: one tile batch from every orchestrator instance."""
+        """The fold models' ``max_batch_size``: one tile batch from every orchestrator instance (1 for
+        :attr:`libtorch_per_sample`: Triton's batcher must not merge tiles into one forward)."""
+        if self.libtorch_per_sample:
+            return 1
         return self.tile_batch_size * self.orchestrator_instances
 
     @property
@@ -183,8 +208,10 @@ class BuildOptions:
         """major.minor of the torch that will load the fold models (None: the serving environment's own)."""
         if self.serving_torch is not None:
             return self.serving_torch
-        if self.runner is FoldRunner.LIBTORCH:
+        if self.runner is FoldRunner.LIBTORCH and self.target is Target.GPU:
             return torch_compat.DEFAULT_LIBTORCH
+        # cpu: the embedded server's PyTorch backend is built against the serving environment's own torch
+        # (`make triton-backends`), like the Python runner
         return None
 
     @property
@@ -266,7 +293,7 @@ def orchestrator_spec(config: InferenceConfig, options: BuildOptions, *, prefix:
         parameters=OrchestratorParameters(
             **options.pipeline_fields,
             fold_models=tuple(prefix + io_names.fold_model_name(f) for f in config.folds),
-            tile_batch_size=options.tile_batch_size, max_inflight=options.max_inflight),
+            tile_batch_size=options.fold_request_tiles, max_inflight=options.max_inflight),
     )
 
 
@@ -305,13 +332,16 @@ def libtorch_fold_spec(config: InferenceConfig, fold: int | str, options: BuildO
     graph for every new batch size the dynamic batcher produces (server#3012); warm-up runs the
     sizes the fold model sees (1 for a last partial batch, ``tile_batch_size``, and the merged batches of
     concurrent requests up to ``fold_max_batch_size``) so the model is READY only after CUDA/cuDNN
-    initialization.
+    initialization. With ``per_sample_forward`` (the default on cpu) ``max_batch_size`` is 1 and the
+    orchestrator sends one tile per request (``BuildOptions.libtorch_per_sample``): every forward is a
+    batch-1 forward, bit-identical to nnU-Net's. ``INTRA_OP_THREAD_COUNT`` and the fold-slot resource come
+    from the thread budget on cpu, as for the Python runner.
     """
     inputs, outputs = _fold_io(config, options)
     sample = WarmupInput(dtype="FP32", dims=inputs[0].dims, source="zero")
     warmup = tuple(
         ModelWarmup(name=f"batch_{size}", batch_size=size, inputs={io_names.FOLD_INPUT: sample})
-        for size in sorted({1, options.tile_batch_size, options.fold_max_batch_size})
+        for size in sorted({1, options.fold_request_tiles, options.fold_max_batch_size})
     )
     return ModelSpec(
         name=io_names.fold_model_name(fold),
@@ -356,17 +386,22 @@ def fold_spec(config: InferenceConfig, fold: int | str, options: BuildOptions) -
     return python_fold_spec(config, fold, options)
 
 
-def ensemble_spec(config: InferenceConfig) -> ModelSpec:
+def ensemble_spec(config: InferenceConfig, *, fold_forward: str | None = None) -> ModelSpec:
     """``nnunet``: the one public endpoint (maps are ``{composing model tensor: ensemble tensor}``); its
     config parameter ``nnunet_description`` publishes the model (``parameters.description_parameters``:
-    dataset, plans, configuration, trainer, folds, labels, ...) for ``info``, the clients and ``validate``."""
+    dataset, plans, configuration, trainer, folds, labels, ``fold_forward`` ...) for ``info``, the clients
+    and ``validate``."""
     n = io_names
+    parameters = description_parameters(config)
+    if fold_forward is not None:
+        described = json.loads(parameters[DESCRIPTION_PARAMETER]) | {"fold_forward": fold_forward}
+        parameters = {DESCRIPTION_PARAMETER: json.dumps(described, sort_keys=True)}
     same = lambda *names: {name: name for name in names}  # noqa: E731
     return ModelSpec(
         name=n.ENDPOINT_MODEL,
         platform="ensemble",
         max_batch_size=0,
-        parameters=description_parameters(config),
+        parameters=parameters,
         inputs=(
             TensorSpec(n.IMAGE, "FP32", _image_dims(config.num_input_channels)),
             TensorSpec(n.SPACING, "FP64", (N_IMAGE_SPATIAL_DIMS,)),
@@ -416,7 +451,7 @@ def repository_specs(config: InferenceConfig, options: BuildOptions, *, folds_on
     folds = tuple(fold_spec(config, fold, options) for fold in config.folds)
     if folds_only:
         return folds
-    endpoint = ensemble_spec(config)
+    endpoint = ensemble_spec(config, fold_forward=options.fold_forward)
     return (*folds, preprocess_spec(config, options), orchestrator_spec(config, options),
             stitch_spec(config, options), endpoint, *typed_endpoint_specs(endpoint))
 

@@ -218,6 +218,9 @@ def _metadata(model_dir: Path, config: InferenceConfig, options: BuildOptions, i
         "fold_runner": str(options.runner),
         "fold_precision": options.fold_precision,
         "tile_batch_size": options.tile_batch_size,
+        "per_sample_forward": bool(options.per_sample_forward),  # true: each tile its own forward (exact)
+        "fold_request_tiles": options.fold_request_tiles,
+        "fold_forward": options.fold_forward,
         "build_options": json.loads(json.dumps(asdict(options), default=str)),
         "exports": exports,
         "postprocessing": None if postprocessing is None else json.loads(postprocessing.to_json()),

@@ -8,6 +8,7 @@
     nnunet-triton predict  -i IN -o OUT [request options] ...  /  info [--json]          (cli.predict)
     nnunet-triton validate (--model RESULTS_FOLDER | --against DIR) -i CASES ...        (cli.validate)
     nnunet-triton listen   --spool DIR --destination ... / requeue / node-status         (cli.listen)
+    nnunet-triton install-backend pytorch [--source DIR]                               (cli.install_backend)
 
 Each module mounts its subcommands with ``add_parsers(sub)`` and sets ``run`` (``args -> exit code``);
 they are imported when the parser is made, not with this package, so ``python -m repository.build`` (which
@@ -30,7 +31,8 @@ from nnunet_triton.errors import ClientError, NnunetTritonError
 
 __all__ = ["main", "parser"]
 
-_COMMANDS = ("build", "rollout", "export", "serve", "deploy", "predict", "validate", "listen")
+_COMMANDS = ("build", "rollout", "export", "serve", "deploy", "predict", "validate", "listen",
+             "install_backend")
 
 
 def parser() -> argparse.ArgumentParser:

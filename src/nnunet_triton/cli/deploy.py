@@ -224,7 +224,7 @@ def _deploy_embedded(args: argparse.Namespace) -> int:
     handle = embedded_server.start(
         args.out, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, model_control_mode="explicit", load_models=info.models,
-        ready_timeout_s=args.ready_timeout, detach=True)
+        ready_timeout_s=args.ready_timeout, detach=True, backend_dirs=args.backend_directory)
     (Path(handle.state_file).parent / DEPLOYED_FILE).write_text(f"{handle.pid} {info.input_hash}\n")
     print(f"tritonserver ready (pid {handle.pid}, {len(info.models)} models of the endpoint(s) "
           f"{', '.join(info.endpoints)}; log {handle.log_file})")
@@ -581,6 +581,9 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
         p.add_argument(f"--{name}-port", type=int, default=None,
                        help="embedded: default a free port; docker: host port (default 8000/8001/8002)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--backend-directory", action="append", type=Path, default=None,
+                   help="embedded, repeatable: a folder of further Triton backends merged with the Python "
+                        "backend (default: build/triton-backends when `make triton-backends` made it)")
     gpu = p.add_argument_group("docker and k8s")
     gpu.add_argument("--variant", choices=("auto", *docker.VARIANTS), default="auto",
                      help="the image: gpu (NGC base) or cpu (Debian base); auto: gpu where a GPU is visible")

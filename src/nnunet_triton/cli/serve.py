@@ -60,6 +60,10 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
                        help="repeatable; explicit mode only (default: every model)")
     serve.add_argument("--no-recovery", action="store_true",
                        help="no watchdog: a model whose process dies stays broken until a restart")
+    serve.add_argument("--backend-directory", action="append", type=Path, default=None,
+                       help="repeatable: a folder of further Triton backends (<name>/libtriton_<name>.so), "
+                            "merged with the Python backend (default: build/triton-backends when `make "
+                            "triton-backends` made it)")
     serve.add_argument("--server-arg", action="append", default=[],
                        help="extra tritonserver flag, e.g. --server-arg=--log-verbose=1")
     serve.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default 300)")
@@ -134,6 +138,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         ready_timeout_s=args.ready_timeout,
         exit_timeout_s=args.exit_timeout,
         detach=not args.foreground,
+        backend_dirs=args.backend_directory,
     )
     sys.stdout.write(handle.to_json() + "\n")
     sys.stdout.flush()

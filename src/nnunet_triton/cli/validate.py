@@ -132,6 +132,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
     result = ValidationResult(title=title,
                               options=options, thresholds=thresholds, reference_kind=kind,
                               deployment={**identity, "url": server_url, "endpoint": model, **versions,
+                                          "fold_forward": published.get("fold_forward", "unknown"),
                                           **({"model_changes": changes} if changes else {})},
                               total=len(jobs))
     with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, model_name=model) as client:

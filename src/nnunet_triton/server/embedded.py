@@ -22,7 +22,7 @@ from pathlib import Path
 
 from nnunet_triton.errors import DeployError, RepositoryError, ServerError
 from nnunet_triton.registry import read_registry
-from nnunet_triton.server import watchdog
+from nnunet_triton.server import backends, watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, _http_ok, _tail
@@ -84,6 +84,7 @@ class _Launch:
     """Everything one tritonserver start needs (built once per attempt in ``start``)."""
 
     installation: TritonInstallation
+    backend_dir: Path  # server.backends.merged_backend_dir: the wheel's python backend + built ones
     model_repository: Path
     host: str
     http_port: int
@@ -107,7 +108,7 @@ class _Launch:
         return [
             str(self.installation.server_bin),
             f"--model-repository={self.model_repository}",
-            f"--backend-directory={self.installation.backend_dir}",
+            f"--backend-directory={self.backend_dir}",
             f"--cache-directory={self.installation.cache_dir}",
             f"--http-address={self.host}",
             f"--http-port={self.http_port}",
@@ -298,6 +299,7 @@ def start(
     exit_timeout_s: int = EXIT_TIMEOUT_S,
     detach: bool = False,
     volume: VolumeSpec | None = None,
+    backend_dirs: Sequence[str | Path] | None = None,
 ) -> ServerHandle:
     """Start tritonserver on ``host`` and wait until ``GET /v2/health/ready`` answers 200.
 
@@ -320,6 +322,10 @@ def start(
         volume: the largest volume a GPU repository must serve (default ``VolumeSpec()``, 600x512x512):
             sizes Triton's CUDA and pinned memory pools (``server.deploy.sizing``), recorded in the
             handle's ``memory_plan``; ignored for CPU repositories.
+        backend_dirs: folders of further backends (``<name>/libtriton_<name>.so``), merged with the wheel's
+            Python backend into one ``--backend-directory`` (``server.backends``); None: where
+            ``make triton-backends`` puts them (``build/triton-backends``) when that exists. A
+            ``--backend-directory=`` in ``extra_args`` counts as one more.
 
     The server's environment carries the thread budget (``nnunet_triton.server.thread_budget``: fold threads
     from the CPUs really available and the repository's fold instances, ``OMP_WAIT_POLICY=PASSIVE``),
@@ -327,7 +333,8 @@ def start(
     as overrides; the handle's ``thread_budget`` records the choice and the reason.
 
     Raises:
-        ServerError: the process died or was not ready in time; the message holds the log's last lines.
+        ServerError: the process died or was not ready in time (the message holds the log's last lines), or
+            a backend the repository's configs name is missing (one line, before starting).
         ThreadBudgetError: a thread override that cannot be honoured (names the setting and value).
         ValueError: bad ``model_repository``/``model_control_mode``/``load_models``.
     """
@@ -340,11 +347,13 @@ def start(
         raise ValueError(f"model_repository must not contain whitespace (Triton 2.51's Python backend cannot "
                          f"start its stubs there), got {str(repo)!r}; build or copy it to another path.")
     extra_repositories = [Path(a.split("=", 1)[1]) for a in extra_args if a.startswith("--model-repository=")]
+    backend_dir, extra_args = _backend_dir(home, (repo, *extra_repositories), backend_dirs, extra_args)
     load_models, recovery = _model_control(model_control_mode, tuple(load_models), recovery,
                                            (repo, *extra_repositories))
     run_dir = resolve_home(home) / "run"
     launch_args = {
         "installation": prepare_home(home),
+        "backend_dir": backend_dir,
         "model_repository": repo,
         "host": host,
         "log_file": Path(log_file) if log_file else run_dir / "tritonserver.log",
@@ -385,6 +394,20 @@ def start(
             handle.stop()
             raise
     raise ServerError(f"could not find three distinct free ports on {host}.")
+
+
+def _backend_dir(home: str | Path | None, repositories: Sequence[Path],
+                 backend_dirs: Sequence[str | Path] | None,
+                 extra_args: Sequence[str]) -> tuple[Path, tuple[str, ...]]:
+    """(the merged backend folder, ``extra_args`` without ``--backend-directory=``), checked against the
+    backends the repositories need; Triton would keep only the last ``--backend-directory`` flag."""
+    flag = "--backend-directory="
+    given = [Path(a[len(flag):]) for a in extra_args if a.startswith(flag)]
+    dirs = [*(backends.default_backend_dirs() if backend_dirs is None else map(Path, backend_dirs)), *given]
+    merged = backends.merged_backend_dir(prepare_home(home).backend_dir, [d.absolute() for d in dirs],
+                                         resolve_home(home))
+    backends.check_backends(repositories, merged)
+    return merged, tuple(a for a in extra_args if not a.startswith(flag))
 
 
 def _wait_ready(handle: ServerHandle, timeout_s: float) -> None:
