@@ -181,3 +181,28 @@ def test_cpu_fold_models_hold_one_fold_slot_per_execution_and_gpu_ones_none(tmp_
     assert 'rate_limiter {\n    resources {\n      name: "nnunet_fold_slot"\n      count: 1' in cpu
     gpu = render_config(fold_spec(_config(), 0, BuildOptions(target="gpu")))
     assert "rate_limiter" not in gpu
+
+
+def test_libtorch_cpu_folds_are_in_the_budget_with_slots_threads_and_the_check(tmp_path: Path) -> None:
+    from fake_networks import Elementwise, save
+    from test_model_specs import _config
+
+    from nnunet_triton.builder.config_gen import render_config, write_config
+    from nnunet_triton.builder.model_specs import libtorch_fold_spec
+
+    options = BuildOptions(fold_runner="libtorch", fold_instances=2)
+    for k in range(2):
+        write_config(libtorch_fold_spec(_config(), k, options), tmp_path / f"fold_{k}")
+        save(Elementwise(3), tmp_path / f"fold_{k}" / "1" / "model.pt")
+    folds = tb.repository_folds(tmp_path)
+    budget = tb.decide_budget(folds, env={}, quota=_quota(2))
+
+    assert (folds.instances, folds.largest_input, folds.libtorch) == (4, 2 * 16 * 24 * 32, True)
+    assert [(n.model, n.per_sample_forward) for n in folds.networks] == [("fold_0", True), ("fold_1", True)]
+    assert (budget.fold_threads, budget.exact, budget.server_args()) == (
+        1, True, ["--rate-limit=execution_count", "--rate-limit-resource=nnunet_fold_slot:2"])
+    assert budget.environment()["OMP_NUM_THREADS"] == "1"  # the server process's libtorch pool
+    gpu = render_config(libtorch_fold_spec(_config(), 0, BuildOptions(target="gpu")))
+    assert "rate_limiter" not in gpu
+    assert 'rate_limiter {\n    resources {\n      name: "nnunet_fold_slot"\n      count: 1' in render_config(
+        libtorch_fold_spec(_config(), 0, options))

@@ -349,8 +349,11 @@ def libtorch_fold_spec(config: InferenceConfig, fold: int | str, options: BuildO
         max_batch_size=options.fold_max_batch_size,
         inputs=inputs,
         outputs=outputs,
-        instance_groups=(InstanceGroup(count=options.fold_instances, kind=options.instance_kind,
-                                       gpus=options.gpus),),
+        instance_groups=(InstanceGroup(
+            count=options.fold_instances, kind=options.instance_kind, gpus=options.gpus,
+            # one of the thread budget's fold slots per execution, as the Python runner's
+            rate_limiter_resources=((io_names.FOLD_SLOT_RESOURCE, 1),) if options.target is Target.CPU
+            else ()),),
         dynamic_batching=DynamicBatching(max_queue_delay_us=options.fold_queue_delay_us),
         parameters={"INFERENCE_MODE": "true", "DISABLE_OPTIMIZED_EXECUTION": "true"},
         model_warmup=warmup,

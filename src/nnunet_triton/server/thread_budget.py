@@ -17,8 +17,11 @@ entry point for docker and Kubernetes) starts the server through :func:`decide_b
   cgroup v2, ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` of v1; a container started with ``--cpus 4``
   or a pod with ``limits.cpu: 4`` sees 4 even on a 64-core host, where torch would start 64 threads
   per fold), never ``os.cpu_count()``.
-* Fold instances: every Python fold-runner instance of the repository (the orchestrator sends each
-  tile batch to all folds concurrently) and their largest input (channels x patch voxels).
+* Fold instances: every fold instance of the repository, Python runner or libtorch on CPU (the
+  orchestrator sends each tile batch to all folds concurrently), and their largest input (channels x
+  patch voxels). libtorch folds run inside tritonserver: their threads come from ``OMP_NUM_THREADS`` of
+  the server process, their executions hold fold slots like the Python runner's, and the check loads
+  their model.pt with the same libtorch (the backend is built against this environment's torch).
 * nnU-Net's thread count R (``server.exactness.nnunet_threads``): what ``nnUNetPredictor`` sets for its
   forwards, ``min($nnUNet_def_n_proc or 8, torch's default)``, probed in a fresh process.
 * Threads per fold execution T and fold executions at once S (Triton's rate limiter: each fold
@@ -110,8 +113,13 @@ POLICY_ENV = "NNUNET_TRITON_THREAD_POLICY"
 FOLD_SLOTS_ENV = "NNUNET_TRITON_FOLD_SLOTS"
 _WAIT_ENV = "OMP_WAIT_POLICY"
 LOGGER = logging.getLogger(__name__)
-# a Python fold runner's config (model_specs.python_fold_spec)
+# a Python fold runner's config (model_specs.python_fold_spec), and a libtorch fold's (libtorch_fold_spec)
 _FOLD_MARKER = f'key: "{PARAM_TORCH_NUM_THREADS}"'
+_LIBTORCH_MARKER = re.compile(r'^platform:\s*"pytorch_libtorch"', re.M)
+_MAX_BATCH = re.compile(r"^max_batch_size:\s*(\d+)", re.M)
+_DEFAULT_FILE = re.compile(r'^default_model_filename:\s*"([^"]+)"', re.M)
+# torch's intra-op pool (OpenMP) of the tritonserver process, where the PyTorch backend runs
+_OMP_THREADS_ENV = "OMP_NUM_THREADS"
 _INSTANCE_COUNT = re.compile(r"instance_group\s*\{[^}]*?count:\s*(\d+)", re.S)
 _INPUT_DIMS = re.compile(r"^input\s*\{(.*?)^\}", re.S | re.M)
 _NAME = re.compile(r'^name:\s*"([^"]+)"', re.M)
@@ -129,11 +137,12 @@ AUTO_EXACT_VOXELS = 2**18  # auto: exact from this many input values per fold fo
 
 @dataclass(frozen=True)
 class FoldModels:
-    """The Python fold-runner models of a repository, as the launcher sees them."""
+    """The fold models of a repository (Python runner and libtorch), as the launcher sees them."""
 
     instances: int  # fold instances that can compute at once
     largest_input: int  # values of the largest per-sample fold input (C x patch voxels); 0 if unknown
     networks: tuple[FoldNetwork, ...] = ()  # the CPU ones with their TorchScript file, for the check
+    libtorch: bool = False  # CPU fold models on Triton's PyTorch backend (threads of the server process)
 
 
 def _network(config: Path, text: str, dims: list[int]) -> FoldNetwork | None:
@@ -150,23 +159,43 @@ def _network(config: Path, text: str, dims: list[int]) -> FoldNetwork | None:
                        configured_threads=params.torch_num_threads)
 
 
+def _libtorch_network(config: Path, text: str, dims: list[int]) -> FoldNetwork | None:
+    """A CPU libtorch fold as the check runs it: the same model.pt through the same libtorch library (the
+    backend is built against this environment's torch) with torch.jit.load, one tile per forward when its
+    ``max_batch_size`` is 1 (the exact default), otherwise the whole batch in one forward."""
+    if "KIND_GPU" in text or not dims or min(dims) <= 0:
+        return None
+    params = dict(_PARAMETER.findall(text))
+    filename = _DEFAULT_FILE.search(text)
+    batch = _MAX_BATCH.search(text)
+    name = _NAME.search(text)
+    model_file = filename.group(1) if filename else "model.pt"
+    return FoldNetwork(model=name.group(1) if name else config.parent.name,
+                       path=str(config.parent / VERSION_DIR / model_file), sample_shape=tuple(dims),
+                       per_sample_forward=batch is not None and batch.group(1) == "1",
+                       configured_threads=int(params.get("INTRA_OP_THREAD_COUNT", "0") or 0))
+
+
 def repository_folds(model_repository: str | Path) -> FoldModels:
-    """Python fold-runner instances in a repository, their largest input and their CPU networks."""
-    total, largest, networks = 0, 0, []
+    """Fold-model instances in a repository (Python runner and libtorch), their largest input and their CPU
+    networks."""
+    total, largest, networks, libtorch = 0, 0, [], False
     for config in sorted(Path(model_repository).glob("*/config.pbtxt")):
         text = config.read_text()
-        if _FOLD_MARKER not in text:
+        on_libtorch = _LIBTORCH_MARKER.search(text) is not None
+        if _FOLD_MARKER not in text and not on_libtorch:
             continue
+        libtorch = libtorch or (on_libtorch and "KIND_GPU" not in text)
         counts = _INSTANCE_COUNT.findall(text)
         total += sum(int(c) for c in counts) if counts else 1
         block = _INPUT_DIMS.search(text)
         dims = [int(d) for d in re.findall(r"dims:\s*(-?\d+)", block.group(1))] if block else []
         if dims and min(dims) > 0:
             largest = max(largest, math.prod(dims))
-        network = _network(config, text, dims)
+        network = _libtorch_network(config, text, dims) if on_libtorch else _network(config, text, dims)
         if network is not None:
             networks.append(network)
-    return FoldModels(total, largest, tuple(networks))
+    return FoldModels(total, largest, tuple(networks), libtorch)
 
 
 @dataclass(frozen=True)
@@ -185,6 +214,7 @@ class ThreadBudget:
     nnunet_threads: int | None = None  # nnU-Net's count here (None: not probed, no torch)
     exact: bool | None = None  # fold logits proven bitwise nnU-Net's on this machine (None: not checked)
     exactness: str = "not checked"  # how ``exact`` was decided
+    libtorch_folds: bool = False  # CPU libtorch folds: their threads are the server process's OpenMP pool
 
     def server_args(self) -> list[str]:
         """tritonserver flags that enforce ``fold_slots`` (each fold execution holds one slot)."""
@@ -199,6 +229,11 @@ class ThreadBudget:
                BUDGET_ENV: json.dumps(self.to_dict(), sort_keys=True)}
         if self.fold_threads is not None:
             env[FOLD_THREADS_ENV] = str(self.fold_threads)
+            if self.libtorch_folds:
+                # the PyTorch backend runs inside tritonserver, whose libtorch sizes its intra-op pool from
+                # OMP_NUM_THREADS (a config's INTRA_OP_THREAD_COUNT is fixed at build time; the budget is
+                # decided where the server runs); the Python stubs set their own count from the budget
+                env[_OMP_THREADS_ENV] = str(self.fold_threads)
         return env
 
     def to_dict(self) -> dict[str, object]:
@@ -261,7 +296,7 @@ def plan_budget(folds: FoldModels | int, *, env: Mapping[str, str] | None = None
               f"{slots} fold execution(s) at once")
     return ThreadBudget(policy=policy, cpus=quota.cpus, cpu_source=quota.source, fold_instances=count,
                         fold_threads=threads, omp_wait_policy=wait, reason=reason, overrides=overrides,
-                        fold_slots=slots)
+                        fold_slots=slots, libtorch_folds=folds.libtorch)
 
 
 def _check_networks(reference: Reference, threads: int, env: Mapping[str, str],
