@@ -325,6 +325,8 @@ def test_python_fold_runs_per_sample_by_default_only_on_cpu(kwargs: dict, expect
         ({"torch_threads": -1}, "must be >= 0"),
         ({"target": "tpu"}, "'tpu' is not a valid Target"),
         ({"max_voxels": -1}, r"max_voxels must be >= 0 \(0 = no limit\), got -1"),
+        ({"fold_runner": "libtorch", "torch_threads": 2},
+         r"torch_threads=2 is a Python fold runner setting; libtorch folds take their threads from"),
     ],
 )
 def test_build_options_raise_when_invalid(kwargs: dict, match: str) -> None:

@@ -169,6 +169,11 @@ class BuildOptions:
             raise ValueError("fold_precision 'fp16' needs target 'gpu' (CUDA autocast export).")
         if self.serving_torch is not None:
             object.__setattr__(self, "serving_torch", torch_compat.torch_minor_text(self.serving_torch))
+        if self.torch_threads and self.runner is FoldRunner.LIBTORCH:
+            # the PyTorch backend never reads torch_num_threads: its threads come from the thread budget
+            raise ValueError(f"torch_threads={self.torch_threads} is a Python fold runner setting; libtorch "
+                             "folds take their threads from the server's thread budget "
+                             "(NNUNET_TRITON_FOLD_THREADS): drop it or use fold_runner 'python'.")
 
     @property
     def runner(self) -> FoldRunner:

@@ -74,17 +74,19 @@ def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> N
     p.add_argument("--tile-batch-size", type=int, default=BuildOptions.tile_batch_size,
                    help="tiles per fold request = fold models' max_batch_size")
     p.add_argument("--fold-runner", choices=[r.value for r in FoldRunner], default=None,
-                   help="default: python on cpu, libtorch on gpu")
+                   help="default: python on cpu, libtorch on gpu (on cpu: needs `make triton-backends`)")
     p.add_argument("--precision", choices=export.PRECISIONS, default="fp32", help="fold networks (fp16: gpu)")
     p.add_argument("--export-device", default=None, help="device to trace on (default cpu; cuda for fp16)")
     p.add_argument("--torch-threads", type=int, default=0, help="Python runner threads (0: torch default)")
     p.add_argument("--per-sample-forward", choices=("true", "false"), default=None,
-                   help="Python runner: one batch-1 forward per tile like nnU-Net (bit-identical on CPU); "
-                        "default true on cpu, false on gpu")
+                   help="one batch-1 forward per tile like nnU-Net (bit-identical on CPU; libtorch folds "
+                        "then take one tile per request); false: one forward per dynamic batch, faster, "
+                        "labelled 'batched' in info and validate; default true on cpu, false on gpu")
     p.add_argument("--serving-torch", default=None, metavar="X.Y",
                    help="torch/libtorch major.minor that loads the fold models where they are served "
-                        "(default: 2.5, tritonserver 24.10's libtorch, for the libtorch runner; the serving "
-                        "environment's torch for the python runner); a newer torch here refuses to export")
+                        "(default: 2.5, tritonserver 24.10's libtorch, for the libtorch runner on gpu; the "
+                        "serving environment's torch otherwise: the embedded server's PyTorch backend is "
+                        "built against it); a newer torch here refuses to export")
     p.add_argument("--fold-instances", type=int, default=1)
     p.add_argument("--orchestrator-instances", type=int, default=None,
                    help="requests worked on at once (the expected concurrency; default 1 on cpu, 2 on gpu); "
