@@ -65,3 +65,20 @@ def test_server_start_refuses_a_repository_whose_backend_is_missing_before_start
         "model 'fold_0' needs Triton backend 'pytorch', which this server lacks (it has python): build it "
         "with `nnunet-triton install-backend pytorch` (or `make triton-backends`).")
     assert not log.exists()  # refused before tritonserver ran
+
+
+def test_serve_command_refuses_a_missing_backend_in_one_line(tmp_path, capsys):
+    from nnunet_triton.cli import main
+
+    repository = _model(tmp_path / "repo", "fold_0", 'platform: "pytorch_libtorch"')
+    other = _backend(tmp_path / "backends", "onnxruntime")
+
+    code = main(["serve", "--model-repository", str(repository), "--backend-directory", str(other),
+                 "--no-recovery"])
+
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert lines[-1] == (
+        "nnunet-triton: model 'fold_0' needs Triton backend 'pytorch', which this server lacks (it has "
+        "onnxruntime, python): build it with `nnunet-triton install-backend pytorch` (or "
+        "`make triton-backends`).")
