@@ -57,7 +57,7 @@ SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
 .PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy container-engine demo pacs-demo validate perf \
-	perf-defaults perf-two-models soak gpu-check gpu-bundle triton-backends
+	perf-defaults perf-two-models soak gpu-check gpu-bundle triton-backends perf-fold-runners
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' \
@@ -136,6 +136,9 @@ perf: $(SETUP_STAMP) $(PERF_STAMP) ## perf_analyzer benchmark vs nnUNetPredictor
 
 perf-defaults: $(SETUP_STAMP) ## Default-launch benchmark: build time, first answer, latency/throughput vs nnUNetPredictor, folder CLI vs nnUNetv2_predict
 	$(PY) -m tools.perf.defaults $(PERF_ARGS)
+
+perf-fold-runners: $(SETUP_STAMP) triton-backends ## Python fold runner vs libtorch folds, exact and batched, on the fixture: latency (c=1) and throughput (c=4) in one run (~15-25 min on 2 loaded cores)
+	$(PY) -m tools.perf.fold_runners $(PERF_ARGS)
 
 perf-two-models: $(SETUP_STAMP) $(PERF_STAMP) ## Two models (ct, multi) on one server: latency of each when both are loaded vs alone vs two servers on the same cores -> benchmarks/results, BENCHMARKS.md (~10 min; QUICK=1: ~3-4 min, no BENCHMARKS.md)
 	$(PY) -m tools.perf.two_models $(if $(QUICK),--quick) $(PERF_ARGS)
