@@ -98,7 +98,7 @@ def test_module_imports_only_its_own_and_lower_layers(path: Path):
 
 
 def test_numerics_imports_no_triton_client_or_build_code():
-    # the rule, stated on its own: numerics is a pure library
+    # the layering rule, stated on its own: numerics is a pure library
     offenders = {module_name(p): sorted(t for t in imports_of(p) if layer_of(t) not in {"core", "numerics"})
                  for p in MODULES if layer_of(module_name(p)) == "numerics"}
     assert {m: t for m, t in offenders.items() if t} == {}
