@@ -1,4 +1,4 @@
-"""The GPU check's goals (issue 25, point 6) as pure functions: each figure is compared with its limit and a
+"""The GPU check's goals as pure functions: each figure is compared with its limit and a
 missed goal fails the stage on a GPU; nothing here starts a server.
 
 Goals (``GOALS``): per-label Dice >= 0.999 against nnUNetPredictor on cuda (mirroring on and off; stage b);

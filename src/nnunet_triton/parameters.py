@@ -1,11 +1,11 @@
 """The config.pbtxt ``parameters`` of every Python model: one frozen dataclass per model.
 
-The builder writes them (``to_config()``, in ``builder.model_specs``) and the model's ``model.py`` reads
-them back (``from_parameters(serving.model_parameters(args))``), so each parameter name, its type, its
-default and its rule live here only (pytriton's config generator + parser pair). Values travel as
-strings; :func:`nnunet_triton.options.parse_bool` / :func:`~nnunet_triton.options.parse_int` are the one
-reading of booleans and integers. A malformed value raises :class:`ConfigParameterError` naming the
-parameter, the rule and the value.
+The builder writes them (``to_config()``, in ``builder.model_specs``) and the model's serving step
+(``serving.steps``) reads them back (``from_parameters(serving.model_parameters(args))``), so each
+parameter name, its type, its default and its rule live here only (pytriton's config generator + parser
+pair). Values travel as strings; :func:`nnunet_triton.options.parse_bool` /
+:func:`~nnunet_triton.options.parse_int` are the one reading of booleans and integers. A malformed value
+raises :class:`ConfigParameterError` naming the parameter, the rule and the value.
 
 Imports ``errors``, ``options`` and ``numerics.limits`` (for the limits' defaults) only. The ``nnunet``
 endpoint's description (:func:`description_parameters`) is written here too and read by
@@ -84,8 +84,9 @@ def _pipeline_fields(params: Mapping[str, str]) -> dict[str, bool]:
 
 
 def _common(force_cpu_inputs: bool, metrics: bool | None) -> dict[str, str]:
-    # "no" lets GPU tensors reach the Python models where they live (triton.md 1.4); on cpu the default
-    # "yes" is written out so the config says what happens. metrics: written only when off.
+    # "no" lets GPU tensors reach the Python models where they live (python_backend README,
+    # FORCE_CPU_ONLY_INPUT_TENSORS); on cpu the default "yes" is written out so the config says what
+    # happens. metrics: written only when off.
     config = {FORCE_CPU_ONLY_INPUT_TENSORS: "yes" if force_cpu_inputs else "no"}
     if metrics is False:
         config[PARAM_METRICS] = "false"
@@ -189,7 +190,7 @@ class FoldRunnerParameters:
     Attributes:
         torch_num_threads: ``torch.set_num_threads``; 0 keeps torch's default.
         per_sample_forward: run each tile of a dynamic batch as its own batch-1 forward (as nnU-Net).
-        model_filename: the TorchScript file next to ``model.py``.
+        model_filename: the TorchScript file in the model's version folder (next to ``model.py``).
         force_cpu_inputs: Triton's ``FORCE_CPU_ONLY_INPUT_TENSORS``.
     """
 

@@ -1,4 +1,4 @@
-"""Several nnU-Net models behind one server, and versioned rollouts that drop no request (issue 28).
+"""Several nnU-Net models behind one server, and versioned rollouts that drop no request.
 
 One repository, one embedded server:
 

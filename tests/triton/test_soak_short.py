@@ -1,9 +1,10 @@
 """A 45-second soak (tools/soak.py) at concurrency 2: zero wrong answers, a report, no runaway memory.
 
-The growth threshold of ``make soak`` (5 % after warmup) is NOT asserted here: 45 s on 2 shared cores
-gives only a few requests after warmup, and allocator/arena warm-up of the stubs dominates such a short
-window. The test only asserts growth below 50 % (a leak large enough to show in 45 s) and that every
-answer was right; ``make soak`` (10 min) is the real growth check.
+The growth threshold of ``make soak`` (5 % after warmup) is not asserted here: 45 s on 2 shared cores
+gives only a few requests after warmup, and allocator/arena warm-up of the stubs weighs more in such a
+short window. The test asserts growth of at most 10 % (measured: +0.19 % total RSS in a 60 s soak, see
+docs/reliability.md) over at least 6 samples after warmup, and that every answer was right; ``make soak``
+(10 min) is the long growth check. ``tests/unit/test_soak_report.py`` shows the bound failing a report.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 from pipeline_support import SYNTHCT, build, model_dir
 
 from tools import soak
+
+GROWTH_BOUND = 0.10  # after warmup, total RSS and mapped /dev/shm
 
 
 def test_short_soak_gives_only_right_answers_and_writes_report(tmp_path):
@@ -30,7 +33,7 @@ def test_short_soak_gives_only_right_answers_and_writes_report(tmp_path):
             "--sample-interval",
             "3",
             "--growth-threshold",
-            "0.5",
+            str(GROWTH_BOUND),
             "--out",
             str(tmp_path),
         ]
@@ -42,4 +45,8 @@ def test_short_soak_gives_only_right_answers_and_writes_report(tmp_path):
     assert report["counts"].get("invalid_rejected", 0) >= 1, report["counts"]
     assert report["samples"] and report["samples"][-1]["server_rss"] > 0
     assert report["samples"][-1]["stub_rss"], "no Python-backend stub processes were sampled"
-    assert code == 0, (report["growth_after_warmup"], report["growth_over_threshold"])
+    assert report["samples_after_warmup"] >= 6, report["samples_after_warmup"]
+    growth = report["growth_after_warmup"]
+    assert all(growth[key] is not None for key in report["growth_checked"]), growth
+    assert report["growth_threshold"] == GROWTH_BOUND
+    assert code == 0, (growth, report["growth_over_threshold"])

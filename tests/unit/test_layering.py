@@ -98,7 +98,7 @@ def test_module_imports_only_its_own_and_lower_layers(path: Path):
 
 
 def test_numerics_imports_no_triton_client_or_build_code():
-    # the issue's rule, stated on its own: numerics is a pure library
+    # the layering rule, stated on its own: numerics is a pure library
     offenders = {module_name(p): sorted(t for t in imports_of(p) if layer_of(t) not in {"core", "numerics"})
                  for p in MODULES if layer_of(module_name(p)) == "numerics"}
     assert {m: t for m, t in offenders.items() if t} == {}
@@ -145,3 +145,20 @@ def test_a_model_file_imports_nothing_but_its_serving_step(path: Path):
 @pytest.mark.parametrize("path", ENTRY_FILES, ids=lambda p: str(p.relative_to(TOP_LEVEL)))
 def test_an_entry_point_imports_nothing_but_the_cli(path: Path):
     assert {layer_of(t) for t in imports_of(path)} == {"cli"}
+
+
+def _stub_numpy_api_calls(tree: ast.AST) -> list[str]:
+    """``x.as_numpy(...)`` and ``pb_utils.Tensor(...)`` calls: the stub's NumPy C API, which corrupts tensors
+    under numpy 2 in pytriton's stub (pybind11 < 2.12); ``pb_utils.Tensor.from_dlpack`` is the route."""
+    return [f"line {node.lineno}: .{node.func.attr}(...)" for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in {"as_numpy", "Tensor"}]
+
+
+def test_no_model_passes_tensors_through_the_stubs_numpy_api():
+    serving = sorted((PACKAGE / "serving").rglob("*.py"))
+    found = {str(p.relative_to(TOP_LEVEL)): calls for p in (*serving, *MODEL_FILES)
+             if (calls := _stub_numpy_api_calls(ast.parse(p.read_text())))}
+    assert found == {}
+    example = "pb_utils.Tensor('Y', t.as_numpy())\npb_utils.Tensor.from_dlpack('Y', a)"
+    assert _stub_numpy_api_calls(ast.parse(example)) == ["line 1: .Tensor(...)", "line 1: .as_numpy(...)"]

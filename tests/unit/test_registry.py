@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -123,6 +124,7 @@ def test_the_repository_lock_lets_one_change_at_a_time_and_times_out_naming_the_
         order.append("first")
     thread.join()
     assert order == ["first", "second"]
-    with locked(tmp_path), pytest.raises(RepositoryError, match="could not lock repository"):
+    folder = re.escape(repr(str(tmp_path)))
+    with locked(tmp_path), pytest.raises(RepositoryError, match=f"could not lock repository {folder} "):
         with locked(tmp_path, timeout_s=0.2):
             pass

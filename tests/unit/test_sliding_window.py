@@ -354,14 +354,19 @@ def test_torch_cpu_network_batch_n_matches_batch_1_only_without_onednn(net3d, re
     data = np.random.default_rng(8).standard_normal((1, 20, 27, 33)).astype(np.float32)
     kwargs = dict(patch_size=(16, 16, 16), num_heads=3, mirror_axes=None)
     predict = ps.torch_predict_batch(net3d)
-    one = predict_sliding_window(data, predict, batch_size=1, **kwargs)
-    four = predict_sliding_window(data, predict, batch_size=4, **kwargs)
-    record_property("onednn_batch4_vs_batch1_max_abs_diff_fp16_logits", ps.max_abs_diff(one, four))
-    assert ps.max_abs_diff(one, four) <= 1e-2  # fp16 ulp flips only (|logit| < 8 here: ulp <= 2**-8)
     with torch.backends.mkldnn.flags(enabled=False):
         one_ref = predict_sliding_window(data, predict, batch_size=1, **kwargs)
         four_ref = predict_sliding_window(data, predict, batch_size=4, **kwargs)
     assert np.array_equal(one_ref, four_ref)
+    one = predict_sliding_window(data, predict, batch_size=1, **kwargs)
+    four = predict_sliding_window(data, predict, batch_size=4, **kwargs)
+    record_property("onednn_batch4_vs_batch1_max_abs_diff_fp16_logits", ps.max_abs_diff(one, four))
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: only the native kernels ran (equal at both batch sizes)")
+    if np.array_equal(one, four):
+        pytest.skip("oneDNN picked kernels that round alike at batch 1 and 4 on this CPU "
+                    f"({torch.backends.cpu.get_cpu_capability()}): nothing differs to bound")
+    assert 0 < ps.max_abs_diff(one, four) <= 1e-2  # fp16 ulp flips only (|logit| < 8 here: ulp <= 2**-8)
 
 
 # ---------------------------------------------------------------- fixture models (tests/fixtures)

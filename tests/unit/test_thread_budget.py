@@ -47,9 +47,25 @@ def test_a_fraction_of_a_cpu_still_gives_one(tmp_path: Path) -> None:
     assert tb.available_cpus(_cgroup_v2(tmp_path, "20000 100000"), affinity=8).cpus == 1
 
 
+def _allowed_cpus_from_proc() -> int:
+    """The affinity mask counted from ``/proc/self/status`` (independent of ``os.sched_getaffinity``)."""
+    text = Path("/proc/self/status").read_text()
+    ranges = next(line.split(":", 1)[1].strip() for line in text.splitlines()
+                  if line.startswith("Cpus_allowed_list:"))
+    return sum(int(b) - int(a) + 1 if "-" in part else 1
+               for part in ranges.split(",") for a, _, b in [part.partition("-")])
+
+
 def test_this_machine_is_never_read_from_os_cpu_count() -> None:
-    quota = tb.available_cpus()
-    assert 1 <= quota.cpus <= len(os.sched_getaffinity(0))
+    assert tb.available_cpus().affinity == _allowed_cpus_from_proc()
+    # pinned to one CPU, the count must follow the pin, which os.cpu_count() does not
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("this machine has one CPU: a pin to one CPU cannot tell the mask from os.cpu_count()")
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from nnunet_triton.server import thread_budget as tb; q = tb.available_cpus(); "
+            "print(q.cpus, q.affinity)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["1", "1"]
 
 
 def _quota(cpus: int) -> tb.CpuQuota:

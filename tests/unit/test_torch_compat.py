@@ -21,7 +21,8 @@ def test_check_export_torch_refuses_naming_both_versions_and_the_ways_out_when_e
     with pytest.raises(ExportError) as info:
         check_export_torch("2.14.1+cu130", "2.5", runner="libtorch")
     message = str(info.value)
-    for text in ("torch 2.5", "2.14.1+cu130", "newer", "make deploy TARGET=docker", "--serving-torch"):
+    for text in ("torch 2.5", "2.14.1+cu130", "newer", "nnunet-triton deploy --target docker",
+                 "--serving-torch"):
         assert text in message
 
 
@@ -44,7 +45,7 @@ def test_gpu_build_is_refused_before_anything_is_written_when_this_torch_is_newe
     if torch_minor(torch.__version__) <= (2, 5):
         pytest.skip(f"this torch ({torch.__version__}) is not newer than tritonserver 24.10's libtorch")
     out = tmp_path / "repo"
-    with pytest.raises(ExportError, match="make deploy TARGET=docker"):
+    with pytest.raises(ExportError, match="nnunet-triton deploy --target docker"):
         build_repository(FIXTURE, out, options=BuildOptions(target="gpu"))
     assert not out.exists()
 

@@ -42,8 +42,10 @@ def test_configuration_ensembles_map_every_members_image_in_the_typed_endpoint()
 
 
 def test_unknown_image_dtypes_are_refused_naming_the_choices():
-    with pytest.raises(ValueError, match="IMAGE dtype must be one of"):
-        io_names.typed_endpoint("INT32")
+    choices = r"\('FP32', 'FP16', 'INT16', 'UINT16', 'UINT8'\), got 'INT32'"
+    for name in (io_names.typed_endpoint, io_names.image_input):
+        with pytest.raises(ValueError, match=f"IMAGE dtype must be one of {choices}"):
+            name("INT32")
 
 
 @pytest.mark.parametrize(("dtype", "kept"), [(np.int16, True), (np.uint8, True), (np.float16, True),

@@ -331,7 +331,7 @@ def _fold_io(config: InferenceConfig, options: BuildOptions) -> tuple[tuple[Tens
 
 
 def libtorch_fold_spec(config: InferenceConfig, fold: int | str, options: BuildOptions) -> ModelSpec:
-    """``fold_<k>`` on Triton's ``pytorch_libtorch`` backend (triton.md section 3).
+    """``fold_<k>`` on Triton's ``pytorch_libtorch`` backend.
 
     ``DISABLE_OPTIMIZED_EXECUTION`` keeps TorchScript's profiling executor from re-optimizing the
     graph for every new batch size the dynamic batcher produces (server#3012); warm-up runs the

@@ -4,8 +4,8 @@ A TorchScript ``model.pt`` saved by a newer torch may not load in an older libto
 a newer export fails in an older Triton with "Unknown type name 'NoneType'"). Triton's ``pytorch_libtorch``
 backend loads the fold models with the libtorch its NGC release was built from (24.10: PyTorch 2.5), so the
 builder refuses to export for that runner with a newer torch, before any work, naming both versions and the
-two ways out (export in the matching container: ``make deploy TARGET=docker``; or say which libtorch the
-server really has: ``--serving-torch``). ``repository_metadata.json`` records both versions.
+two ways out (export in the matching container: ``nnunet-triton deploy --target docker``; or say which
+libtorch the server really has: ``--serving-torch``). ``repository_metadata.json`` records both versions.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class TritonRelease:
     python: str  # the Python-backend stub's Python
 
 
-# Only releases whose versions were checked (triton.md section 8); others need an explicit libtorch version.
+# Only releases whose versions were checked (NGC release notes); others need an explicit libtorch version.
 TRITON_RELEASES = {"24.10": TritonRelease("24.10", "2.51.0", libtorch="2.5", python="3.10")}
 DEFAULT_LIBTORCH = TRITON_RELEASES[DEFAULT_TRITON_RELEASE].libtorch  # loads libtorch fold models by default
 
@@ -83,8 +83,8 @@ def check_export_torch(export_torch: str, serving_torch: str | None, *, runner: 
         f"the {runner} fold runner loads the fold models with torch {loading} (libtorch of "
         f"nvcr.io/nvidia/tritonserver:{DEFAULT_TRITON_RELEASE}-py3 is {DEFAULT_LIBTORCH}) but this "
         f"environment exports with torch {export_torch}, which is newer: a TorchScript file from a "
-        "newer torch may not load in an older one. Export with a matching torch: `make deploy "
-        "TARGET=docker` (or `nnunet-triton deploy --target docker --execute`) builds the repository "
+        "newer torch may not load in an older one. Export with a matching torch: `nnunet-triton deploy "
+        "--target docker --execute` (a checkout: `make deploy TARGET=docker`) builds the repository "
         f"in a container with torch {DEFAULT_LIBTORCH}.x; or pass --serving-torch X.Y if the server's "
         "libtorch is X.Y."
     )

@@ -1,5 +1,5 @@
 """``nnunet-triton deploy | undeploy``: one command from an nnU-Net results folder to a serving endpoint
-(``make deploy`` / ``make undeploy``).
+(a checkout's ``make deploy`` / ``make undeploy`` run these).
 
     nnunet-triton deploy --model <results folder> [<more folders>] [--name N [N ...]] [--configuration C]
         [--folds 0 1] [--target embedded|docker|k8s] [--out DIR] [--execute]
@@ -140,8 +140,8 @@ def _read_configs(args: argparse.Namespace) -> dict[str, Any]:  # {endpoint name
             raise NnunetTritonError(
                 f"--target {args.target} serves one model folder per endpoint, got {len(endpoint.models)} "
                 f"for {endpoint.name!r} ({', '.join(map(str, endpoint.models))}); an ensemble of "
-                "configurations is deployed with --target embedded or built with `make repository "
-                "MODEL=\"A B\"`, several endpoints in one server with one --name per --model (--model A B "
+                "configurations is deployed with --target embedded or built with `nnunet-triton build "
+                "--model A B`, several endpoints in one server with one --name per --model (--model A B "
                 "--name liver lung).")
         for model in endpoint.models:
             if not (model / "plans.json").is_file():
@@ -196,7 +196,8 @@ def _images(args: argparse.Namespace) -> str:
 
 
 def _deployed(handle: object) -> str | None:
-    """``"<pid> <input hash>"`` of the server deploy started last (a server of `make serve` has none)."""
+    """``"<pid> <input hash>"`` of the server deploy started last (a server of ``nnunet-triton serve``
+    has none)."""
     path = Path(handle.state_file).parent / DEPLOYED_FILE
     return path.read_text().strip() if path.is_file() else None
 
@@ -217,7 +218,8 @@ def _deploy_embedded(args: argparse.Namespace) -> int:
         if same and running.is_ready() and _deployed(running) == f"{running.pid} {info.input_hash}":
             print(f"already serving this repository (pid {running.pid})")
             _print_usage(args, info, running.http_url, running.grpc_url,
-                         f"{running.client_host}:{running.metrics_port}", "make undeploy", _images(args))
+                         f"{running.client_host}:{running.metrics_port}", "nnunet-triton undeploy",
+                         _images(args))
             return 0
         LOGGER.info("stopping the running server (pid %d, %s)", running.pid, running.model_repository)
         running.stop()
@@ -229,7 +231,7 @@ def _deploy_embedded(args: argparse.Namespace) -> int:
     print(f"tritonserver ready (pid {handle.pid}, {len(info.models)} models of the endpoint(s) "
           f"{', '.join(info.endpoints)}; log {handle.log_file})")
     _print_usage(args, info, handle.http_url, handle.grpc_url, f"{handle.client_host}:{handle.metrics_port}",
-                 "make undeploy", _images(args))
+                 "nnunet-triton undeploy", _images(args))
     return 0
 
 
@@ -368,8 +370,8 @@ def _start_container(args: argparse.Namespace, spec: docker.DeploySpec) -> int:
         start = time.monotonic()
         _wait_http_ready(http, spec.startup_timeout_s, spec)
         print(f"container {spec.container_name} ready in {time.monotonic() - start:.1f} s")
-    undeploy = "make undeploy TARGET=docker" + (f" DEPLOY_ARGS='--engine {spec.engine}'"
-                                                if spec.engine != "docker" else "")
+    undeploy = "nnunet-triton undeploy --target docker" + (f" --engine {spec.engine}"
+                                                          if spec.engine != "docker" else "")
     _print_usage(args, spec.info, http, f"127.0.0.1:{spec.grpc_port}", f"127.0.0.1:{spec.metrics_port}",
                  undeploy)
     return 0
@@ -465,7 +467,7 @@ def _kube_play(args: argparse.Namespace) -> int:
     host = "127.0.0.1"
     _print_usage(args, info, f"{host}:{spec.http_port}", f"{host}:{spec.grpc_port}",
                  f"{host}:{spec.metrics_port}",
-                 "make undeploy TARGET=k8s DEPLOY_ARGS=--kube-play")
+                 "nnunet-triton undeploy --target k8s --kube-play")
     return 0
 
 
@@ -479,14 +481,14 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
         if missing:
             raise NnunetTritonError(
                 f"the repository {str(repo)} has no endpoint(s) {missing} (it holds {list(info.endpoints)}); "
-                "build them into it first (`make deploy TARGET=docker MODEL=\"A B\" NAME=\"liver lung\"` "
-                "shows how), or leave out --name to serve what it holds.")
+                "build them into it first (`nnunet-triton deploy --target docker --model A B --name liver "
+                "lung` shows how), or leave out --name to serve what it holds.")
     else:
         info = deploy.RepositoryInfo.planned(_read_configs(args), _build_options(args, "gpu"))
-        print(f"note: {repo} is not built yet; `make deploy TARGET=docker` shows how to build it")
+        print(f"note: {repo} is not built yet; `nnunet-triton deploy --target docker` shows how to build it")
     if info.target != "gpu":
         raise NnunetTritonError(f"{repo} was built for target {info.target!r}; the pods get one GPU each: "
-                                "build it with `make deploy TARGET=docker` (target gpu).")
+                                "build it with `nnunet-triton deploy --target docker` (target gpu).")
     args.gpus = [0]  # one GPU per pod
     dspec = _docker_spec(args, info)
     docker.check_image_compatible(dspec)

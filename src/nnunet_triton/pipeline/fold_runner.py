@@ -1,6 +1,6 @@
 """Run an exported fold network (TorchScript ``model.pt``) on a list of tile batches.
 
-Used by the Python-backend fold runner (``network_models/python_runner/model.py``), which hands it
+Used by the Python-backend fold runner's serving step (``serving.steps.fold_runner``), which hands it
 the tiles of every request in one dynamic batch; kept here so it is testable without Triton.
 
 Numerics on CPU: a traced network reproduces the eager nnU-Net network bit for bit at equal batch
@@ -11,7 +11,7 @@ abs on fp32 logits of the tiny test network). nnU-Net's predictor runs one tile 
 batch) is the fast default. oneDNN's batched convolutions also round differently with another
 thread count (~5e-7 measured), so bit-identical parity with an nnU-Net process also needs the same
 ``torch.get_num_threads()``. ``num_threads`` is set as given (0 leaves torch's setting); the Python
-runner's ``model.py`` passes what the launcher's thread budget says
+runner's step (``serving.steps.fold_runner``) passes what the launcher's thread budget says
 (``nnunet_triton.pipeline.threads.fold_threads_for_runner``: one share of the available CPUs per fold
 instance, or without a launcher torch's default capped at the CPUs really available).
 """

@@ -1,7 +1,7 @@
 """What the BLS orchestrator does per request, without Triton: the per-fold loop and the fold average.
 
-The orchestrator ``model.py`` only moves tensors; this module holds the logic so it can be tested on
-plain arrays with a fake network:
+The orchestrator's serving step (``serving.steps.orchestrator``) only moves tensors; this module holds
+the logic so it can be tested on plain arrays with a fake network:
 
 - :func:`predict_fold_async` runs nnU-Net's sliding window for one fold (``numerics.sliding_window``'s
   ``TileSplitter`` + ``TileMerger``)

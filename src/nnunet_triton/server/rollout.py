@@ -11,7 +11,7 @@ ensemble with the promoted version's steps. So:
 * **promote** version N: load it (a no-op when loaded), rewrite ``E``'s config.pbtxt files with N's steps
   (each replaced atomically) and load them again. Triton swaps a reloaded model only once the new one is
   ready, and requests it already took finish on the old one: every request runs entirely on one version
-  (measured: ``tests/triton/test_rollout.py`` drives 4 clients through a promotion and a rollback with no
+  (measured: ``tests/triton/test_many_models.py`` drives 4 clients through a promotion and a rollback with no
   error and every answer equal to one version's). The typed copies are reloaded one after the other, so for
   a moment ``E`` and ``E_int16`` may run different versions; each answer is still one version's.
 * **rollback**: promote the version promoted before (the registry's ``previous``).

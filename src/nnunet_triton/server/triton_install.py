@@ -71,7 +71,8 @@ def _pytriton_dist_dir() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
         raise ServerError("package 'pytriton' (nvidia-pytriton==0.7.0, the embedded tritonserver) is not "
-                          "installed: run `make setup`, or `pip install --no-deps nvidia-pytriton==0.7.0`.")
+                          "installed: run "
+                          "`pip install --no-deps nvidia-pytriton==0.7.0` (a checkout: `make setup`).")
     return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
 
 

@@ -159,7 +159,7 @@ class Watchdog:
             LOGGER.info("watchdog stops (asked to)")
             return 0
         LOGGER.error("tritonserver pid %d died without being stopped; nothing restarts it here (start it "
-                     "again: `make serve` / `make deploy`)", self.server_pid)
+                     "again: `nnunet-triton serve` / `nnunet-triton deploy`)", self.server_pid)
         self.clean_up_after_server()
         return 0
 

@@ -1,6 +1,7 @@
 """Triton Python-backend glue: the only code that touches ``triton_python_backend_utils``.
 
-Imported only by the ``model.py`` adapters running inside a Triton stub; ``pb_utils`` itself is
+Imported only by the serving steps (``serving.steps``, which each repository's few-line ``model.py``
+imports) running inside a Triton stub; ``pb_utils`` itself is
 imported lazily (see ``_pb.py``) so unit tests can substitute a fake module.
 
 API:

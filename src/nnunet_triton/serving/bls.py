@@ -1,4 +1,4 @@
-"""The one helper every BLS call goes through (style rule 6).
+"""The one helper every BLS call goes through.
 
 It checks *its own* response (the tutorials' Part 6 bug checked another variable) and raises
 :class:`~nnunet_triton.errors.SubmodelError` naming the callee and carrying the callee's Triton error

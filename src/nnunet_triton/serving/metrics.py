@@ -28,14 +28,14 @@ Every step that reads tensors from another model (orchestrator, stitch, ensemble
     nnunet_folds_total                counter    fold predictions (folds per request)
     nnunet_fold_calls_total           counter    BLS calls to fold models (batches of network inputs)
 
-Use (``model.py``)::
+Use: :class:`nnunet_triton.serving.steps.base.Step` does it for every step, so a step only calls
+``record.add(tiles=...)`` for its counts::
 
-    self._metrics = serving.StepMetrics.create(args, self._config)           # initialize
-    return [self._metrics.observe(self._run, r) for r in requests]          # execute
-    def _run(self, request, record):
-        with record.timed():                                                 # around the numerics
-            result = library_call(...)
-        record.add(tiles=...)                                                # orchestrator counts
+    self.metrics = StepMetrics.create(args, self.config, counts=self.counts)   # initialize
+    return [self.metrics.observe(self._answer, r) for r in requests]          # execute
+    def _answer(self, request, record):
+        with record.timed():                                                   # around the numerics
+            result = self.run(arrays, options, record)
 
 Metrics never fail a request: a metrics error is logged once and switches that instance's metrics
 off. Config parameter ``metrics`` = ``false`` switches them off (default on). Every increment is an

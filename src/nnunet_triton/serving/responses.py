@@ -1,7 +1,7 @@
 """Build ``pb_utils.InferenceResponse`` objects; the one place mapping our errors to Triton codes.
 
 Every :class:`~nnunet_triton.errors.NnunetTritonError` names its ``triton_code`` (a plain string);
-:func:`triton_error` turns it into ``pb_utils.TritonError(message, code)``. Style rule 15.
+:func:`triton_error` turns it into ``pb_utils.TritonError(message, code)``.
 """
 
 from __future__ import annotations

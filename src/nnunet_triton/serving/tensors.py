@@ -4,10 +4,11 @@ Every tensor enters and leaves a Python model by DLPack (``__dlpack__``/``pb_uti
 never by ``Tensor.as_numpy()`` or ``pb_utils.Tensor(name, ndarray)``: those two go through NumPy's C API
 inside the stub, and the stub of pytriton's tritonserver 2.51 is built with a pybind11 older than 2.12,
 which reads NumPy's C structures with NumPy 1's layout (with NumPy 2 it takes a dtype's size from
-another field and builds arrays with wrong strides; ``tests/triton/test_embedded_server.py`` shows the
-corruption and the DLPack round trip). DLPack hands over pointer, shape and dtype without that API, so
-the models run with NumPy 2 (which CuPy for CUDA 13 requires) as well as 1.x. Input tensors are freed
-when ``execute`` returns, so callers that keep data beyond that must pass ``copy=True``.
+another field and builds arrays with wrong strides; ``tests/triton/test_embedded_server.py`` checks the
+DLPack round trip bit for bit, ``tests/unit/test_layering.py`` that no model uses the other route).
+DLPack hands over pointer, shape and dtype without that API, so the models run with NumPy 2 (which CuPy
+for CUDA 13 requires) as well as 1.x. Input tensors are freed when ``execute`` returns, so callers that
+keep data beyond that must pass ``copy=True``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ One server serves the whole repository: every endpoint name (``nnunet-triton dep
 liver lung``), every version of each, and their public and pinned endpoints; sizes add up over them
 (:func:`~nnunet_triton.server.deploy.sizing.plan_memory`).
 
-Server flags (triton.md 1.8, 3.6): ``--model-control-mode=explicit`` with one ``--load-model`` per model
+Server flags: ``--model-control-mode=explicit`` with one ``--load-model`` per model
 of the repository (an ensemble loads its steps, but the orchestrator's BLS callees ``fold_<k>`` are
 invisible to the repository manager and would never load), ``--cuda-memory-pool-byte-size`` per GPU and
 ``--pinned-memory-pool-byte-size`` from :func:`~nnunet_triton.server.deploy.sizing.plan_memory`, the Python

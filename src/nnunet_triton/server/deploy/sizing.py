@@ -12,7 +12,7 @@ B = tile batch size)::
     PROBABILITIES  K * V_in  * 4     stitch -> client, only when requested (fp32)
     tile batch     B * P * (C * 4 + K * 2|4)   orchestrator <-> fold_<k>, per BLS call
 
-Rules (triton.md 1.3, 1.6, 1.8): every Python-model instance is a stub process with its own /dev/shm
+Rules (Python backend): every Python-model instance is a stub process with its own /dev/shm
 region that grows by whole steps for each CPU tensor that does not fit and is never shrunk; a
 non-decoupled instance handles one request at a time; KIND_GPU instance groups without ``gpus`` are
 created on every visible GPU. Data paths: the adapters compute on whatever device their input lives on;
