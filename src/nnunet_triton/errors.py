@@ -24,6 +24,7 @@ __all__ = [
     "RepositoryError",
     "OlderRepositoryError",
     "RequestCancelledError",
+    "ResourceExhaustedError",
     "NOT_RUNNING_MESSAGES",
 ]
 
@@ -143,3 +144,13 @@ class RequestCancelledError(NnunetTritonError):
     """The client cancelled the request (``request.is_cancelled()``); the work left was not started."""
 
     triton_code = "CANCELLED"
+
+
+class ResourceExhaustedError(NnunetTritonError):
+    """A request does not fit the memory its model instance has now (free device or available host memory).
+
+    UNAVAILABLE: Triton's Python backend has no RESOURCE_EXHAUSTED code, and memory held by other requests
+    comes back, so a retry later (or on another replica) may succeed; the message names the numbers.
+    """
+
+    triton_code = "UNAVAILABLE"

@@ -166,6 +166,24 @@ def test_plan_memory_sizes_shm_and_pools_when_gpu_target_serves_a_ct_volume(tmp_
     assert plan.host_memory_bytes % (256 * MiB) == 0 and plan.host_memory_bytes > plan.shm_bytes + 3 * 2**30
 
 
+def test_plan_memory_gives_the_device_memory_of_the_fold_accumulators_per_orchestrator_instance(
+        tmp_path: Path) -> None:
+    info = RepositoryInfo.from_repository(write_repository(tmp_path))  # 2 channels, 3 heads, 2 folds
+    volume = sizing.VolumeSpec(shape=(600, 512, 512))
+    v = 600 * 512 * 512
+    one_fold, per_fold = 2 * v * 4 + 2 * 3 * v * 2 + 4 * v * 2, 4 * v * 2  # fixed part + (K + 1) x V x 2
+    share = dict(sizing.plan_memory(info, volume).pipelines)[info.first.label]
+    assert (share["device_all_folds_mib"], share["device_one_fold_mib"]) == (
+        -(-(one_fold + per_fold) // MiB), -(-one_fold // MiB)) == (5400, 4200)
+    assert "concurrent_folds" not in share  # the GPU's memory not given
+    pool = sizing.plan_memory(info, volume).cuda_pool_bytes
+    counts = [dict(sizing.plan_memory(info, volume, gpu_memory_bytes=pool + free).pipelines)[info.first.label]
+              ["concurrent_folds"] for free in (one_fold + per_fold, one_fold + per_fold - 1, one_fold - 1)]
+    assert counts == [2, 1, 0]
+    cpu = RepositoryInfo.from_repository(write_repository(tmp_path / "cpu", BuildOptions(target="cpu")))
+    assert "device_one_fold_mib" not in dict(sizing.plan_memory(cpu, volume).pipelines)[cpu.first.label]
+
+
 def test_plan_memory_counts_tiles_and_runner_stubs_in_shm_when_cpu_target(tmp_path: Path) -> None:
     options = BuildOptions(target="cpu", tile_batch_size=8, max_inflight=6)
     info = RepositoryInfo.from_repository(write_repository(tmp_path, options))
@@ -238,3 +256,13 @@ def test_a_repository_whose_endpoints_mix_targets_is_refused_naming_each(tmp_pat
     with pytest.raises(DeployError, match=message):
         docker.DeploySpec(info=info, plan=sizing.plan_memory(info.first, sizing.VolumeSpec()),
                           repository="/r")
+
+
+def test_info_shows_the_gpu_memory_of_the_fold_accumulators_per_orchestrator_instance(tmp_path: Path) -> None:
+    from nnunet_triton.cli.predict import _split_lines
+
+    info = RepositoryInfo.from_repository(write_repository(tmp_path))
+    plan = sizing.plan_memory(info, sizing.VolumeSpec(shape=(600, 512, 512)))
+    lines = _split_lines({"memory": {**plan.summary(), "volume": [600, 512, 512], "fold_models": {}}})
+    assert lines[-1].strip() == ("GPU memory per orchestrator instance (fold accumulators): 5400 MiB with "
+                                 "all folds at once, at least 4200 MiB (one fold at a time)")

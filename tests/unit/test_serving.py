@@ -181,3 +181,46 @@ def test_a_bls_output_asked_for_in_gpu_memory_but_returned_on_the_host_is_report
     asyncio.run(serving.infer("fold_0", {"INPUT__0": np.zeros(2, np.float32)}, ["OUTPUT__0"],
                               output_device=device, on_host=seen.append))
     assert seen == reported
+
+
+class _FakeCuda:
+    """A CUDA runtime on the CPU: copies and stream synchronizations become entries in ``events``."""
+
+    def __init__(self, name: str) -> None:
+        self.events: list[str] = []
+        self.module = types.ModuleType(name)  # "torch" or "cupy": the module tensor_to_array is given
+        stream = types.SimpleNamespace(synchronize=lambda: self.events.append("sync"))
+        self.module.cuda = types.SimpleNamespace(current_stream=lambda device: stream,
+                                                 get_current_stream=lambda: stream)
+        self.module.from_dlpack = lambda tensor: self._array()
+
+    def _array(self) -> types.SimpleNamespace:
+        def copy() -> types.SimpleNamespace:
+            self.events.append("copy")  # enqueued on the stream, not yet run
+            return self._array()
+
+        return types.SimpleNamespace(is_cuda=True, device="cuda:0", shape=(2,), clone=copy, copy=copy)
+
+
+@pytest.mark.parametrize("module", ["torch", "cupy"])
+def test_a_device_copy_of_a_bls_output_has_run_before_the_response_is_released(
+        module: str, pb: types.ModuleType) -> None:
+    cuda = _FakeCuda(module)
+
+    class DeviceTensor(FakeTensor):
+        def is_cpu(self) -> bool:
+            return False
+
+    class Response(FakeResponse):
+        def __del__(self) -> None:  # the parent frees the output's pool block on release
+            cuda.events.append("release")
+
+    class Request(FakeBlsRequest):
+        async def async_exec(self):
+            return Response([DeviceTensor.of("OUTPUT__0", np.zeros(2, np.float32))])
+
+    pb.InferenceRequest = Request
+    result = asyncio.run(serving.infer("fold_0", {"INPUT__0": np.zeros(2, np.float32)}, ["OUTPUT__0"],
+                                       xp=cuda.module, copy=True, output_device="gpu"))
+    assert result["OUTPUT__0"].shape == (2,)
+    assert cuda.events == ["copy", "sync", "release"]

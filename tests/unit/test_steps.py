@@ -148,3 +148,38 @@ def test_the_source_trees_model_py_is_what_the_builder_writes_and_imports_its_st
 
 def test_every_adapter_the_builder_writes_has_a_step() -> None:
     assert {*ADAPTERS.values(), FOLD_RUNNER_ADAPTER, COMBINE_ADAPTER} <= set(SOURCE_ADAPTERS)
+
+
+def _orchestrator(tmp_path: Path, config, instance_group: list[dict]):
+    from nnunet_triton.parameters import OrchestratorParameters
+    from nnunet_triton.serving.steps.orchestrator import OrchestratorStep
+
+    parameters = OrchestratorParameters(fold_models=("fold_0", "fold_1")).to_config()
+    model_config = {"parameters": {key: {"string_value": value} for key, value in parameters.items()},
+                    "instance_group": instance_group}
+    return OrchestratorStep(_args(tmp_path, io_names.ORCHESTRATOR_MODEL, config, model_config))
+
+
+def test_the_orchestrator_refuses_a_request_whose_fold_accumulators_do_not_fit_its_memory_share(
+        tmp_path: Path, config) -> None:
+    import asyncio
+
+    # the host's real available memory shared by 10**12 instances leaves each less than one fold needs
+    step = _orchestrator(tmp_path, config, [{"count": 10**12, "kind": "KIND_CPU"}])
+    data = np.zeros((1, 20, 30, 28), np.float32)
+    (answer,) = asyncio.run(step.execute([FakeRequest([FakeTensor.of(io_names.PREPROCESSED, data)])]))
+    error = answer.error()
+    assert error.code() == FakeError.UNAVAILABLE
+    assert "fold-accumulator memory limit: 2 folds x" in error.message()
+    assert "available host memory" in error.message() and "/ 1000000000000 instances" in error.message()
+
+
+def test_the_orchestrator_shares_memory_with_the_instances_on_its_device(tmp_path: Path, config) -> None:
+    from nnunet_triton.serving.devices import InstanceDevice
+
+    groups = {"instance_group": [{"count": 2, "kind": "KIND_GPU"},
+                                 {"count": 3, "kind": "KIND_GPU", "gpus": [1]},
+                                 {"count": 4, "kind": "KIND_CPU"}]}
+    gpu0, gpu1, host = InstanceDevice(gpu=True, index=0), InstanceDevice(gpu=True, index=1), InstanceDevice()
+    assert [gpu0.instances(groups), gpu1.instances(groups), host.instances(groups), host.instances({})] == [
+        2, 5, 9, 1]

@@ -396,4 +396,8 @@ def _split_lines(split: dict[str, Any]) -> list[str]:
             folds = memory["fold_models"].get(label, 0)
             lines.append(f"{'':<15}   {label}: {folds} fold instance(s), shm {share['shm_mib']} MiB, stubs "
                          f"{share['stub_mib']} MiB, working {share['working_mib']} MiB")
+            if "device_one_fold_mib" in share:
+                lines.append(f"{'':<15}     GPU memory per orchestrator instance (fold accumulators): "
+                             f"{share['device_all_folds_mib']} MiB with all folds at once, at least "
+                             f"{share['device_one_fold_mib']} MiB (one fold at a time)")
     return lines

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from nnunet_triton.errors import InputValidationError
+from nnunet_triton.errors import InputValidationError, ResourceExhaustedError
 
 __all__ = [
     "DEFAULT_MAX_VOXELS",
@@ -38,6 +39,9 @@ __all__ = [
     "MAX_REQUEST_BYTES_PARAMETER",
     "check_voxel_limit",
     "check_request_memory",
+    "FoldMemoryPlan",
+    "plan_fold_memory",
+    "padded_voxels",
 ]
 
 # 2**28 = 512 x 512 x 1024 voxels (a long CT at full in-plane resolution), 1 GiB per float32 copy. By the
@@ -94,3 +98,103 @@ def check_request_memory(num_heads: int, preprocessed_shape: Sequence[int], orig
             f"per array (model parameter {MAX_REQUEST_BYTES_PARAMETER!r})."
         )
     return logits, probabilities
+
+
+# --- fold accumulators: device (or host) memory as a plan --------------------------------------------------
+#
+# The orchestrator runs nnU-Net's sliding window once per fold, each fold with its own float16 accumulator
+# and weight buffer over the padded volume ((K + 1) x V x 2 bytes), and averages the folds in fold order
+# (numerics.sliding_window.FoldAverage). nnUNetPredictor holds one fold's buffers at a time; running every
+# fold at once is faster on a GPU (the fold models work in parallel) but needs folds x that: 22 GiB for
+# 5 folds, 14 heads and 600 x 512 x 512 voxels, per orchestrator instance. The plan below chooses, per
+# request, how many folds may be alive at once from the memory there is, and refuses the request when not
+# even one fits.
+
+_FP16_BYTES = 2
+
+
+def padded_voxels(spatial_shape: Sequence[int], patch_size: Sequence[int]) -> int:
+    """Voxels of the volume padded to at least the patch on its last ``len(patch_size)`` axes (as
+    ``tiling.pad_to_patch`` pads; a 2D configuration leaves the first axis of a 3D volume alone)."""
+    shape = tuple(int(s) for s in spatial_shape)
+    lead = len(shape) - len(patch_size)
+    return math.prod(shape[:lead]) * math.prod(
+        max(s, int(p)) for s, p in zip(shape[lead:], patch_size, strict=True))
+
+
+@dataclass(frozen=True)
+class FoldMemoryPlan:
+    """How many fold accumulators one request may hold at once in ``available_bytes / instances``.
+
+    Bytes, for K = ``num_heads``, V = ``voxels`` (padded), C = ``channels``:
+
+    * per fold alive: ``(K + 1) x V x 2``, nnU-Net's fp16 logits and weights (a finished fold waiting for
+      its turn in the fold-order sum holds its K x V x 2 logits in the same place);
+    * once per request: the padded input ``C x V x 4``, the running fp16 sum ``K x V x 2`` and the cropped
+      copy a fold makes when it finishes ``K x V x 2`` (folds finish one at a time: finalize is synchronous).
+
+    Attributes:
+        num_heads, voxels, channels, folds: the request (``voxels`` from :func:`padded_voxels`).
+        instances: model instances sharing the memory (orchestrator instances on this device or host).
+        available_bytes: free device memory or available host memory now.
+        memory: what ``available_bytes`` measures, for messages ("GPU 0 free memory").
+    """
+
+    num_heads: int
+    voxels: int
+    channels: int
+    folds: int
+    instances: int
+    available_bytes: int
+    memory: str = "memory"
+
+    @property
+    def fold_bytes(self) -> int:
+        """One fold's fp16 accumulator and weights."""
+        return (self.num_heads + 1) * self.voxels * _FP16_BYTES
+
+    @property
+    def fixed_bytes(self) -> int:
+        """The padded input, the running sum and one finishing fold's cropped copy."""
+        return self.channels * self.voxels * _FLOAT32_BYTES + 2 * self.num_heads * self.voxels * _FP16_BYTES
+
+    @property
+    def budget_bytes(self) -> int:
+        """This instance's share of :attr:`available_bytes`."""
+        return self.available_bytes // max(1, self.instances)
+
+    def bytes_for(self, concurrent_folds: int) -> int:
+        """Peak bytes of one request with ``concurrent_folds`` folds alive at once."""
+        return self.fixed_bytes + concurrent_folds * self.fold_bytes
+
+    @property
+    def max_concurrent_folds(self) -> int:
+        """Folds that may be alive at once (0: not even one fits), at most :attr:`folds`."""
+        return max(0, min(self.folds, (self.budget_bytes - self.fixed_bytes) // self.fold_bytes))
+
+    def describe(self) -> str:
+        return (f"{self.folds} folds x {self.num_heads} heads x {self.voxels} voxels need "
+                f"{_size(self.bytes_for(self.folds))} all at once, {_size(self.bytes_for(1))} one fold at a "
+                f"time; {self.memory} {_size(self.available_bytes)} / {self.instances} instances = "
+                f"{_size(self.budget_bytes)} per instance")
+
+
+def plan_fold_memory(*, num_heads: int, voxels: int, channels: int, folds: int, instances: int,
+                     available_bytes: int, memory: str = "memory") -> FoldMemoryPlan:
+    """Return the request's :class:`FoldMemoryPlan`; refuse it when not even one fold fits.
+
+    Raises:
+        ResourceExhaustedError: (UNAVAILABLE) naming the limit, the request's sizes and the memory there is.
+    """
+    plan = FoldMemoryPlan(num_heads=int(num_heads), voxels=int(voxels), channels=int(channels),
+                          folds=int(folds), instances=int(instances), available_bytes=int(available_bytes),
+                          memory=memory)
+    if plan.folds < 1 or plan.instances < 1:
+        raise ValueError(f"folds and instances must be >= 1, got folds={folds}, instances={instances}.")
+    if plan.max_concurrent_folds < 1:
+        raise ResourceExhaustedError(
+            f"request does not fit the fold-accumulator memory limit: {plan.describe()}, less than the "
+            f"{_size(plan.bytes_for(1))} ({plan.bytes_for(1)} bytes) of one fold. Send a smaller volume, "
+            "retry when other requests have finished, or run fewer orchestrator instances per device."
+        )
+    return plan

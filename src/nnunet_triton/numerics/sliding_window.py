@@ -49,6 +49,7 @@ __all__ = [
     "mirror_combinations",
     "average_tta",
     "average_folds",
+    "FoldAverage",
     "LogitAccumulator",
     "TileItem",
     "plan_tile_batches",
@@ -123,14 +124,61 @@ def average_folds(fold_logits: Sequence[Any]) -> Any:
     """Mean of per-fold float16 logits: ``+=`` in fold order, then ``/= n`` (float16, as nnU-Net on CPU)."""
     if not fold_logits:
         raise InputValidationError("average_folds needs at least one fold's logits, got none.")
-    xp = tensor_namespace(*fold_logits)
-    for k, f in enumerate(fold_logits):
-        if f.dtype != xp.float16 or f.shape != fold_logits[0].shape:
+    if is_torch_module(tensor_namespace(*fold_logits)):  # FoldAverage sums into its first fold's buffer
+        fold_logits = [fold_logits[0].clone(), *fold_logits[1:]]
+    average = FoldAverage(len(fold_logits))
+    for logits in fold_logits:
+        average.add(logits)
+    return average.finalize()
+
+
+class FoldAverage:
+    """``average_folds`` one fold at a time: nnU-Net's reduction (``predict_logits_from_preprocessed_data``)
+    with only the running sum alive, so a fold's logits can be freed as soon as they are added.
+
+    ``add`` takes the folds in averaging order; the first becomes the running float16 sum (a torch tensor
+    is summed into in place: the caller hands it over), the others are added with torch's ``+=`` rule, and
+    :meth:`finalize` divides by the number of folds (one fold is returned as it is, like nnU-Net). The bits
+    are those of :func:`average_folds` over the same list.
+    """
+
+    def __init__(self, num_folds: int) -> None:
+        if num_folds < 1:
+            raise InputValidationError(f"FoldAverage needs at least one fold, got num_folds={num_folds}.")
+        self.num_folds = int(num_folds)
+        self.added = 0
+        self._sum: Any = None
+
+    def add(self, logits: Any) -> None:
+        """Add the next fold's float16 logits ``(K, *spatial)`` (fold index :attr:`added`)."""
+        if self.added >= self.num_folds:
+            raise RuntimeError(f"FoldAverage.add called for fold index {self.added} of {self.num_folds}.")
+        xp = tensor_namespace(logits)
+        first = self._sum if self._sum is not None else logits
+        if logits.dtype != xp.float16 or logits.shape != first.shape:
             raise InputValidationError(
-                f"fold logits must all be float16 with shape {tuple(fold_logits[0].shape)}; fold index {k} "
-                f"has {f.dtype} {tuple(f.shape)}."
+                f"fold logits must all be float16 with shape {tuple(first.shape)}; fold index {self.added} "
+                f"has {logits.dtype} {tuple(logits.shape)}."
             )
-    return _sum_then_divide(fold_logits, xp)
+        if self._sum is None:
+            self._sum = logits
+        elif is_torch_module(xp):
+            self._sum += logits
+        else:
+            self._sum = _torch_op(self._sum, logits, operator.add, xp)
+        self.added += 1
+
+    def finalize(self) -> Any:
+        """The fold mean, float16 ``(K, *spatial)``, once every fold was added."""
+        if self.added != self.num_folds:
+            raise RuntimeError(f"FoldAverage.finalize after {self.added} of {self.num_folds} folds.")
+        result, self._sum = self._sum, None
+        if self.num_folds == 1:
+            return result
+        if is_torch_module(tensor_namespace(result)):
+            result /= self.num_folds
+            return result
+        return _torch_op(result, self.num_folds, operator.truediv, tensor_namespace(result))
 
 
 class LogitAccumulator:

@@ -8,8 +8,9 @@ the logic so it can be tested on plain arrays with a fake network:
   (``nnUNetPredictor.predict_sliding_window_return_logits`` and ``_internal_maybe_mirror_and_predict``,
   nnunetv2/inference/predict_from_raw_data.py) with an injected ``infer_batch`` coroutine, several
   batches in flight, and Gaussian accumulation in nnU-Net's tile order (fp16 sums are order-dependent).
-- :func:`predict_folds_async` runs all folds concurrently and averages their logits in fold order
-  (``predict_logits_from_preprocessed_data``).
+- :func:`predict_folds_async` runs the folds concurrently, at most ``max_concurrent_folds`` of them alive at
+  once (``numerics.limits.plan_fold_memory`` chooses it), and averages their logits in fold order
+  (``predict_logits_from_preprocessed_data``) as each fold's turn comes, so finished folds are freed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from nnunet_triton.errors import SubmodelError
-from nnunet_triton.numerics.sliding_window import TileItem, TileMerger, TileSplitter, average_folds
+from nnunet_triton.numerics.sliding_window import FoldAverage, TileItem, TileMerger, TileSplitter
 from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE
 
 __all__ = [
@@ -132,6 +133,18 @@ def _bounded(infer: InferBatch, semaphore: asyncio.Semaphore) -> InferBatch:
     return call
 
 
+async def _first_in_order(running: deque[asyncio.Task[Any]]) -> Any:
+    """Pop and return the oldest fold's logits; a later fold's failure is raised as soon as it happens."""
+    head = running[0]
+    while not head.done():
+        await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+        for task in running:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                task.result()
+    running.popleft()
+    return head.result()
+
+
 async def predict_folds_async(
     data: Any,
     fold_infer: Sequence[InferBatch],
@@ -144,32 +157,50 @@ async def predict_folds_async(
     max_inflight: int = 1,
     use_gaussian: bool = True,
     gaussian: Any | None = None,
+    max_concurrent_folds: int | None = None,
 ) -> Any:
-    """Run :func:`predict_fold_async` for every fold concurrently, then average in the given fold order.
+    """Run :func:`predict_fold_async` for the folds concurrently and average them in the given fold order.
 
-    The folds share one :class:`TileSplitter` (one padded copy of ``data``, one tile grid).
+    The folds share one :class:`TileSplitter` (one padded copy of ``data``, one tile grid). Folds start in
+    fold order; fold ``i + max_concurrent_folds`` starts once fold ``i`` was added to the fold-order sum
+    (:class:`FoldAverage`), so at most ``max_concurrent_folds`` accumulators (or finished folds waiting for
+    their turn) are alive at once. The sum's order, and so every bit of the result, does not depend on it.
 
     Args:
         data: preprocessed case ``(C, *spatial)`` float32.
         fold_infer: one ``infer_batch`` per fold, in averaging order.
         max_inflight: ``infer_batch`` calls running at once over ALL folds (one shared semaphore; also
             each fold's read-ahead window).
+        max_concurrent_folds: folds alive at once (``None``: all; 1: nnUNetPredictor's one at a time).
         others: as in :func:`predict_fold_async`.
 
     Returns:
-        float16 ``(K, *spatial)``: ``average_folds`` of the per-fold logits (fp16 sum, then / n).
+        float16 ``(K, *spatial)``: the fold mean (fp16 sum in fold order, then / n), as ``average_folds``.
     """
     if not fold_infer:
         raise ValueError("fold_infer must hold at least one fold.")
     if max_inflight < 1:
         raise ValueError(f"max_inflight must be >= 1, got {max_inflight}.")
+    alive = len(fold_infer) if max_concurrent_folds is None else max_concurrent_folds
+    if alive < 1:
+        raise ValueError(f"max_concurrent_folds must be >= 1 or None, got {max_concurrent_folds}.")
     splitter = TileSplitter(data, patch_size, mirror_axes=mirror_axes, tile_step_size=tile_step_size)
     semaphore = asyncio.Semaphore(max_inflight)
-    logits = await gather_or_cancel(
-        *(
-            _predict_fold(splitter, _bounded(infer, semaphore), num_heads=num_heads, batch_size=batch_size,
-                          max_inflight=max_inflight, use_gaussian=use_gaussian, gaussian=gaussian)
-            for infer in fold_infer
-        )
-    )
-    return average_folds(logits)
+    average = FoldAverage(len(fold_infer))
+    running: deque[asyncio.Task[Any]] = deque()
+    try:
+        for infer in fold_infer:
+            if len(running) >= alive:
+                average.add(await _first_in_order(running))
+            fold = _predict_fold(splitter, _bounded(infer, semaphore), num_heads=num_heads,
+                                 batch_size=batch_size, max_inflight=max_inflight, use_gaussian=use_gaussian,
+                                 gaussian=gaussian)
+            running.append(asyncio.ensure_future(fold))
+        while running:
+            average.add(await _first_in_order(running))
+    except BaseException:  # the first failure cancels the other folds before it is raised
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        raise
+    return average.finalize()

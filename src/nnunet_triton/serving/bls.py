@@ -76,10 +76,12 @@ async def infer(
         inputs: ``{input name: array or pb_utils.Tensor}``.
         output_names: outputs to request; all must come back.
         xp: array module for the outputs (see ``tensor_to_array``).
-        copy: copy outputs out of the response's memory.
         on_host: called with an output's name when it came back in host memory although
-            ``output_device="gpu"`` was asked for (Triton falls back to host memory when it cannot
-            allocate device memory, e.g. a full CUDA memory pool).
+            ``output_device="gpu"`` was asked for. In r24.10 a GPU output does not fall back to host
+            memory: when the CUDA memory pool is full the stub allocates it with ``cudaMalloc``, or the
+            call fails; the hook guards a callee that answers in host memory by its own choice.
+        copy: copy outputs out of the response's memory; a device copy is synchronized before the
+            response is released (``tensors.copy_settled``).
         **request_options: passed to :func:`build_request` (parameters, timeout_us, output_device,
             device_id, parent).
 

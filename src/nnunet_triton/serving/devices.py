@@ -10,6 +10,7 @@ so the first GPU step copies them to the device once (:meth:`InstanceDevice.arra
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,44 @@ class InstanceDevice:
                 f"CuPy cannot run a kernel on GPU {self.index} ({type(exc).__name__}: {exc}); the GPU models "
                 "need a working CUDA driver and NVRTC (cupy-cuda12x with the CUDA runtime of the image)."
             ) from exc
+
+    def instances(self, model_config: Mapping[str, Any]) -> int:
+        """Instances of the model that share this instance's memory (``initialize``'s parsed config).
+
+        On a GPU: the KIND_GPU (or KIND_AUTO) groups placed on it; a group without ``gpus`` has ``count``
+        instances on every GPU. On the host: every instance of the model.
+        """
+        total = 0
+        for group in model_config.get("instance_group") or [{"count": 1}]:
+            count = int(group.get("count", 1))
+            if not self.gpu:
+                total += count
+            elif group.get("kind", "KIND_AUTO") in ("KIND_GPU", "KIND_AUTO"):
+                gpus = [int(g) for g in group.get("gpus") or []]
+                total += count if not gpus or self.index in gpus else 0
+        return max(1, total)
+
+    def available_memory(self) -> tuple[int, str]:
+        """Bytes a new allocation of this instance can get now, and what they measure (for messages).
+
+        GPU: the driver's free memory plus what torch's caching allocator holds without using it (this
+        process reuses that without the driver). Host: ``MemAvailable`` of ``/proc/meminfo`` (the kernel's
+        estimate of what can be allocated without swapping), else the free physical pages.
+        """
+        if self.gpu:
+            import torch
+
+            free, _total = torch.cuda.mem_get_info(self.index)
+            cached = torch.cuda.memory_reserved(self.index) - torch.cuda.memory_allocated(self.index)
+            return free + cached, f"GPU {self.index} free memory"
+        try:
+            with open("/proc/meminfo", encoding="ascii") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, "available host memory"
+        except OSError:
+            pass
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host memory"
 
     def array(self, array: Any) -> Any:
         """``array`` as this instance's NumPy (CPU) or CuPy (GPU) array, copied only if it lives elsewhere."""

@@ -27,8 +27,8 @@ from nnunet_triton.errors import InputValidationError, PlansError
 from nnunet_triton.numerics._xp import is_torch_module
 from nnunet_triton.serving._pb import pb_utils
 
-__all__ = ["tensor_to_array", "input_array", "image_array", "output_tensor", "request_parameters",
-           "model_parameters", "declared_segmentation_dtype"]
+__all__ = ["tensor_to_array", "copy_settled", "input_array", "image_array", "output_tensor",
+           "request_parameters", "model_parameters", "declared_segmentation_dtype"]
 
 
 
@@ -43,7 +43,7 @@ def tensor_to_array(tensor: Any, *, xp: ModuleType | None = None, copy: bool = F
     """
     if is_torch_module(xp):
         array = xp.from_dlpack(tensor)
-        return array.clone() if copy else array
+        return copy_settled(array, xp=xp) if copy else array
     if tensor.is_cpu():
         array = np.from_dlpack(tensor)
         if copy:
@@ -54,7 +54,32 @@ def tensor_to_array(tensor: Any, *, xp: ModuleType | None = None, copy: bool = F
 
         xp = cupy
     array = xp.from_dlpack(tensor)
-    return array.copy() if copy else array
+    return copy_settled(array, xp=xp) if copy else array
+
+
+def copy_settled(array: Any, *, xp: ModuleType) -> Any:
+    """Copy an array (torch tensor on any device, or CuPy array) and wait until a device copy has run.
+
+    A copy that must outlive the Triton tensor it reads (a BLS response's output, a request's input)
+    cannot be left in flight: ``clone()``/``copy()`` only enqueue a kernel on the current stream, and
+    Triton's ``Tensor.__dlpack__`` ignores the ``stream`` it is given, so nothing orders the copy before
+    the release. Releasing a BLS response tells the parent process to free that block of the CUDA memory
+    pool, and the next fold response, written by another process, can land in the same block before the
+    copy ran: a wrong answer under concurrency, without any error. Synchronizing the copy's stream
+    before returning closes that window (one wait per fold batch; the copy is microseconds).
+
+    Args:
+        array: the device array imported by DLPack from the Triton tensor.
+        xp: its module, ``torch`` or ``cupy``.
+    """
+    if is_torch_module(xp):
+        copy = array.clone()
+        if copy.is_cuda:
+            xp.cuda.current_stream(copy.device).synchronize()
+        return copy
+    copy = array.copy()
+    xp.cuda.get_current_stream().synchronize()
+    return copy
 
 
 def input_array(

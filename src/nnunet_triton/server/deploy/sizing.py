@@ -22,18 +22,27 @@ models through the pinned pool. Tensors that do travel on the GPU between models
 GPU outputs, ensemble intermediates) come from the CUDA pool, and the pinned pool is the fallback when
 it is full. Each plan covers both paths: it is an upper bound derived from these rules; only the shm
 growth rule was measured (docs/deploy.md).
+
+Device memory outside the pools: every orchestrator instance of a gpu target keeps its fold accumulators
+(nnU-Net's fp16 logits and weights, (K + 1) x V_pad x 2 per fold alive) and the fold-order sum in torch's
+own allocator on the GPU (``numerics.limits.FoldMemoryPlan``). The plan gives that per instance for all
+folds at once and for one fold at a time (the least a request needs), and, when the GPU's memory is
+given, how many folds the orchestrator will run at once on it (the pools come off first; what the fold
+models' libtorch needs for weights and activations is not counted).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from nnunet_triton.numerics.limits import FoldMemoryPlan, padded_voxels
 from nnunet_triton.numerics.resampling import compute_new_shape
 from nnunet_triton.server.deploy.repository_info import ModelGeometry, PipelineInfo, RepositoryInfo
 
 __all__ = ["MiB", "GiB", "VolumeSpec", "TensorBytes", "MemoryPlan", "tensor_bytes", "stub_bytes",
-           "plan_memory"]
+           "fold_memory", "plan_memory"]
 
 MiB = 2**20
 GiB = 2**30
@@ -94,8 +103,10 @@ class MemoryPlan:
     host_memory_bytes: int  # container memory request/limit (shm included: tmpfs pages count)
     shm_default_bytes: int = SHM_DEFAULT_BYTES
     shm_growth_bytes: int = SHM_GROWTH_BYTES
-    # the share of each endpoint version ("liver v2"): shm, stubs, working memory, pools (MiB)
+    # the share of each endpoint version ("liver v2"): shm, stubs, working memory, pools (MiB), and on a
+    # gpu target its device memory per orchestrator instance for all folds at once and for one fold
     pipelines: tuple[tuple[str, dict[str, int]], ...] = ()
+    gpu_memory_bytes: int | None = None  # the GPU's memory, when given: then the folds it runs at once
 
     def pool_args(self, gpus: int) -> tuple[str, ...]:
         """tritonserver flags that size the CUDA pool of each of ``gpus`` GPUs and the pinned pool
@@ -115,6 +126,7 @@ class MemoryPlan:
                 "tile_batch_mib": round(t.tile_batch / MiB, 1),
                 "preprocessed_mib": round(t.preprocessed / MiB, 1), "logits_mib": round(t.logits / MiB, 1),
                 "resampled_shape": list(t.resampled_shape),
+                "gpu_memory_mib": None if self.gpu_memory_bytes is None else self.gpu_memory_bytes // MiB,
                 "per_endpoint_version": {label: dict(share) for label, share in self.pipelines}}
 
     @property
@@ -214,11 +226,30 @@ class _Share:
     pinned: int
     stubs: int
     working: int
+    folds: FoldMemoryPlan | None = None  # gpu target: the accumulators of one orchestrator instance
+    gpu_given: bool = False  # folds.available_bytes is the GPU's memory left for the orchestrators
 
     def mib(self) -> dict[str, int]:
-        return {"shm_mib": _ceil_div(self.shm, MiB), "stub_mib": _ceil_div(self.stubs, MiB),
-                "working_mib": _ceil_div(self.working, MiB), "cuda_pool_mib": _ceil_div(self.cuda, MiB),
-                "pinned_pool_mib": _ceil_div(self.pinned, MiB)}
+        share = {"shm_mib": _ceil_div(self.shm, MiB), "stub_mib": _ceil_div(self.stubs, MiB),
+                 "working_mib": _ceil_div(self.working, MiB), "cuda_pool_mib": _ceil_div(self.cuda, MiB),
+                 "pinned_pool_mib": _ceil_div(self.pinned, MiB)}
+        if self.folds is not None:
+            share.update(device_all_folds_mib=_ceil_div(self.folds.bytes_for(self.folds.folds), MiB),
+                         device_one_fold_mib=_ceil_div(self.folds.bytes_for(1), MiB))
+            if self.gpu_given:
+                share["concurrent_folds"] = self.folds.max_concurrent_folds
+        return share
+
+
+def fold_memory(info: PipelineInfo, volume: VolumeSpec, *, instances: int = 1,
+                available_bytes: int = 0) -> FoldMemoryPlan:
+    """The fold accumulators of one orchestrator request of ``volume`` (``numerics.limits``), with
+    ``available_bytes`` shared by ``instances`` (0: nothing given, only the byte counts are meaningful)."""
+    geo = info.geometry
+    return FoldMemoryPlan(num_heads=geo.classes, channels=geo.channels,
+                          voxels=padded_voxels(resampled_shape(geo, volume), geo.patch_size),
+                          folds=max(1, len(info.folds)), instances=max(1, instances),
+                          available_bytes=available_bytes, memory="GPU memory")
 
 
 def _share(info: PipelineInfo, volume: VolumeSpec, gpus: int, in_flight_requests: int | None) -> _Share:
@@ -243,11 +274,12 @@ def _share(info: PipelineInfo, volume: VolumeSpec, gpus: int, in_flight_requests
         staged = all_tiles + requests * (t.image + t.segmentation + t.probabilities)
         pinned = math.ceil(staged * HEADROOM)
     return _Share(tensors=t, shm=shm, cuda=cuda, pinned=pinned, stubs=stub_bytes(info, per_gpu),
-                  working=requests * info.stages * _working_bytes(info, t, volume))
+                  working=requests * info.stages * _working_bytes(info, t, volume),
+                  folds=fold_memory(info, volume) if gpu_target else None)
 
 
 def plan_memory(info: RepositoryInfo | PipelineInfo, volume: VolumeSpec, *, gpus: int = 1,
-                in_flight_requests: int | None = None) -> MemoryPlan:
+                in_flight_requests: int | None = None, gpu_memory_bytes: int | None = None) -> MemoryPlan:
     """Size shm, pools and host memory for a server of ``info`` serving ``volume``.
 
     A repository with several endpoints (or versions of one) loads every pipeline: their stubs, shm regions
@@ -258,6 +290,9 @@ def plan_memory(info: RepositoryInfo | PipelineInfo, volume: VolumeSpec, *, gpus
         gpus: GPUs visible to the server (KIND_GPU instance groups are created once per GPU).
         in_flight_requests: whole requests whose tensors coexist per pipeline (default: its orchestrator
             instances, the stage that holds a request longest).
+        gpu_memory_bytes: memory of one GPU (gpu target): the CUDA pool comes off, the rest is shared by
+            every orchestrator instance on the GPU, and each pipeline's share says how many folds a
+            request runs at once (``concurrent_folds``; 0: not even one fold fits, requests are refused).
     """
     pipelines = info.pipelines if isinstance(info, RepositoryInfo) else (info,)
     gpu_target = info.target == "gpu"
@@ -268,6 +303,14 @@ def plan_memory(info: RepositoryInfo | PipelineInfo, volume: VolumeSpec, *, gpus
         cuda_pool = max(CUDA_POOL_MIN_BYTES, _round_up(sum(s.cuda for s in shares), 64 * MiB))
         pinned = max(PINNED_POOL_MIN_BYTES, _round_up(sum(s.pinned for s in shares), 64 * MiB))
     host = _round_up(shm + pinned + SERVER_BYTES + sum(s.stubs + s.working for s in shares), 256 * MiB)
-    return MemoryPlan(tensors=shares[0].tensors, shm_bytes=shm, cuda_pool_bytes=cuda_pool,
+    if gpu_target and gpu_memory_bytes is not None:
+        instances = sum(p.orchestrator_instances * p.stages for p in pipelines)
+        left = max(0, gpu_memory_bytes - cuda_pool)
+        shares = [dataclasses.replace(s, folds=dataclasses.replace(s.folds, instances=instances,
+                                                                    available_bytes=left),
+                                      gpu_given=True)
+                  for s in shares]
+    return MemoryPlan(gpu_memory_bytes=gpu_memory_bytes if gpu_target else None,
+                      tensors=shares[0].tensors, shm_bytes=shm, cuda_pool_bytes=cuda_pool,
                       pinned_pool_bytes=pinned, host_memory_bytes=host,
                       pipelines=tuple((p.label, s.mib()) for p, s in zip(pipelines, shares, strict=True)))

@@ -7,6 +7,12 @@ ensemble), then run nnU-Net's sliding window for every selected fold concurrentl
 Gaussian-accumulate in tile order, and average the folds' fp16 logits in fold order. All numerics are
 library calls; this module only moves tensors.
 
+Fold accumulators are planned per request (``numerics.limits.plan_fold_memory``): from the instance's
+free device memory (KIND_GPU) or the available host memory (KIND_CPU), divided by the orchestrator
+instances sharing it, as many folds run at once as their fp16 buffers fit (nnUNetPredictor's one at a
+time at least; the result's bits do not depend on it), and a request whose single fold does not fit is
+refused with UNAVAILABLE and a message naming the sizes and the memory there is.
+
 The data is a torch tensor on the instance's device from PREPROCESSED to LOGITS (``serving.InstanceDevice``):
 on a KIND_GPU instance PREPROCESSED is taken from device memory (or copied there once), tiles go to the
 fold models and their outputs come back as CUDA tensors (BLS outputs requested in GPU memory, DLPack),
@@ -34,12 +40,14 @@ I/O (``max_batch_size: 0``):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.errors import PlansError, RequestCancelledError
 from nnunet_triton.numerics.gaussian import compute_gaussian
+from nnunet_triton.numerics.limits import padded_voxels, plan_fold_memory
 from nnunet_triton.numerics.sliding_window import mirror_combinations
 from nnunet_triton.options import RequestOptions
 from nnunet_triton.parameters import PARAM_FOLD_MODELS, OrchestratorParameters
@@ -75,6 +83,7 @@ class OrchestratorStep(AsyncStep):
         self.tile_batch_size = params.tile_batch_size
         self.max_inflight = params.max_inflight
         self.gaussian = self.device.tensor(compute_gaussian(self.config.patch_size))
+        self.instances = self.device.instances(json.loads(self.args.get("model_config") or "{}"))
 
     def inputs(self, request: Any, record: RequestRecord) -> dict[str, Any]:
         data = input_array(request, io_names.PREPROCESSED, xp=self.torch, on_host=self.device.watch(record))
@@ -82,10 +91,16 @@ class OrchestratorStep(AsyncStep):
 
     async def run(self, arrays: Mapping[str, Any], options: RequestOptions,  # type: ignore[override]
                   record: RequestRecord) -> dict[str, Any]:
-        config, request = self.config, arrays["request"]
+        config, request, data = self.config, arrays["request"], arrays[io_names.PREPROCESSED]
         mirror_axes = config.mirror_axes if options.mirroring else None
+        available, memory = self.device.available_memory()
+        plan = plan_fold_memory(  # refuses the request (UNAVAILABLE) when not even one fold fits
+            num_heads=config.labels.num_segmentation_heads, channels=data.shape[0],
+            voxels=padded_voxels(data.shape[1:], config.patch_size), folds=len(options.folds),
+            instances=self.instances, available_bytes=available, memory=memory,
+        )
         logits = await predict_folds_async(
-            arrays[io_names.PREPROCESSED],
+            data,
             [self._fold_infer(self.fold_models[fold], request, record) for fold in options.folds],
             patch_size=config.patch_size,
             num_heads=config.labels.num_segmentation_heads,
@@ -94,6 +109,7 @@ class OrchestratorStep(AsyncStep):
             batch_size=self.tile_batch_size,
             max_inflight=self.max_inflight,
             gaussian=self.gaussian,
+            max_concurrent_folds=plan.max_concurrent_folds,
         )
         per_tile = len(options.folds) * (1 + len(mirror_combinations(mirror_axes)))  # inputs per tile
         record.add(folds=len(options.folds), tiles=record.counts.get("forwards", 0) // per_tile)
