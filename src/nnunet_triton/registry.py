@@ -26,7 +26,6 @@ import errno
 import fcntl
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.errors import OlderRepositoryError, RepositoryError
+from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = [
     "REGISTRY_FILE",
@@ -292,19 +292,8 @@ def version_metadata(repository: str | Path, name: str = io_names.ENDPOINT_MODEL
 
 
 def write_registry(repository: str | Path, registry: Registry) -> None:
-    """Replace the registry file atomically (temporary file, fsync, rename): readers see old or new."""
-    root = Path(repository)
-    fd, tmp = tempfile.mkstemp(prefix=f".{REGISTRY_FILE}.", dir=root)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(registry.to_json() + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, root / REGISTRY_FILE)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Replace the registry file atomically and durably (``util.durable``): readers see old or new."""
+    write_text_atomic(Path(repository) / REGISTRY_FILE, registry.to_json() + "\n")
 
 
 @contextlib.contextmanager

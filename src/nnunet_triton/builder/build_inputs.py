@@ -25,12 +25,12 @@ from nnunet_triton import __version__ as NNUNET_TRITON_VERSION
 from nnunet_triton import io_names
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
-from nnunet_triton.builder.torchscript import sha256_file
 from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.postprocessing import (
     PostprocessingPlan,
 )
+from nnunet_triton.util.hashing import sha256_file
 
 __all__ = [
     "ADAPTERS",

@@ -58,7 +58,6 @@ from nnunet_triton.builder.build_inputs import (
     adapters_needed,
     compute_input_hash,
     replace_directory,
-    sha256_file,
     torch_version,
 )
 from nnunet_triton.builder.config_gen import ModelSpec
@@ -75,6 +74,8 @@ from nnunet_triton.numerics.postprocessing import (
     load_postprocessing_pkl,
 )
 from nnunet_triton.registry import Registry, locked, read_registry, write_registry
+from nnunet_triton.util.durable import write_text_atomic
+from nnunet_triton.util.hashing import sha256_file
 
 __all__ = [
     "BuildResult",
@@ -581,7 +582,7 @@ def write_public_endpoints(source: Path, target: Path, name: str, version: int) 
             raise RepositoryError(f"version {version} of {name!r} has no pinned endpoint {source_name!r} "
                                   f"({str(config)!r} is missing): build it again.")
         (target / public / VERSION_DIR).mkdir(parents=True, exist_ok=True)  # Triton needs a version folder
-        config_gen.write_text_atomic(target / public / "config.pbtxt",
+        write_text_atomic(target / public / "config.pbtxt",
                                      config_gen.renamed_config(config.read_text(), public))
         written.append(public)
     return written

@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton.util.process import pid_alive  # re-exported for the watchdog and the handle
+
 __all__ = [
     "STUB_EXECUTABLE",
     "StubProcess",
@@ -97,15 +99,6 @@ def stub_processes(server_pid: int | None = None, *, proc: str | Path = "/proc")
         found.append(StubProcess(pid=pid, parent_pid=ppid, model=Path(argv[1]).parent.parent.name,
                                  instance=argv[8], shm_region=argv[2]))
     return sorted(found, key=lambda s: s.pid)
-
-
-def pid_alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
