@@ -36,7 +36,6 @@ from nnunet_triton.errors import OlderRepositoryError, RepositoryError
 from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = [
-    "REGISTRY_FILE",
     "FORMAT",
     "VersionEntry",
     "EndpointEntry",
@@ -47,7 +46,6 @@ __all__ = [
     "locked",
 ]
 
-REGISTRY_FILE = io_names.REPOSITORY_METADATA_FILE
 FORMAT = 2
 
 
@@ -266,7 +264,7 @@ def read_registry(repository: str | Path) -> Registry | None:
     Raises:
         RepositoryError: the file is unreadable, malformed, or of another format.
     """
-    path = Path(repository) / REGISTRY_FILE
+    path = Path(repository) / io_names.REPOSITORY_METADATA_FILE
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -285,15 +283,15 @@ def version_metadata(repository: str | Path, name: str = io_names.ENDPOINT_MODEL
     """
     registry = read_registry(repository)
     if registry is None:
-        raise RepositoryError(f"{str(repository)!r} has no {REGISTRY_FILE}: not a repository built by "
-                              "nnunet-triton.")
+        raise RepositoryError(f"{str(repository)!r} has no {io_names.REPOSITORY_METADATA_FILE}: not a "
+                              "repository built by nnunet-triton.")
     entry = registry.endpoint(name)
     return dict(entry.version(entry.promoted if version is None else version).metadata)
 
 
 def write_registry(repository: str | Path, registry: Registry) -> None:
     """Replace the registry file atomically and durably (``util.durable``): readers see old or new."""
-    write_text_atomic(Path(repository) / REGISTRY_FILE, registry.to_json() + "\n")
+    write_text_atomic(Path(repository) / io_names.REPOSITORY_METADATA_FILE, registry.to_json() + "\n")
 
 
 @contextlib.contextmanager

@@ -42,7 +42,6 @@ __all__ = [
 LOGGER = logging.getLogger(__name__)
 
 
-METADATA_FILE = io_names.REPOSITORY_METADATA_FILE
 
 # model name -> the serving step its model.py imports (nnunet_triton.serving.steps.<step>)
 ADAPTERS = {

@@ -53,7 +53,6 @@ from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.build_inputs import (
     COMBINE_ADAPTER,
     FOLD_RUNNER_KEY,
-    METADATA_FILE,
     adapter_source,
     adapters_needed,
     compute_input_hash,
@@ -478,7 +477,7 @@ def _land(out: Path, choice: VersionChoice, input_hash: str, specs: Sequence[Mod
     if state in ("legacy", "foreign") and not force:
         what = (f"was built by an older nnunet-triton (one model, {io_names.ENDPOINT_MODEL!r}, no endpoint "
                 f"registry): building {choice.name!r} beside it would lose it" if state == "legacy"
-                else f"exists but has no {METADATA_FILE}")
+                else f"exists but has no {io_names.REPOSITORY_METADATA_FILE}")
         raise PlansError(f"output {str(out)!r} {what}; refusing to replace it (use --force, which replaces "
                          "its whole content, or build into another folder).")
     version, current, promote = _chosen_version(registry, choice, input_hash, force)
@@ -605,7 +604,7 @@ def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> l
         registry = read_registry(out)
         if registry is None:
             raise RepositoryError(f"{str(out)!r} is not a model repository built by nnunet-triton (no "
-                                  f"{METADATA_FILE}).")
+                                  f"{io_names.REPOSITORY_METADATA_FILE}).")
         entry = registry.endpoint(name)
         if version is None:
             gone = set(entry.public_models).union(*(set(v.models) for v in entry.versions.values()))

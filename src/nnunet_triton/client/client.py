@@ -26,14 +26,13 @@ import numpy as np
 from nnunet_triton import io_names
 from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import ClientError, InputValidationError, ServerUnavailableError
-from nnunet_triton.options import RequestOptions
+from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, RequestOptions
 from nnunet_triton.util.retry import is_retryable, triton_code
 
 __all__ = ["SegmentationResult", "NnunetClient", "PROTOCOLS", "endpoint_model"]
 
 LOGGER = logging.getLogger(__name__)
 PROTOCOLS = ("http", "grpc")
-DEFAULT_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ class NnunetClient:
         self,
         url: str,
         protocol: str = "http",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
         *,
         model: str = io_names.ENDPOINT_MODEL,
         version: int | None = None,

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton.parameters import DEFAULT_HTTP_PORT
 from nnunet_triton.util.process import pid_alive  # re-exported for the watchdog and the handle
 
 __all__ = [
@@ -313,7 +314,8 @@ def check_health(
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m nnunet_triton.server.health",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="127.0.0.1:8000", help="host:port of the HTTP endpoint")
+    parser.add_argument("--url", default=f"127.0.0.1:{DEFAULT_HTTP_PORT}",
+                        help="host:port of the HTTP endpoint")
     parser.add_argument("--model-repository", required=True, type=Path, help="the served repository folder")
     parser.add_argument("--server-pid", type=int, default=None,
                         help="tritonserver's pid (default: the one tritonserver process found)")
