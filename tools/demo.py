@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from nnunet_triton.errors import NnunetTritonError
+from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for repository, segmentation, log")
     p.add_argument("--protocol", choices=("http", "grpc"), default="http")
     p.add_argument("--no-mirroring", action="store_true", help="disable test-time mirroring")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the inference call")
+    p.add_argument("--timeout", type=float, default=DEFAULT_CLIENT_TIMEOUT_S,
+                   help="seconds for the inference call")
     return p
 
 

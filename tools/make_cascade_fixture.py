@@ -256,11 +256,14 @@ def predict_cascade(dataset_dir: Path) -> dict[str, dict[str, dict[str, float]]]
     from nnunetv2.imageio.simpleitk_reader_writer import SimpleITKIO
     from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
 
+    from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE  # nnU-Net's default, the endpoint's
+
     out = dataset_dir / "predictions"
     dice: dict[str, dict[str, dict[str, float]]] = {}
     previous: str | None = None
     for stage in STAGES:
-        predictor = nnUNetPredictor(tile_step_size=0.5, use_gaussian=True, use_mirroring=True,
+        predictor = nnUNetPredictor(tile_step_size=DEFAULT_TILE_STEP_SIZE, use_gaussian=True,
+                                    use_mirroring=True,
                                     perform_everything_on_device=False, device=torch.device("cpu"),
                                     verbose=False, verbose_preprocessing=False, allow_tqdm=False)
         predictor.initialize_from_trained_model_folder(str(dataset_dir / stage.folder_name),

@@ -662,8 +662,10 @@ def evaluate_model_folder(
     from nnunetv2.imageio.simpleitk_reader_writer import SimpleITKIO
     from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
 
+    from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE  # nnU-Net's default, the endpoint's
+
     predictor = nnUNetPredictor(
-        tile_step_size=0.5,
+        tile_step_size=DEFAULT_TILE_STEP_SIZE,
         use_gaussian=True,
         use_mirroring=use_mirroring,
         perform_everything_on_device=False,

@@ -297,7 +297,9 @@ def evaluate(model: ModelSpec, dataset_dir: Path) -> dict[str, dict[str, float]]
     from nnunetv2.imageio.simpleitk_reader_writer import SimpleITKIO
     from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
 
-    predictor = nnUNetPredictor(tile_step_size=0.5, use_gaussian=True, use_mirroring=False,
+    from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE  # nnU-Net's default, the endpoint's
+
+    predictor = nnUNetPredictor(tile_step_size=DEFAULT_TILE_STEP_SIZE, use_gaussian=True, use_mirroring=False,
                                 perform_everything_on_device=False, device=torch.device("cpu"),
                                 verbose=False, verbose_preprocessing=False, allow_tqdm=False)
     predictor.initialize_from_trained_model_folder(str(dataset_dir / model.folder_name), use_folds=(FOLD,))

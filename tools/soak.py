@@ -41,10 +41,6 @@ DEFAULT_MODEL = (
 )
 DEFAULT_OUT = REPO_ROOT / "build" / "soak"
 INVALID_ARG = {"400", "StatusCode.INVALID_ARGUMENT"}
-# Same build options as tests/triton/pipeline_support.py (nnU-Net-exact CPU settings), so both share
-# one built repository and the builder's no-op check.
-TILE_BATCH_SIZE = 4
-MAX_INFLIGHT = 4
 
 
 @dataclass(frozen=True)
@@ -445,12 +441,16 @@ def _parser() -> argparse.ArgumentParser:
 def _start_server(args: argparse.Namespace) -> Any:
     from nnunet_triton.builder.model_specs import BuildOptions
     from nnunet_triton.builder.repository import build_repository
+    from nnunet_triton.parameters import DEFAULT_MAX_INFLIGHT, DEFAULT_TILE_BATCH_SIZE
     from nnunet_triton.server import embedded as embedded_server
 
     repository = args.repository
     if repository is None:
+        # same build options as tests/triton/pipeline_support.py (nnU-Net-exact CPU settings), so both
+        # share one built repository and the builder's no-op check
         options = BuildOptions(
-            tile_batch_size=TILE_BATCH_SIZE, per_sample_forward=True, max_inflight=MAX_INFLIGHT
+            tile_batch_size=DEFAULT_TILE_BATCH_SIZE, per_sample_forward=True,
+            max_inflight=DEFAULT_MAX_INFLIGHT,
         )
         dataset = args.model.parent.name
         repository = build_repository(

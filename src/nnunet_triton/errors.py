@@ -21,6 +21,7 @@ __all__ = [
     "ClientError",
     "DeployError",
     "PacsError",
+    "ServerUnavailableError",
     "RepositoryError",
     "OlderRepositoryError",
     "RequestCancelledError",
@@ -114,6 +115,11 @@ class ClientError(NnunetTritonError):
     def __init__(self, message: str, *, status: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class ServerUnavailableError(ClientError):
+    """The server answered UNAVAILABLE (or a composing model was not running): the same request may
+    succeed later (``nnunet_triton.util.retry`` decides this from the status code)."""
 
 
 class PacsError(ClientError):

@@ -27,6 +27,7 @@ __all__ = [
     "OPTION_POSTPROCESSING",
     "KNOWN_OPTIONS",
     "DEFAULT_TILE_STEP_SIZE",
+    "DEFAULT_CLIENT_TIMEOUT_S",
     "Fold",
     "RequestOptions",
     "ProbabilitiesOutput",
@@ -45,6 +46,8 @@ OPTION_POSTPROCESSING = "postprocessing"  # bool, default True: apply the deploy
 KNOWN_OPTIONS = (OPTION_MIRRORING, OPTION_TILE_STEP_SIZE, OPTION_FOLDS, OPTION_PROBABILITIES,
                  OPTION_POSTPROCESSING)
 DEFAULT_TILE_STEP_SIZE = 0.5
+# Seconds a client waits for one inference answer (NnunetClient, the command lines, the tools).
+DEFAULT_CLIENT_TIMEOUT_S = 600.0
 
 Fold = int | str
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from nnunet_triton import __version__, io_names
@@ -34,6 +35,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORCE_CPU_ONLY_INPUT_TENSORS",
+    "DEFAULT_TILE_BATCH_SIZE",
+    "DEFAULT_MAX_INFLIGHT",
+    "DEFAULT_HTTP_PORT",
+    "DEFAULT_GRPC_PORT",
+    "DEFAULT_METRICS_PORT",
+    "DEFAULT_PORTS",
     "PARAM_METRICS",
     "PARAM_FOLD_MODELS",
     "PARAM_TORCH_NUM_THREADS",
@@ -58,6 +65,16 @@ PARAM_PER_SAMPLE_FORWARD = "per_sample_forward"
 PARAM_MODEL_FILENAME = "model_filename"
 # the ``nnunet`` endpoint (an ensemble) publishes its model as JSON for ``info``, the clients and ``validate``
 DESCRIPTION_PARAMETER = "nnunet_description"
+
+# Defaults, defined here only (the builder, the orchestrator, the tools and tests import them).
+DEFAULT_TILE_BATCH_SIZE = 4  # (tile, mirror variant) items per fold request
+DEFAULT_MAX_INFLIGHT = 4  # fold requests in flight per fold
+# tritonserver's own default ports: the container side of every deployment, and the client's default.
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 8001
+DEFAULT_METRICS_PORT = 8002
+DEFAULT_PORTS = MappingProxyType({"http": DEFAULT_HTTP_PORT, "grpc": DEFAULT_GRPC_PORT,
+                                  "metrics": DEFAULT_METRICS_PORT})
 AXIS_ORDER = "zyx"  # IMAGE is (C, z, y, x) and SPACING (z, y, x): SimpleITK's array order, as nnU-Net reads
 
 
@@ -136,8 +153,8 @@ class OrchestratorParameters(PipelineParameters):
     """``orchestrator_model``: the fold models in fold order, tiles per fold request, batches in flight."""
 
     fold_models: tuple[str, ...] = field(default_factory=tuple)
-    tile_batch_size: int = 4
-    max_inflight: int = 4
+    tile_batch_size: int = DEFAULT_TILE_BATCH_SIZE
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
 
     def to_config(self) -> dict[str, str]:
         return {**super().to_config(), PARAM_FOLD_MODELS: ",".join(self.fold_models),

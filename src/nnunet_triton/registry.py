@@ -26,7 +26,6 @@ import errno
 import fcntl
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,9 +33,9 @@ from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.errors import OlderRepositoryError, RepositoryError
+from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = [
-    "REGISTRY_FILE",
     "FORMAT",
     "VersionEntry",
     "EndpointEntry",
@@ -47,7 +46,6 @@ __all__ = [
     "locked",
 ]
 
-REGISTRY_FILE = io_names.REPOSITORY_METADATA_FILE
 FORMAT = 2
 
 
@@ -266,7 +264,7 @@ def read_registry(repository: str | Path) -> Registry | None:
     Raises:
         RepositoryError: the file is unreadable, malformed, or of another format.
     """
-    path = Path(repository) / REGISTRY_FILE
+    path = Path(repository) / io_names.REPOSITORY_METADATA_FILE
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -285,26 +283,15 @@ def version_metadata(repository: str | Path, name: str = io_names.ENDPOINT_MODEL
     """
     registry = read_registry(repository)
     if registry is None:
-        raise RepositoryError(f"{str(repository)!r} has no {REGISTRY_FILE}: not a repository built by "
-                              "nnunet-triton.")
+        raise RepositoryError(f"{str(repository)!r} has no {io_names.REPOSITORY_METADATA_FILE}: not a "
+                              "repository built by nnunet-triton.")
     entry = registry.endpoint(name)
     return dict(entry.version(entry.promoted if version is None else version).metadata)
 
 
 def write_registry(repository: str | Path, registry: Registry) -> None:
-    """Replace the registry file atomically (temporary file, fsync, rename): readers see old or new."""
-    root = Path(repository)
-    fd, tmp = tempfile.mkstemp(prefix=f".{REGISTRY_FILE}.", dir=root)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(registry.to_json() + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, root / REGISTRY_FILE)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Replace the registry file atomically and durably (``util.durable``): readers see old or new."""
+    write_text_atomic(Path(repository) / io_names.REPOSITORY_METADATA_FILE, registry.to_json() + "\n")
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import pytest
 from nnunet_triton import parameters
 from nnunet_triton.client import endpoint
 from nnunet_triton.client.endpoint import EndpointDescription
-from nnunet_triton.errors import ClientError
+from nnunet_triton.errors import ClientError, ServerUnavailableError
 
 try:
     from . import parity_support
@@ -50,7 +50,8 @@ class DeadModelClient:
     """``segment`` first fails with one of Triton's own errors about a model that is not running."""
 
     def __init__(self, status, message):
-        self.error, self.calls = ClientError(message, status=status), 0
+        kind = ClientError if status is not None else ServerUnavailableError  # the client's readiness check
+        self.error, self.calls = kind(message, status=status), 0
 
     def segment(self, image, spacing, options=None, **overrides):
         self.calls += 1

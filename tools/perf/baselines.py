@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from nnunet_triton import io_names
+from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE
 from tools.perf.resources import ProcessTreeSampler, ResourceUsage
 from tools.perf.workloads import Case
 
@@ -117,7 +118,8 @@ class BaselineResult:
         return cls(**values)
 
 
-def tile_plan(config: Any, case: Case, *, mirroring: bool, tile_step_size: float = 0.5) -> TilePlan:
+def tile_plan(config: Any, case: Case, *, mirroring: bool,
+              tile_step_size: float = DEFAULT_TILE_STEP_SIZE) -> TilePlan:
     """Preprocess ``case`` like the endpoint and count its tiles and mirror variants."""
     from nnunet_triton.numerics.preprocess import preprocess_case
     from nnunet_triton.numerics.sliding_window import mirror_combinations
@@ -280,7 +282,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--folds", type=_parse_folds, default=None,
                          help="folds to load (default: the jobs')")
         sub.add_argument("--warmup-case", type=Path, default=None, help="default: the first job's case")
-        sub.add_argument("--tile-step-size", type=float, default=0.5)
+        sub.add_argument("--tile-step-size", type=float, default=DEFAULT_TILE_STEP_SIZE)
         sub.add_argument("--device", default="cpu", help="cpu or cuda[:k]")
         sub.add_argument("--warmup", type=int, default=1)
         sub.add_argument("--out", type=Path, default=None, help="JSON results of the --job runs")

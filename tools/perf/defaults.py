@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton.client.client import NnunetClient
+from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S
 from nnunet_triton.server import embedded as embedded_server
 from nnunet_triton.server.exactness import cpu_identity
 from tools.perf.baselines import BaselineWorker, Job
@@ -158,7 +159,7 @@ def _transfer(fixture: Path, shape: tuple[int, int, int], reps: int) -> dict[str
     times: dict[str, list[float]] = {"INT16": [], "FP32": []}
     with embedded_server.start(repo) as server:
         for protocol, url in (("grpc", server.grpc_url), ("http", server.http_url)):
-            with NnunetClient(url, protocol=protocol, timeout_s=600) as client:
+            with NnunetClient(url, protocol=protocol, timeout_s=DEFAULT_CLIENT_TIMEOUT_S) as client:
                 for _ in range(reps):
                     for wire, array in (("INT16", image), ("FP32", image.astype(np.float32))):
                         start = time.perf_counter()

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from nnunet_triton.numerics.gaussian import compute_gaussian
+from nnunet_triton.parameters import DEFAULT_MAX_INFLIGHT, DEFAULT_TILE_BATCH_SIZE
 from nnunet_triton.pipeline.orchestration import predict_folds_async
 
 CASES = (  # (name, patch, heads, preprocessed shape, mirror axes, folds)
@@ -38,7 +39,8 @@ def _time(data, outputs, patch: Sequence[int], heads: int, mirror, folds: int, r
     for _ in range(reps):
         start = time.perf_counter()
         asyncio.run(predict_folds_async(data, [infer] * folds, patch_size=patch, num_heads=heads,
-                                        mirror_axes=mirror, batch_size=4, max_inflight=4, gaussian=gaussian))
+                                        mirror_axes=mirror, batch_size=DEFAULT_TILE_BATCH_SIZE,
+                                        max_inflight=DEFAULT_MAX_INFLIGHT, gaussian=gaussian))
         best = min(best, time.perf_counter() - start)
     return best
 

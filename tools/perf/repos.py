@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.builder.model_specs import BuildOptions
+from nnunet_triton.util.hashing import sha256_file
 from tools.perf.monolith import build_monolith_repository
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,11 +50,8 @@ class _CachedExport:
 
 @cache
 def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """``sha256_file``, cached per (path, size, mtime)."""
+    return sha256_file(path)
 
 
 def _cache_entry(checkpoint: Path, options: Any) -> Path:

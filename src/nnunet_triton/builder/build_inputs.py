@@ -25,12 +25,12 @@ from nnunet_triton import __version__ as NNUNET_TRITON_VERSION
 from nnunet_triton import io_names
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
-from nnunet_triton.builder.torchscript import sha256_file
 from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.postprocessing import (
     PostprocessingPlan,
 )
+from nnunet_triton.util.hashing import sha256_file
 
 __all__ = [
     "ADAPTERS",
@@ -42,7 +42,6 @@ __all__ = [
 LOGGER = logging.getLogger(__name__)
 
 
-METADATA_FILE = io_names.REPOSITORY_METADATA_FILE
 
 # model name -> the serving step its model.py imports (nnunet_triton.serving.steps.<step>)
 ADAPTERS = {

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.dtypes import triton_dtype
+from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = [
     "TensorSpec",
@@ -30,7 +31,6 @@ __all__ = [
     "render_config",
     "write_config",
     "renamed_config",
-    "write_text_atomic",
 ]
 
 LOGGER = logging.getLogger(__name__)
@@ -370,19 +370,3 @@ def renamed_config(text: str, name: str) -> str:
         raise ValueError(f"not a Triton model config: {exc}") from None
     message.name = name
     return text_format.MessageToString(message)
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Replace ``path`` with ``text`` by a rename within its folder (readers see old or new, never a mix)."""
-    import os
-    import tempfile
-
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -37,6 +37,8 @@ from nnunet_triton.numerics.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.options import ProbabilitiesOutput
 from nnunet_triton.parameters import (
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_TILE_BATCH_SIZE,
     DESCRIPTION_PARAMETER,
     PARAM_FOLD_MODELS,
     FoldRunnerParameters,
@@ -123,7 +125,7 @@ class BuildOptions:
     """
 
     target: Target = Target.CPU
-    tile_batch_size: int = 4
+    tile_batch_size: int = DEFAULT_TILE_BATCH_SIZE
     fold_runner: FoldRunner | None = None
     fold_precision: str = "fp32"
     fold_queue_delay_us: int = 2000
@@ -133,7 +135,7 @@ class BuildOptions:
     preprocess_instances: int = 1
     orchestrator_instances: int | None = None
     stitch_instances: int = 1
-    max_inflight: int = 4
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
     max_voxels: int = DEFAULT_MAX_VOXELS
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     gpus: tuple[int, ...] = ()

@@ -53,12 +53,10 @@ from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.build_inputs import (
     COMBINE_ADAPTER,
     FOLD_RUNNER_KEY,
-    METADATA_FILE,
     adapter_source,
     adapters_needed,
     compute_input_hash,
     replace_directory,
-    sha256_file,
     torch_version,
 )
 from nnunet_triton.builder.config_gen import ModelSpec
@@ -75,6 +73,8 @@ from nnunet_triton.numerics.postprocessing import (
     load_postprocessing_pkl,
 )
 from nnunet_triton.registry import Registry, locked, read_registry, write_registry
+from nnunet_triton.util.durable import write_text_atomic
+from nnunet_triton.util.hashing import sha256_file
 
 __all__ = [
     "BuildResult",
@@ -480,7 +480,7 @@ def _land(out: Path, choice: VersionChoice, input_hash: str, specs: Sequence[Mod
     if state in ("legacy", "foreign") and not force:
         what = (f"was built by an older nnunet-triton (one model, {io_names.ENDPOINT_MODEL!r}, no endpoint "
                 f"registry): building {choice.name!r} beside it would lose it" if state == "legacy"
-                else f"exists but has no {METADATA_FILE}")
+                else f"exists but has no {io_names.REPOSITORY_METADATA_FILE}")
         raise PlansError(f"output {str(out)!r} {what}; refusing to replace it (use --force, which replaces "
                          "its whole content, or build into another folder).")
     version, current, promote = _chosen_version(registry, choice, input_hash, force)
@@ -584,7 +584,7 @@ def write_public_endpoints(source: Path, target: Path, name: str, version: int) 
             raise RepositoryError(f"version {version} of {name!r} has no pinned endpoint {source_name!r} "
                                   f"({str(config)!r} is missing): build it again.")
         (target / public / VERSION_DIR).mkdir(parents=True, exist_ok=True)  # Triton needs a version folder
-        config_gen.write_text_atomic(target / public / "config.pbtxt",
+        write_text_atomic(target / public / "config.pbtxt",
                                      config_gen.renamed_config(config.read_text(), public))
         written.append(public)
     return written
@@ -607,7 +607,7 @@ def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> l
         registry = read_registry(out)
         if registry is None:
             raise RepositoryError(f"{str(out)!r} is not a model repository built by nnunet-triton (no "
-                                  f"{METADATA_FILE}).")
+                                  f"{io_names.REPOSITORY_METADATA_FILE}).")
         entry = registry.endpoint(name)
         if version is None:
             gone = set(entry.public_models).union(*(set(v.models) for v in entry.versions.values()))

@@ -43,7 +43,6 @@ The Python runner loads the file with the torch that exported it, so any version
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -56,6 +55,7 @@ from typing import Any
 from nnunet_triton.builder.fold_network import load_fold_network
 from nnunet_triton.errors import ExportError
 from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME
+from nnunet_triton.util.hashing import sha256_file
 
 __all__ = [
     "PRECISIONS",
@@ -249,15 +249,6 @@ def _batch_vs_single(module: Any, sample_shape: tuple[int, ...], options: Export
     batched = _forward_traced(module, x)
     singles = torch.cat([_forward_traced(module, x[i:i + 1]) for i in range(batch_size)])
     return _max_abs_diff(batched, singles)
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _check_device(device: str) -> None:

@@ -15,13 +15,13 @@ from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.numerics.model_folder import parse_fold
-from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE, RequestOptions, parse_int
+from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_TILE_STEP_SIZE, RequestOptions, parse_int
+from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_PORTS
 
-__all__ = ["DEFAULT_PORTS", "URL_ENV", "add_connection_arguments", "add_request_option_arguments",
+__all__ = ["URL_ENV", "add_connection_arguments", "add_request_option_arguments",
            "add_endpoint_selection", "endpoint_model", "endpoint_name", "endpoint_version", "request_options",
            "url", "say", "positive_int"]
 
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 URL_ENV = "NNUNET_TRITON_URL"
 
 
@@ -32,9 +32,11 @@ def positive_int(text: str) -> int:
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     """``--url``, ``--protocol``, ``--timeout``, ``-v``: how a subcommand reaches the server."""
     parser.add_argument("--url", default=os.environ.get(URL_ENV),
-                        help=f"server host:port (default ${URL_ENV} or 127.0.0.1:8000/8001)")
+                        help=f"server host:port (default ${URL_ENV} or "
+                             f"127.0.0.1:{DEFAULT_HTTP_PORT}/{DEFAULT_GRPC_PORT})")
     parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per inference call")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_CLIENT_TIMEOUT_S,
+                        help="seconds per inference call")
     parser.add_argument("-v", "--verbose", action="store_true")
 
 

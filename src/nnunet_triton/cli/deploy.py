@@ -42,10 +42,10 @@ from typing import Any
 from nnunet_triton import io_names
 from nnunet_triton.cli.common import endpoint_name
 from nnunet_triton.errors import NnunetTritonError
+from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 from nnunet_triton.server import deploy
 from nnunet_triton.server.deploy import docker, k8s
 from nnunet_triton.server.deploy import engine as container_engine
-from nnunet_triton.server.deploy.repository_info import METADATA_FILE
 
 LOGGER = logging.getLogger(__name__)
 DEPLOYED_FILE = "deployed.txt"  # next to the embedded server's state file
@@ -252,8 +252,9 @@ def _docker_spec(args: argparse.Namespace, info: deploy.RepositoryInfo, *, varia
     volume = deploy.VolumeSpec(tuple(args.max_volume), spacing, probabilities=args.probabilities)
     gpus = tuple(args.gpus) if variant == "gpu" else ()
     plan = deploy.plan_memory(info, volume, gpus=max(1, len(gpus)))
-    ports = {"http_port": args.http_port or 8000, "grpc_port": args.grpc_port or 8001,
-             "metrics_port": args.metrics_port or 8002}
+    ports = {"http_port": args.http_port or DEFAULT_HTTP_PORT,
+             "grpc_port": args.grpc_port or DEFAULT_GRPC_PORT,
+             "metrics_port": args.metrics_port or DEFAULT_METRICS_PORT}
     return docker.DeploySpec(info=info, plan=plan, repository=str(args.out.absolute()),
                              triton_release=args.triton_release, gpus=gpus, variant=variant, engine=engine,
                              base_image_ref=args.base_image, container_name=args.container_name,
@@ -393,7 +394,7 @@ def _deploy_docker_gpu(args: argparse.Namespace, engine: str) -> int:
                                                             configuration=endpoint.configurations[0]))
             for endpoint in args.endpoints], args.execute, tool=engine)
     # the repository as built now (locally or by the executed export step), else as it will be built
-    built = (local or args.execute) and (args.out / METADATA_FILE).is_file()
+    built = (local or args.execute) and (args.out / io_names.REPOSITORY_METADATA_FILE).is_file()
     spec = _docker_spec(args, deploy.RepositoryInfo.from_repository(args.out) if built
                         else deploy.RepositoryInfo.planned(configs, options), engine=engine)
     print("2. build the serving image:")
@@ -475,7 +476,7 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
     if args.kube_play:
         return _kube_play(args)
     repo = args.repository or Path(DEFAULT_OUT["docker"]).absolute()
-    if (repo / METADATA_FILE).is_file():
+    if (repo / io_names.REPOSITORY_METADATA_FILE).is_file():
         info = deploy.RepositoryInfo.from_repository(repo)
         missing = [name for name in args.name or () if name not in info.endpoints]
         if missing:

@@ -25,14 +25,14 @@ import numpy as np
 
 from nnunet_triton import io_names
 from nnunet_triton.dtypes import numpy_dtype
-from nnunet_triton.errors import ClientError, InputValidationError
-from nnunet_triton.options import RequestOptions
+from nnunet_triton.errors import ClientError, InputValidationError, ServerUnavailableError
+from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, RequestOptions
+from nnunet_triton.util.retry import is_retryable, triton_code
 
 __all__ = ["SegmentationResult", "NnunetClient", "PROTOCOLS", "endpoint_model"]
 
 LOGGER = logging.getLogger(__name__)
 PROTOCOLS = ("http", "grpc")
-DEFAULT_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class NnunetClient:
         self,
         url: str,
         protocol: str = "http",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
         *,
         model: str = io_names.ENDPOINT_MODEL,
         version: int | None = None,
@@ -166,7 +166,7 @@ class NnunetClient:
                 f"could not ask {where} whether model {self.model_name!r} is ready: {exc}"
             ) from None
         if not ready:
-            raise ClientError(
+            raise ServerUnavailableError(
                 f"model {self.model_name!r} is not ready on {where} (not in the repository, still loading, "
                 "or failed to load: see the server log)."
             )
@@ -260,7 +260,8 @@ class NnunetClient:
             return self._client.infer(model, inputs, **kwargs)
         except InferenceServerException as exc:
             status = exc.status()
-            raise ClientError(
+            unavailable = is_retryable(triton_code(status, exc.message() or ""))
+            raise (ServerUnavailableError if unavailable else ClientError)(
                 f"model {model!r} on {self.protocol}://{self.url} failed"
                 f"{f' ({status})' if status else ''}: {exc.message()}",
                 status=str(status) if status is not None else None,

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.errors import NOT_RUNNING_MESSAGES, ClientError
+from nnunet_triton.errors import ClientError
 from nnunet_triton.parameters import DESCRIPTION_PARAMETER, PARAM_FOLD_MODELS
+from nnunet_triton.util.retry import RetryPolicy, is_retryable_error
 
 __all__ = [
     "EndpointDescription",
@@ -32,7 +33,6 @@ __all__ = [
 ]
 
 LOGGER = logging.getLogger(__name__)
-UNAVAILABLE_STATUSES = frozenset({"StatusCode.UNAVAILABLE", "UNAVAILABLE", "503"})
 
 
 @dataclass(frozen=True)
@@ -190,11 +190,9 @@ def format_description(d: EndpointDescription) -> str:
 
 
 def is_unavailable(exc: ClientError) -> bool:
-    """True for the server's UNAVAILABLE answers (overloaded, model reloading, out of memory) and for
-    Triton's own errors about a composing model that is not running (a dead or reloading preprocess or
-    stitch model reaches the client from the ensemble scheduler as INTERNAL: ``NOT_RUNNING_MESSAGES``),
-    which the server's watchdog repairs within seconds."""
-    return exc.status in UNAVAILABLE_STATUSES or any(text in str(exc) for text in NOT_RUNNING_MESSAGES)
+    """True for the server's UNAVAILABLE answers (overloaded, model reloading, out of memory), Triton's
+    not-running answers included (decided by :mod:`nnunet_triton.util.retry`)."""
+    return is_retryable_error(exc)
 
 
 def segment_with_retry(
@@ -210,14 +208,5 @@ def segment_with_retry(
 ) -> Any:
     """``client.segment(image, spacing, options, **overrides)`` retried up to ``retries`` times with
     exponential backoff on UNAVAILABLE only (``options``: a ``RequestOptions``, None for nnU-Net's)."""
-    attempt = 0
-    while True:
-        try:
-            return client.segment(image, spacing, options, **overrides)
-        except ClientError as exc:
-            if attempt >= retries or not is_unavailable(exc):
-                raise
-            delay = backoff_s * 2**attempt
-            attempt += 1
-            LOGGER.warning("server UNAVAILABLE (%s); retry %d/%d in %.1f s", exc, attempt, retries, delay)
-            sleep(delay)
+    policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
+    return policy.call(lambda: client.segment(image, spacing, options, **overrides), sleep=sleep)

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import re
-import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ import SimpleITK as sitk
 from nnunet_triton import io_names
 from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import InputValidationError
+from nnunet_triton.util.durable import durable_output, remove_stale_temporaries
 
 __all__ = [
     "SUPPORTED_ENDINGS",
@@ -50,9 +49,7 @@ LOGGER = logging.getLogger(__name__)
 
 SUPPORTED_ENDINGS = (".nii.gz", ".nii", ".nrrd", ".mha", ".gipl")  # SimpleITKIO's list, plus plain .nii
 OUTPUT_ENDINGS = {"nifti": ".nii.gz", "nrrd": ".nrrd", "mha": ".mha"}
-PARTIAL_MARKER = ".partial-"
 _CHANNEL = re.compile(r"^(?P<case>.+)_(?P<channel>\d{4})$")
-_PARTIAL = re.compile(r"^\..+\.partial-(?P<pid>\d+)-[0-9a-f]+")
 
 
 @dataclass(frozen=True)
@@ -191,41 +188,19 @@ def read_images(files: Sequence[str | Path], *, native_dtype: bool = False) -> I
 
 @contextlib.contextmanager
 def atomic_output(path: str | Path, ending: str = "") -> Iterator[Path]:
-    """Yield a hidden temporary path next to ``path`` (ending ``ending``), renamed onto ``path`` on success.
+    """Yield a hidden temporary path next to ``path`` (ending ``ending``), renamed onto ``path`` on success
+    (:func:`nnunet_triton.util.durable.durable_output`: fsync-ed file and folder).
 
     On any exception (including KeyboardInterrupt/SystemExit) the temporary file is removed and ``path``
     is left untouched.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temp = target.with_name(f".{target.name}{PARTIAL_MARKER}{os.getpid()}-{secrets.token_hex(4)}{ending}")
-    try:
+    with durable_output(path, suffix=ending) as temp:
         yield temp
-        os.replace(temp, target)
-    finally:
-        temp.unlink(missing_ok=True)
 
 
 def remove_stale_partials(folder: str | Path) -> list[Path]:
     """Delete temporaries of :func:`atomic_output` whose writing process is gone; returns what was removed."""
-    removed = []
-    for path in Path(folder).glob(f".*{PARTIAL_MARKER}*"):
-        match = _PARTIAL.match(path.name)
-        if match is None or _pid_alive(int(match["pid"])):
-            continue
-        path.unlink(missing_ok=True)
-        removed.append(path)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return remove_stale_temporaries(folder)
 
 
 def write_segmentation(segmentation: np.ndarray, path: str | Path, geometry: ImageGeometry) -> Path:

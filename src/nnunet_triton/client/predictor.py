@@ -32,6 +32,8 @@ from nnunet_triton import io_names
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.client.endpoint import describe_endpoint, segment_with_retry
 from nnunet_triton.errors import InputValidationError, UnsupportedModelError
+from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_TILE_STEP_SIZE
+from nnunet_triton.parameters import DEFAULT_HTTP_PORT
 
 __all__ = ["TritonPredictor", "DEFAULT_NUM_PROCESSES"]
 
@@ -56,7 +58,7 @@ class TritonPredictor:
 
     def __init__(
         self,
-        tile_step_size: float = 0.5,
+        tile_step_size: float = DEFAULT_TILE_STEP_SIZE,
         use_gaussian: bool = True,
         use_mirroring: bool = True,
         perform_everything_on_device: bool = True,
@@ -65,9 +67,9 @@ class TritonPredictor:
         verbose_preprocessing: bool = False,
         allow_tqdm: bool = True,
         *,
-        url: str = "127.0.0.1:8000",
+        url: str = f"127.0.0.1:{DEFAULT_HTTP_PORT}",
         protocol: str = "http",
-        timeout_s: float = 600.0,
+        timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
         retries: int = 3,
         model: str = io_names.ENDPOINT_MODEL,
         version: int | None = None,

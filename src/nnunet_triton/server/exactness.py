@@ -43,6 +43,8 @@ from pathlib import Path
 
 from nnunet_triton.options import parse_int
 from nnunet_triton.pipeline.threads import NNUNET_PROCESSES_ENV, nnunet_threads
+from nnunet_triton.util.durable import write_json_atomic
+from nnunet_triton.util.hashing import sha256_file
 
 __all__ = [
     "CACHE_ENV",
@@ -158,19 +160,9 @@ def _store(key: str, value: Mapping[str, object], env: Mapping[str, str]) -> Non
     folder = _cache_dir(env) / "thread-check"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as tmp:
-            json.dump(value, tmp, sort_keys=True)
-        os.replace(tmp.name, folder / f"{key}.json")
+        write_json_atomic(folder / f"{key}.json", value, sort_keys=True)
     except OSError as exc:
         LOGGER.info("thread check: cache %s not writable (%s); the check runs again next time", folder, exc)
-
-
-def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _run_child(spec: Path, threads: str, out: Path, env: Mapping[str, str]) -> dict:
@@ -205,7 +197,7 @@ class Reference:
 def _fingerprint(networks: Sequence[FoldNetwork]) -> tuple[dict, ...]:
     """What a run's outputs depend on (not where the file lies, not its model's own thread setting)."""
     return tuple({"model": n.model, "sample_shape": list(n.sample_shape), "per_sample": n.per_sample_forward,
-                  "sha256": _file_sha256(n.path)} for n in networks)
+                  "sha256": sha256_file(n.path)} for n in networks)
 
 
 def _in_child(networks: Sequence[FoldNetwork], threads: str, out: Path, env: Mapping[str, str]) -> dict:

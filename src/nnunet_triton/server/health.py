@@ -36,6 +36,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton.parameters import DEFAULT_HTTP_PORT
+from nnunet_triton.util.process import pid_alive  # re-exported for the watchdog and the handle
+
 __all__ = [
     "STUB_EXECUTABLE",
     "StubProcess",
@@ -97,15 +100,6 @@ def stub_processes(server_pid: int | None = None, *, proc: str | Path = "/proc")
         found.append(StubProcess(pid=pid, parent_pid=ppid, model=Path(argv[1]).parent.parent.name,
                                  instance=argv[8], shm_region=argv[2]))
     return sorted(found, key=lambda s: s.pid)
-
-
-def pid_alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
@@ -320,7 +314,8 @@ def check_health(
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m nnunet_triton.server.health",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="127.0.0.1:8000", help="host:port of the HTTP endpoint")
+    parser.add_argument("--url", default=f"127.0.0.1:{DEFAULT_HTTP_PORT}",
+                        help="host:port of the HTTP endpoint")
     parser.add_argument("--model-repository", required=True, type=Path, help="the served repository folder")
     parser.add_argument("--server-pid", type=int, default=None,
                         help="tritonserver's pid (default: the one tritonserver process found)")

@@ -12,9 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from nnunet_triton.errors import NOT_RUNNING_MESSAGES, SubmodelError
+from nnunet_triton.errors import SubmodelError
 from nnunet_triton.serving._pb import pb_utils
 from nnunet_triton.serving.tensors import output_tensor, tensor_to_array
+from nnunet_triton.util.retry import TritonCode, triton_code
 
 __all__ = ["build_request", "callee_code", "infer"]
 
@@ -94,20 +95,13 @@ async def infer(
     return _outputs(model_name, response, output_names, xp=xp, copy=copy, on_host=watch)
 
 
-_CODE_NAMES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED",
-               "ALREADY_EXISTS", "CANCELLED")
-
-
 def callee_code(error: Any) -> str:
     """The name of a callee error's Triton code (``TritonError.code()``), UNAVAILABLE for a callee that
-    is not running (``NOT_RUNNING_MESSAGES``), INTERNAL when it has none."""
-    message = error.message()
-    if any(text in message for text in NOT_RUNNING_MESSAGES):
-        return "UNAVAILABLE"
+    is not running (``nnunet_triton.util.retry.triton_code``), INTERNAL when it has none."""
     code = error.code() if callable(getattr(error, "code", None)) else None
     pb = pb_utils()
-    names = {getattr(pb.TritonError, name): name for name in _CODE_NAMES if hasattr(pb.TritonError, name)}
-    return names.get(code, "INTERNAL")
+    names = {getattr(pb.TritonError, c.value): c for c in TritonCode if hasattr(pb.TritonError, c.value)}
+    return triton_code(names.get(code, TritonCode.INTERNAL), error.message()).value
 
 
 def _outputs(model_name: str, response: Any, output_names: Sequence[str], *, xp: ModuleType | None,

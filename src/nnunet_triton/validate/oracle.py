@@ -12,11 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE
+
 __all__ = ["nnunet_predictor"]
 
 
 def nnunet_predictor(model_folder: str | Path, *, folds: Sequence[int | str] | None = None,
-                     mirroring: bool = True, tile_step_size: float = 0.5, device: str = "cpu") -> Any:
+                     mirroring: bool = True, tile_step_size: float = DEFAULT_TILE_STEP_SIZE,
+                     device: str = "cpu") -> Any:
     """An ``nnUNetPredictor`` initialised from ``model_folder`` (``folds``: None = the folds it finds).
 
     ``device`` "cpu" keeps everything on the host (``perform_everything_on_device=False``), as an nnU-Net

@@ -30,6 +30,7 @@ import numpy as np
 
 from nnunet_triton.errors import InputValidationError
 from nnunet_triton.options import OPTION_FOLDS, RequestOptions
+from nnunet_triton.util.hashing import sha256_file
 
 __all__ = ["FORMAT", "IDENTITY_KEYS", "input_hash", "ReferenceWriter", "RecordedReference", "ReferenceError"]
 
@@ -53,14 +54,6 @@ def input_hash(image: np.ndarray, spacing: Any) -> str:
     digest.update(f"{array.dtype.str}{array.shape}".encode())
     digest.update(array.tobytes())
     digest.update(np.asarray(spacing, dtype=np.float64).tobytes())
-    return digest.hexdigest()
-
-
-def _file_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(2**20), b""):
-            digest.update(block)
     return digest.hexdigest()
 
 
@@ -97,7 +90,7 @@ class ReferenceWriter:
             arrays["probabilities"] = probabilities
         np.savez_compressed(self._staging / name, **arrays)
         self._cases[case] = {"input_sha256": input_hash(image, spacing), "file": name,
-                             "sha256": _file_hash(self._staging / name),
+                             "sha256": sha256_file(self._staging / name),
                              "spacing": [float(s) for s in spacing], "shape": list(segmentation.shape)}
 
     def close(self) -> Path:
@@ -189,7 +182,7 @@ class RecordedReference:
             raise ReferenceError(f"case {case!r}: the input differs from the recorded one (sha256 "
                                  f"{entry['input_sha256'][:12]}...); not compared.")
         path = self.folder / entry["file"]
-        if not path.is_file() or _file_hash(path) != entry["sha256"]:
+        if not path.is_file() or sha256_file(path) != entry["sha256"]:
             raise ReferenceError(f"case {case!r}: {path.name} was changed or removed after recording "
                                  "(sha256 mismatch); the reference set cannot be trusted.")
         with np.load(path) as data:

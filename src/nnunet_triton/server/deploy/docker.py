@@ -32,6 +32,7 @@ from typing import Any
 from nnunet_triton import __version__, io_names
 from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE
 from nnunet_triton.errors import DeployError
+from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, DEFAULT_PORTS
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible, triton_release
 from nnunet_triton.server.deploy.sizing import MemoryPlan
 
@@ -72,7 +73,7 @@ CPU_BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
 RESTART_POLICY = "on-failure:5"
 EXIT_BAD_REPOSITORY = 78  # EX_CONFIG (sysexits.h)
 CONTAINER_REPOSITORY = "/models"
-CONTAINER_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+CONTAINER_PORTS = DEFAULT_PORTS  # the container side: tritonserver's own defaults
 EXPORT_IMAGE = "python:3.11-slim"
 EXPORT_TORCH = "2.5.1"  # pip release of the torch 2.5 that Triton 24.10's libtorch is built from
 EXPORT_TORCHVISION = "0.20.1"  # the torchvision released with torch 2.5.1 (nnU-Net's trainer lookup needs it)
@@ -108,9 +109,9 @@ class DeploySpec:
     image_name: str = "nnunet-triton"
     container_name: str = "nnunet-triton"
     gpus: tuple[int, ...] = (0,)
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
+    http_port: int = DEFAULT_HTTP_PORT
+    grpc_port: int = DEFAULT_GRPC_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT
     publish_host: str = "127.0.0.1"
     runner_torch_version: str = DEFAULT_RUNNER_TORCH
     image_torch_version: str | None = None

@@ -27,10 +27,9 @@ from nnunet_triton import io_names
 from nnunet_triton.builder.torch_compat import TRITON_RELEASES, TritonRelease, torch_minor, torch_minor_text
 from nnunet_triton.errors import DeployError, RepositoryError
 from nnunet_triton.numerics.plans import InferenceConfig
-from nnunet_triton.registry import REGISTRY_FILE, Registry, read_registry
+from nnunet_triton.registry import Registry, read_registry
 
 __all__ = [
-    "METADATA_FILE",
     "ModelGeometry",
     "PipelineInfo",
     "RepositoryInfo",
@@ -38,7 +37,6 @@ __all__ = [
     "check_torch_compatible",
 ]
 
-METADATA_FILE = REGISTRY_FILE
 # each has 1/inference_config.json
 _CONFIG_DIRS = (io_names.PREPROCESS_MODEL, io_names.ORCHESTRATOR_MODEL, io_names.STITCH_MODEL)
 _FOLD_MODEL = re.compile(rf"(member[0-9]+_|{io_names.PREVIOUS_STAGE_PREFIX})?fold_.+")
@@ -145,7 +143,7 @@ class PipelineInfo:
     @classmethod
     def from_metadata(cls, repo: Path, name: str, version: int, meta: dict[str, Any]) -> PipelineInfo:
         """The pipeline of ``name`` v``version`` from what the builder recorded of it (registry entry)."""
-        where = f"{REGISTRY_FILE} of {str(repo)!r}, {name} version {version}"
+        where = f"{io_names.REPOSITORY_METADATA_FILE} of {str(repo)!r}, {name} version {version}"
         missing = [key for key in _REQUIRED_KEYS if key not in meta]
         if missing:
             raise DeployError(f"{where} lacks the keys {missing} (rebuild the repository).")
@@ -243,7 +241,7 @@ def _read_registry(repo: Path) -> Registry:
         raise DeployError(str(exc)) from None
     if registry is None:
         raise DeployError(
-            f"{str(repo)!r} is not a built model repository: {REGISTRY_FILE} is missing "
+            f"{str(repo)!r} is not a built model repository: {io_names.REPOSITORY_METADATA_FILE} is missing "
             "(build it with `nnunet-triton build --model <results folder> --out <dir>`)."
         )
     if not registry.endpoints:
@@ -261,8 +259,9 @@ def _check_model_dirs(repo: Path, models: tuple[str, ...]) -> None:
     missing, unlisted = sorted(set(models) - on_disk), sorted(on_disk - set(models))
     if missing or unlisted:
         raise DeployError(
-            f"repository {str(repo)!r} disagrees with its {REGISTRY_FILE}: models without config.pbtxt "
-            f"{missing}, model directories not in the registry {unlisted} (rebuild it with --force)."
+            f"repository {str(repo)!r} disagrees with its {io_names.REPOSITORY_METADATA_FILE}: models "
+            f"without config.pbtxt {missing}, model directories not in the registry {unlisted} (rebuild it "
+            "with --force)."
         )
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton import io_names
-from nnunet_triton.options import RequestOptions
+from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE, RequestOptions
 from nnunet_triton.parameters import FoldRunnerParameters
 from nnunet_triton.serving.metrics import RequestRecord
 from nnunet_triton.serving.steps.base import Step, triton_model
@@ -50,7 +50,7 @@ class MonolithStep(Step):
         if threads:
             torch.set_num_threads(threads)
         self.predictor = nnUNetPredictor(
-            tile_step_size=0.5, use_gaussian=True, use_mirroring=True,
+            tile_step_size=DEFAULT_TILE_STEP_SIZE, use_gaussian=True, use_mirroring=True,
             perform_everything_on_device=self.device.gpu, device=torch.device(self.device.torch_device),
             verbose=False, verbose_preprocessing=False, allow_tqdm=False,
         )
