@@ -7,6 +7,7 @@ tests compare our pure NumPy/CuPy numerics with nnU-Net's own code.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,15 +25,30 @@ CONFIG_NAME_2D = "2d"
 RESAMPLING = "resample_data_or_seg_to_shape"
 
 
-def cupy_or_skip() -> Any:
-    """CuPy if it is installed and a CUDA device answers, else skip the test with the reason."""
-    cupy = pytest.importorskip("cupy")
+def _torch_sees_gpu() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+def cupy_or_skip(*, torch_sees_gpu: Callable[[], bool] = _torch_sees_gpu) -> Any:
+    """CuPy if it is installed and a CUDA device answers; else skip the test with the reason, unless torch
+    sees a GPU: then CuPy's failure (not installed, or broken) is a defect of the GPU machine's setup, and
+    the test fails instead of passing as skipped.
+
+    Args:
+        torch_sees_gpu: whether this machine has a GPU by torch's account (a parameter so the rule can be
+            tested on a machine without one).
+    """
     try:
+        import cupy
+
         if cupy.cuda.runtime.getDeviceCount() < 1:
             raise RuntimeError("no CUDA device")
         cupy.zeros(1).sum().item()
-    except Exception as exc:  # noqa: BLE001 - any CUDA failure means: no usable GPU
-        pytest.skip(f"cupy is installed but no usable GPU: {exc!r}")
+    except Exception as exc:  # noqa: BLE001 - any CuPy or CUDA failure: no usable CuPy here
+        if torch_sees_gpu():
+            pytest.fail(f"torch sees a CUDA device but CuPy is not usable: {exc!r}; the GPU path needs "
+                        "CuPy (pip install the cupy-cuda*x wheel matching the CUDA runtime)", pytrace=False)
+        pytest.skip(f"no usable CuPy and torch sees no GPU: {exc!r}")
     return cupy
 
 

@@ -10,6 +10,7 @@ anything else. The CUDA cases run where torch sees a GPU and skip with the reaso
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import numpy as np
@@ -165,3 +166,15 @@ def test_gpu_instance_moves_host_arrays_to_its_device_once():
     cupy = ps.cupy_or_skip()
     as_cupy = gpu.array(np.ones(3, np.float32))
     assert isinstance(as_cupy, cupy.ndarray) and gpu.array(as_cupy) is as_cupy
+
+
+def test_cupy_parity_fails_instead_of_skipping_when_cupy_cannot_import_but_torch_sees_a_gpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+    with pytest.raises(pytest.fail.Exception, match="torch sees a CUDA device but CuPy is not usable"):
+        ps.cupy_or_skip(torch_sees_gpu=lambda: True)
+
+
+def test_cupy_parity_skips_with_the_reason_when_cupy_cannot_import_and_torch_sees_no_gpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(pytest.skip.Exception, match="no usable CuPy and torch sees no GPU"):
+        ps.cupy_or_skip(torch_sees_gpu=lambda: False)
