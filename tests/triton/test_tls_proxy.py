@@ -216,3 +216,24 @@ def test_grpc_needs_a_client_certificate_of_the_ca(server: ServerHandle, certs: 
     assert live(None) is False
     assert live((certs.stranger_cert, certs.stranger_key)) is False
     assert live((certs.client_cert, certs.client_key)) is True
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_nnunet_client_reaches_the_endpoint_with_the_ca_and_a_client_certificate(
+        server: ServerHandle, certs: Certificates, protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nnunet_triton.client.client import NnunetClient
+    from nnunet_triton.client.tls import CA_ENV, CERT_ENV, KEY_ENV, client_tls
+    from nnunet_triton.errors import ClientError
+
+    url = server.proxy_url if protocol == "http" else server.grpc_url
+    assert url is not None
+    with NnunetClient(url, protocol, model_name=ENDPOINT,
+                      tls=client_tls(certs.ca, certs.client_cert, certs.client_key)) as client:
+        client.check_ready()
+    with NnunetClient(url, protocol, model_name=ENDPOINT, tls=client_tls(certs.ca)) as client, \
+            pytest.raises(ClientError, match="Triton server at .* is not (live|reachable)"):
+        client.check_ready()
+    for name, path in ((CA_ENV, certs.ca), (CERT_ENV, certs.client_cert), (KEY_ENV, certs.client_key)):
+        monkeypatch.setenv(name, str(path))
+    with NnunetClient(url, protocol, model_name=ENDPOINT) as client:  # the files from the environment
+        client.check_ready()
