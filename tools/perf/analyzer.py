@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nnunet_triton.client.tls import ClientTls, client_tls
+
 __all__ = ["PROTOCOLS", "MEASUREMENT_MODES", "AnalyzerSettings", "AnalyzerResult", "perf_analyzer_path",
            "command", "run", "parse_csv", "parse_log"]
 
@@ -66,6 +68,8 @@ class AnalyzerSettings:
             perf_analyzer).
         shared_memory: ``none`` or ``system`` (client <-> server tensors through /dev/shm).
         output_shared_memory_size: bytes per output region when ``shared_memory`` is ``system``.
+        tls: CA and client certificate of a TLS server (HTTPS proxy or gRPC SSL); default: from
+            ``$NNUNET_TRITON_CA``/``_CERT``/``_KEY`` when set (``nnunet_triton.client.tls``).
     """
 
     model: str
@@ -85,6 +89,7 @@ class AnalyzerSettings:
     output_shared_memory_size: int = 64 * 2**20
     model_version: str = "1"
     measurement_mode: str = "count_windows"
+    tls: ClientTls | None = None
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -140,12 +145,15 @@ def perf_analyzer_path() -> Path:
 def command(settings: AnalyzerSettings, csv_path: Path, *, binary: Path | None = None) -> list[str]:
     """The full command line; every option perf_analyzer would otherwise default is written out."""
     s = settings
+    tls = s.tls or client_tls()
+    # perf_analyzer's HTTP client speaks TLS only to an https:// URL (its gRPC client takes host:port)
+    url = f"https://{s.url}" if tls is not None and s.protocol == "http" and "://" not in s.url else s.url
     args = [
         str(binary or perf_analyzer_path()),
         "-m", s.model,
         "-x", s.model_version,
         "--service-kind", "triton",
-        "-u", s.url,
+        "-u", url,
         "-i", s.protocol,
         "--sync",
         "-b", "1",  # max_batch_size 0 models: one case per request
@@ -172,6 +180,8 @@ def command(settings: AnalyzerSettings, csv_path: Path, *, binary: Path | None =
         args += ["--request-parameter", f"{name}:{value}:{kind}"]
     if s.bls_composing_models:
         args += ["--bls-composing-models", ",".join(s.bls_composing_models)]
+    if tls is not None:
+        args += tls.perf_analyzer_args(s.protocol)
     return args
 
 

@@ -14,11 +14,13 @@ import sys
 from typing import Any
 
 from nnunet_triton import io_names
+from nnunet_triton.client.tls import ClientTls, add_client_tls_arguments, client_tls
 from nnunet_triton.numerics.model_folder import parse_fold
 from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_TILE_STEP_SIZE, RequestOptions, parse_int
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_PORTS
 
-__all__ = ["URL_ENV", "add_connection_arguments", "add_request_option_arguments",
+__all__ = ["DEFAULT_PORTS", "URL_ENV", "add_connection_arguments", "connection_tls",
+           "add_request_option_arguments",
            "add_endpoint_selection", "endpoint_model", "endpoint_name", "endpoint_version", "request_options",
            "url", "say", "positive_int"]
 
@@ -30,7 +32,8 @@ def positive_int(text: str) -> int:
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--url``, ``--protocol``, ``--timeout``, ``-v``: how a subcommand reaches the server."""
+    """``--url``, ``--protocol``, ``--timeout``, ``-v``, ``--ca/--cert/--key``: how a subcommand reaches the
+    server."""
     parser.add_argument("--url", default=os.environ.get(URL_ENV),
                         help=f"server host:port (default ${URL_ENV} or "
                              f"127.0.0.1:{DEFAULT_HTTP_PORT}/{DEFAULT_GRPC_PORT})")
@@ -38,6 +41,12 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=DEFAULT_CLIENT_TIMEOUT_S,
                         help="seconds per inference call")
     parser.add_argument("-v", "--verbose", action="store_true")
+    add_client_tls_arguments(parser)
+
+
+def connection_tls(args: argparse.Namespace) -> ClientTls | None:
+    """The TLS files of ``--ca/--cert/--key`` (or their environment variables); None for plain HTTP/gRPC."""
+    return client_tls(args.ca, args.cert, args.key)
 
 
 def endpoint_name(text: str) -> str:

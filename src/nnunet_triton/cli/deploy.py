@@ -41,9 +41,10 @@ from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.cli.common import endpoint_name
+from nnunet_triton.cli.serve import add_tls_arguments, tls_settings
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
-from nnunet_triton.server import deploy
+from nnunet_triton.server import deploy, proxy
 from nnunet_triton.server.deploy import docker, k8s
 from nnunet_triton.server.deploy import engine as container_engine
 
@@ -226,7 +227,9 @@ def _deploy_embedded(args: argparse.Namespace) -> int:
     handle = embedded_server.start(
         args.out, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, model_control_mode="explicit", load_models=info.models,
-        ready_timeout_s=args.ready_timeout, detach=True, backend_dirs=args.backend_directory)
+        ready_timeout_s=args.ready_timeout, detach=True, backend_dirs=args.backend_directory,
+        tls=tls_settings(args), proxy_port=args.proxy_port,
+        allow_statistics=args.proxy_allow_statistics)
     (Path(handle.state_file).parent / DEPLOYED_FILE).write_text(f"{handle.pid} {info.input_hash}\n")
     print(f"tritonserver ready (pid {handle.pid}, {len(info.models)} models of the endpoint(s) "
           f"{', '.join(info.endpoints)}; log {handle.log_file})")
@@ -587,6 +590,7 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     p.add_argument("--backend-directory", action="append", type=Path, default=None,
                    help="embedded, repeatable: a folder of further Triton backends merged with the Python "
                         "backend (default: build/triton-backends when `make triton-backends` made it)")
+    add_tls_arguments(p)
     gpu = p.add_argument_group("docker and k8s")
     gpu.add_argument("--variant", choices=("auto", *docker.VARIANTS), default="auto",
                      help="the image: gpu (NGC base) or cpu (Debian base); auto: gpu where a GPU is visible")
@@ -614,6 +618,17 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     kube.add_argument("--cpu", type=int, default=2, help="--kube-play: the pod's CPUs (requests = limits)")
 
 
+def _check_exposure(args: argparse.Namespace) -> None:
+    """ExposureError for a server reachable beyond loopback without TLS and client authentication."""
+    if args.target == "embedded":
+        proxy.check_exposure(args.host, tls_settings(args), what="the embedded tritonserver")
+    elif args.target == "docker" and not proxy.is_loopback(args.host):
+        raise proxy.ExposureError(
+            f"--target docker publishes Triton's ports on {args.host!r} (beyond loopback) without TLS or "
+            f"authentication: the image has no TLS proxy. Publish on 127.0.0.1, or use --target embedded "
+            f"with --tls-cert/--tls-key/--tls-ca (docs/security.md).")
+
+
 def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:
     """Deploy or undeploy as ``args`` say; the exit code (1 on a reported error)."""
     default_out = KUBE_PLAY_OUT if args.target == "k8s" and args.kube_play else DEFAULT_OUT[args.target]
@@ -625,6 +640,7 @@ def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:
     try:
         if undeploy:
             return _undeploy(args)
+        _check_exposure(args)  # before building: a refused deployment costs nothing
         args.endpoints = endpoint_plans(args.models, args.name, args.configuration)
         return flows[args.target](args)
     except (NnunetTritonError, ValueError, subprocess.CalledProcessError) as exc:

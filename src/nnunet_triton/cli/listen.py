@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.cli.common import add_connection_arguments, endpoint_name, url
+from nnunet_triton.cli.common import add_connection_arguments, connection_tls, endpoint_name, url
 from nnunet_triton.cli.dicomweb import add_auth_arguments, add_modality_argument, auth_from_args
 from nnunet_triton.errors import ClientError, InputValidationError
 from nnunet_triton.options import RequestOptions
@@ -230,7 +230,7 @@ def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tupl
             pinned = endpoint_model(name, settings.version)
             try:
                 description = describe_endpoint(server_url, args.protocol, model_name=pinned,
-                                                timeout_s=min(args.timeout, 60.0))
+                                                timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
             except ClientError as exc:
                 raise ClientError(f"model {pinned!r} ({routes.where(name)}) cannot be used: {exc}",
                                   status=exc.status) from None
@@ -246,7 +246,8 @@ def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tupl
             labels = _labels(description, settings.dataset_json or (args.dataset_json if default else None),
                              name)
             client = NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, model=name,
-                                  version=settings.version)  # one per model; the node has one worker
+                                  version=settings.version,  # one per model; the node has one worker
+                                  tls=connection_tls(args))
             clients.append(client)
             models[name] = NodeModel(_segmenter(client, options), labels or None, rule)
     except BaseException:

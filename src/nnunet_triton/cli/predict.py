@@ -35,6 +35,7 @@ from nnunet_triton.cli.common import (
     add_connection_arguments,
     add_endpoint_selection,
     add_request_option_arguments,
+    connection_tls,
     endpoint_model,
     positive_int,
     request_options,
@@ -222,7 +223,7 @@ def predict(args: argparse.Namespace) -> int:
 
         def describe() -> Any:
             return describe_endpoint(url(args), args.protocol, model_name=endpoint_model(args),
-                                     timeout_s=min(args.timeout, 60.0))
+                                     timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
 
         return predict_over_dicomweb(args, _predict_folders, describe)
     args.input, args.output = Path(args.input), Path(args.output)
@@ -247,12 +248,13 @@ def _predict_folders(args: argparse.Namespace) -> int:
     todo = [j for j, done in zip(jobs, finished, strict=True) if not done]
     model = endpoint_model(args)
     description = describe_endpoint(url(args), args.protocol, model_name=model,
-                                    timeout_s=min(args.timeout, 60.0))
+                                    timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
     if args.concurrency is None:
         args.concurrency = default_concurrency(description)
 
     def make_client() -> NnunetClient:
-        return NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout, model_name=model)
+        return NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout, model_name=model,
+                            tls=connection_tls(args))
 
     with make_client() as client:
         client.check_ready()
@@ -279,7 +281,8 @@ def info(args: argparse.Namespace) -> int:
     names = [args.only] if args.only else (sorted(registry.endpoints) if registry is not None else
                                            _served_endpoints(server_url, local))
     descriptions = [describe_endpoint(server_url, args.protocol, model_name=name,
-                                      timeout_s=min(args.timeout, 60.0)) for name in names]
+                                      timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
+                    for name in names]
     rows = _version_rows(repository, registry, server_url, local)
     split = _split(local, repository, registry)
     if args.json:

@@ -23,13 +23,14 @@ from nnunet_triton.cli import build
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server.embedded import DEFAULT_HOST, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, recorded_server
+from nnunet_triton.server.proxy import TlsSettings
 from nnunet_triton.server.triton_install import (
     DEFAULT_HOME,
     HOME_ENV,
     resolve_home,
 )
 
-__all__ = ["add_parsers", "main"]
+__all__ = ["add_parsers", "add_tls_arguments", "main", "tls_settings"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
         build.add_arguments(builder, model_required=False, out=False)
     else:
         serve.add_argument("--model-repository", required=True, type=Path)
-    serve.add_argument("--host", default=DEFAULT_HOST, help="bind address for all endpoints")
+    serve.add_argument("--host", default=DEFAULT_HOST,
+                       help="bind address (default loopback); any other address needs --tls-cert, --tls-key "
+                            "and --tls-ca and/or --tls-token-file")
     serve.add_argument("--http-port", type=int, default=None, help="default: a free port")
     serve.add_argument("--grpc-port", type=int, default=None, help="default: a free port")
     serve.add_argument("--metrics-port", type=int, default=None, help="default: a free port")
@@ -70,8 +73,39 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
     serve.add_argument("--exit-timeout", type=int, default=EXIT_TIMEOUT_S,
                        help=f"--exit-timeout-secs (default {EXIT_TIMEOUT_S})")
     serve.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the server")
+    add_tls_arguments(serve)
     if home:
         _home_argument(serve)
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """The TLS proxy's flags (``server.proxy``; docs/security.md), shared by ``serve`` and ``deploy``."""
+    tls = parser.add_argument_group(
+        "TLS (required beyond loopback): HTTPS through an nginx proxy with an allow-list of paths in front "
+        "of a loopback-only Triton HTTP endpoint; gRPC with Triton's own SSL")
+    tls.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM)")
+    tls.add_argument("--tls-key", type=Path, default=None, help="its private key (PEM)")
+    tls.add_argument("--tls-ca", type=Path, default=None,
+                     help="CA (PEM) whose client certificates are accepted (mutual TLS, HTTP and gRPC)")
+    tls.add_argument("--tls-token-file", type=Path, default=None,
+                     help="file holding a bearer token HTTPS clients must send (HTTP only: gRPC then stays "
+                          "on loopback)")
+    tls.add_argument("--proxy-port", type=int, default=None, help="the HTTPS port (default: a free port)")
+    tls.add_argument("--proxy-allow-statistics", action="store_true",
+                     help="let the statistics API through the proxy (refused by default)")
+
+
+def tls_settings(args: argparse.Namespace) -> TlsSettings | None:
+    """The TLS settings of ``add_tls_arguments``' flags; None when none is given; ValueError when half."""
+    given = {flag: getattr(args, flag.replace("-", "_")) for flag in ("tls-cert", "tls-key", "tls-ca",
+                                                                        "tls-token-file")}
+    if not any(given.values()):
+        return None
+    if given["tls-cert"] is None or given["tls-key"] is None:
+        missing = [f"--{flag}" for flag in ("tls-cert", "tls-key") if given[flag] is None]
+        raise ValueError(f"TLS needs --tls-cert and --tls-key; missing {', '.join(missing)}.")
+    return TlsSettings(cert=given["tls-cert"], key=given["tls-key"], client_ca=given["tls-ca"],
+                       token_file=given["tls-token-file"])
 
 
 def _stop_status(commands: Any, *, home: bool = True) -> None:
@@ -139,6 +173,9 @@ def _cmd_start(args: argparse.Namespace) -> int:
         exit_timeout_s=args.exit_timeout,
         detach=not args.foreground,
         backend_dirs=args.backend_directory,
+        tls=tls_settings(args),
+        proxy_port=args.proxy_port,
+        allow_statistics=args.proxy_allow_statistics,
     )
     sys.stdout.write(handle.to_json() + "\n")
     sys.stdout.flush()

@@ -28,6 +28,7 @@ from nnunet_triton.cli.common import (
     add_connection_arguments,
     add_endpoint_selection,
     add_request_option_arguments,
+    connection_tls,
     endpoint_model,
     request_options,
     url,
@@ -100,7 +101,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
         raise InputValidationError(f"--input {args.input}: no cases found (nnU-Net naming or DICOM series).")
     model = endpoint_model(args)
     description = describe_endpoint(server_url, args.protocol, model_name=model,
-                                    timeout_s=min(args.timeout, 60.0))
+                                    timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
     published = dict(description.published)
     folds = tuple(args.folds or published.get("folds") or ()) or None
     options = request_options(args, folds=folds)
@@ -135,7 +136,8 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
                                           "fold_forward": published.get("fold_forward", "unknown"),
                                           **({"model_changes": changes} if changes else {})},
                               total=len(jobs))
-    with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, model_name=model) as client:
+    with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, model_name=model,
+                      tls=connection_tls(args)) as client:
         def segment(image: Any, spacing: Any) -> tuple[Any, Any]:
             answer = client.segment(image, spacing, options)
             return answer.segmentation, answer.probabilities

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton import io_names
+from nnunet_triton.client.tls import ClientTls, triton_client
 from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import ClientError, InputValidationError, ServerUnavailableError
 from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, RequestOptions
@@ -100,6 +101,8 @@ class NnunetClient:
             or a repository without typed endpoints, sends float32 to the FP32 endpoint. Same answer.
         model_name: the Triton model to call, verbatim (the name this argument had before ``model``;
             wins over ``model`` and ``version``).
+        tls: CA and client certificate of a TLS server (``client.tls``); default: from
+            ``$NNUNET_TRITON_CA``/``_CERT``/``_KEY`` when set, else plain HTTP/gRPC.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class NnunetClient:
         version: int | None = None,
         native_dtype: bool = True,
         model_name: str | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}.")
@@ -123,16 +127,11 @@ class NnunetClient:
         self.model_name = model_name or endpoint_model(model, version)
         self.native_dtype = native_dtype
         self._typed_ready: dict[str, bool] = {}
+        self._client = triton_client(url, protocol, self.timeout_s, tls)
         if protocol == "http":
             import tritonclient.http as module
-
-            self._client = module.InferenceServerClient(
-                url, connection_timeout=min(self.timeout_s, 60.0), network_timeout=self.timeout_s
-            )
         else:
             import tritonclient.grpc as module
-
-            self._client = module.InferenceServerClient(url)
         self._module = module
         self._ready = False
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nnunet_triton import io_names
+from nnunet_triton.client.tls import ClientTls, triton_client
 from nnunet_triton.errors import ClientError
 from nnunet_triton.parameters import DESCRIPTION_PARAMETER, PARAM_FOLD_MODELS
 from nnunet_triton.util.retry import RetryPolicy, is_retryable_error
@@ -73,18 +74,6 @@ class EndpointDescription:
         return int(version) if isinstance(version, int) else None
 
 
-def _client(url: str, protocol: str, timeout_s: float) -> Any:
-    if protocol == "http":
-        import tritonclient.http as module
-
-        return module.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
-    if protocol == "grpc":
-        import tritonclient.grpc as module
-
-        return module.InferenceServerClient(url)
-    raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}.")
-
-
 def _model_config(client: Any, name: str, protocol: str) -> dict[str, Any]:
     if protocol == "grpc":
         return client.get_model_config(name, as_json=True).get("config", {})
@@ -117,10 +106,12 @@ def _namespace(published: Mapping[str, Any]) -> str:
 
 
 def describe_endpoint(
-    url: str, protocol: str = "http", *, model_name: str = io_names.ENDPOINT_MODEL, timeout_s: float = 30.0
+    url: str, protocol: str = "http", *, model_name: str = io_names.ENDPOINT_MODEL, timeout_s: float = 30.0,
+    tls: ClientTls | None = None,
 ) -> EndpointDescription:
-    """Ask the server for the endpoint's metadata and config (and the orchestrator's fold models)."""
-    client = _client(url, protocol, timeout_s)
+    """Ask the server for the endpoint's metadata and config (and the orchestrator's fold models); ``tls``:
+    as ``NnunetClient``'s."""
+    client = triton_client(url, protocol, timeout_s, tls)
     where = f"{protocol}://{url}"
     try:
         server = (

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from nnunet_triton.errors import DeployError, RepositoryError, ServerError
 from nnunet_triton.registry import read_registry
-from nnunet_triton.server import backends, watchdog
+from nnunet_triton.server import backends, proxy, watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, _http_ok, _tail
@@ -103,6 +103,8 @@ class _Launch:
     control_token: str | None  # None: no model-control API restriction (model control mode "none")
     memory_args: tuple[str, ...] = ()  # the CUDA and pinned pools of a GPU repository (_memory_plan)
     memory_plan: dict[str, object] | None = None
+    grpc_host: str | None = None  # default: host; with TLS the public address (HTTP stays on loopback)
+    grpc_tls_args: tuple[str, ...] = ()  # Triton's own gRPC SSL flags (_grpc_tls_args)
 
     def command(self) -> list[str]:
         return [
@@ -112,7 +114,7 @@ class _Launch:
             f"--cache-directory={self.installation.cache_dir}",
             f"--http-address={self.host}",
             f"--http-port={self.http_port}",
-            f"--grpc-address={self.host}",
+            f"--grpc-address={self.grpc_host or self.host}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}",
             f"--metrics-port={self.metrics_port}",
@@ -124,6 +126,7 @@ class _Launch:
             *self.backend_args,
             *self.thread_budget.server_args(),
             *self.memory_args,
+            *self.grpc_tls_args,
             *(watchdog.restricted_api_args(self.control_token) if self.control_token else ()),
             *self.extra_args,
         ]
@@ -166,6 +169,7 @@ def _spawn(launch: _Launch) -> ServerHandle:
             exit_timeout_s=launch.exit_timeout_s,
             thread_budget=launch.thread_budget.to_dict(),
             memory_plan=launch.memory_plan,
+            grpc_host=launch.grpc_host,
             control_token=launch.control_token,
             _process=process,
         )
@@ -300,6 +304,9 @@ def start(
     detach: bool = False,
     volume: VolumeSpec | None = None,
     backend_dirs: Sequence[str | Path] | None = None,
+    tls: proxy.TlsSettings | None = None,
+    proxy_port: int | None = None,
+    allow_statistics: bool = False,
 ) -> ServerHandle:
     """Start tritonserver on ``host`` and wait until ``GET /v2/health/ready`` answers 200.
 
@@ -326,6 +333,13 @@ def start(
             Python backend into one ``--backend-directory`` (``server.backends``); None: where
             ``make triton-backends`` puts them (``build/triton-backends``) when that exists. A
             ``--backend-directory=`` in ``extra_args`` counts as one more.
+        tls: TLS and client authentication for the public endpoints (``server.proxy``): Triton's HTTP and
+            metrics then bind 127.0.0.1 and nginx serves HTTPS on ``host:proxy_port`` with an allow-list of
+            paths; gRPC binds ``host`` with Triton's own SSL (mutual with ``tls.client_ca``; loopback only
+            when the clients authenticate with a bearer token alone, which Triton's gRPC cannot check).
+            Required when ``host`` is not loopback (``proxy.ExposureError``).
+        proxy_port: the proxy's port (default: a free one).
+        allow_statistics: the proxy also lets the statistics API through (off by default).
 
     The server's environment carries the thread budget (``nnunet_triton.server.thread_budget``: fold threads
     from the CPUs really available and the repository's fold instances, ``OMP_WAIT_POLICY=PASSIVE``),
@@ -333,6 +347,7 @@ def start(
     as overrides; the handle's ``thread_budget`` records the choice and the reason.
 
     Raises:
+        ExposureError: ``host`` is not loopback and ``tls`` is None, or ``tls`` lacks client authentication.
         ServerError: the process died or was not ready in time (the message holds the log's last lines), or
             a backend the repository's configs name is missing (one line, before starting).
         ThreadBudgetError: a thread override that cannot be honoured (names the setting and value).
@@ -346,6 +361,7 @@ def start(
         # "terminate called after throwing an instance of 'std::invalid_argument' what(): stol"
         raise ValueError(f"model_repository must not contain whitespace (Triton 2.51's Python backend cannot "
                          f"start its stubs there), got {str(repo)!r}; build or copy it to another path.")
+    proxy.check_exposure(host, tls, what="tritonserver")
     extra_repositories = [Path(a.split("=", 1)[1]) for a in extra_args if a.startswith("--model-repository=")]
     backend_dir, extra_args = _backend_dir(home, (repo, *extra_repositories), backend_dirs, extra_args)
     load_models, recovery = _model_control(model_control_mode, tuple(load_models), recovery,
@@ -355,7 +371,9 @@ def start(
         "installation": prepare_home(home),
         "backend_dir": backend_dir,
         "model_repository": repo,
-        "host": host,
+        "host": DEFAULT_HOST if tls is not None else host,
+        "grpc_host": _grpc_host(host, tls),
+        "grpc_tls_args": _grpc_tls_args(tls),
         "log_file": Path(log_file) if log_file else run_dir / "tritonserver.log",
         "pid_file": Path(pid_file) if pid_file else run_dir / "tritonserver.pid",
         "state_file": Path(state_file) if state_file else run_dir / "server.json",
@@ -370,12 +388,14 @@ def start(
     }
     launch_args["memory_args"], launch_args["memory_plan"] = _memory_plan(repo, volume or VolumeSpec(),
                                                                           visible_gpus())
+    _warn_known_cves(host)
+    local = launch_args["host"]
     auto_ports = (http_port, grpc_port, metrics_port) == (None, None, None)  # only then is a retry useful
     for attempt in range(3 if auto_ports else 1):
         ports = {
-            "http_port": http_port or _free_port(host),
-            "grpc_port": grpc_port or _free_port(host),
-            "metrics_port": metrics_port or _free_port(host),
+            "http_port": http_port or _free_port(local),
+            "grpc_port": grpc_port or _free_port(launch_args["grpc_host"]),
+            "metrics_port": metrics_port or _free_port(local),
         }
         if len(set(ports.values())) < 3:
             continue
@@ -383,6 +403,10 @@ def start(
         handle = _spawn(launch)
         try:
             _wait_ready(handle, ready_timeout_s)
+            if tls is not None:
+                _start_proxy(handle, launch, _proxy_config(
+                    host, proxy_port, handle.http_port, tls, (repo, *extra_repositories),
+                    launch.log_file.parent, allow_statistics))
             if recovery:
                 _start_watchdog(handle, launch)
             return handle
@@ -408,6 +432,59 @@ def _backend_dir(home: str | Path | None, repositories: Sequence[Path],
                                          resolve_home(home))
     backends.check_backends(repositories, merged)
     return merged, tuple(a for a in extra_args if not a.startswith(flag))
+def _grpc_host(host: str, tls: proxy.TlsSettings | None) -> str:
+    # Triton's gRPC checks client certificates but no bearer token: token-only TLS keeps gRPC on loopback
+    return host if tls is None or tls.client_ca is not None else DEFAULT_HOST
+
+
+def _grpc_tls_args(tls: proxy.TlsSettings | None) -> tuple[str, ...]:
+    """Triton's own gRPC SSL flags: server certificate and key, and mutual TLS with the client CA."""
+    if tls is None:
+        return ()
+    args = ["--grpc-use-ssl=true", f"--grpc-server-cert={Path(tls.cert).absolute()}",
+            f"--grpc-server-key={Path(tls.key).absolute()}"]
+    if tls.client_ca is not None:
+        args += ["--grpc-use-ssl-mutual=true", f"--grpc-root-cert={Path(tls.client_ca).absolute()}"]
+    return tuple(args)
+
+
+# tritonserver 2.51.0 (NGC 24.10) is the newest on PyPI; docs/security.md lists each CVE and its mitigation
+KNOWN_CVES = ("CVE-2025-23310", "CVE-2025-23311", "CVE-2025-23317", "CVE-2025-23318", "CVE-2025-23319",
+              "CVE-2025-23320", "CVE-2025-23333", "CVE-2025-23334", "CVE-2025-33201")
+
+
+def _warn_known_cves(host: str) -> None:
+    if proxy.is_loopback(host):
+        return
+    LOGGER.warning("the embedded tritonserver 2.51.0 (NGC 24.10) has published CVEs fixed in Triton 25.07 "
+                   "and later (%s); it now serves %s through the TLS proxy and gRPC SSL only: see "
+                   "docs/security.md for what each mitigation covers", ", ".join(KNOWN_CVES), host)
+
+
+def _proxy_config(host: str, port: int | None, upstream_port: int, tls: proxy.TlsSettings,
+                  repositories: Sequence[Path], run_dir: Path, allow_statistics: bool) -> proxy.ProxyConfig:
+    """The proxy of a server: the public endpoints of every repository (registry), else every model."""
+    from nnunet_triton.server.health import repository_models
+
+    endpoints: list[str] = []
+    models: list[str] = []
+    for repository in repositories:
+        registry = read_registry(repository)
+        if registry is None:
+            models += repository_models(repository)
+        else:
+            endpoints += sorted(registry.endpoints)
+    return proxy.ProxyConfig(
+        listen_host=host, listen_port=port or _free_port(host), upstream_port=upstream_port, tls=tls,
+        model_pattern=proxy.public_model_pattern(endpoints, models), run_dir=run_dir / "proxy",
+        allow_statistics=allow_statistics)
+
+
+def _start_proxy(handle: ServerHandle, launch: _Launch, config: proxy.ProxyConfig) -> None:
+    started = proxy.start_proxy(config, detach=launch.detach)
+    handle.proxy_pid, handle.proxy_url, handle.proxy_config = started.pid, started.url, started.config_file
+    handle._proxy = started._process
+    _write_state(launch.state_file, handle)
 
 
 def _wait_ready(handle: ServerHandle, timeout_s: float) -> None:

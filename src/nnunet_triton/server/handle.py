@@ -22,6 +22,7 @@ from nnunet_triton.server.health import (
     repository_expectations,
     stub_processes,
 )
+from nnunet_triton.server.proxy import stop_proxy
 
 __all__ = [
     "ServerHandle",
@@ -80,8 +81,13 @@ class ServerHandle:
     watchdog_pid: int | None = None  # nnunet_triton.server.watchdog: reloads models whose process died
     events_file: str | None = None  # the watchdog's recoveries (JSON lines)
     control_token: str | None = None  # the model-repository API needs it (watchdog.CONTROL_HEADER)
+    grpc_host: str | None = None  # gRPC's bind address when not ``host`` (TLS: gRPC public, HTTP loopback)
+    proxy_pid: int | None = None  # server.proxy: the TLS proxy (nginx) in front of the HTTP endpoint
+    proxy_url: str | None = None  # host:port clients use over HTTPS
+    proxy_config: str | None = None  # its nginx.conf (identifies the process as ours)
     _watchdog: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
     _process: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
+    _proxy: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
     def client_host(self) -> str:
@@ -94,7 +100,8 @@ class ServerHandle:
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.client_host}:{self.grpc_port}"
+        host = self.grpc_host or self.host
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
@@ -139,6 +146,8 @@ class ServerHandle:
         """
         timeout_s = self.exit_timeout_s + 10.0 if timeout_s is None else timeout_s
         self._stop_watchdog()  # first: a stopping server's models must not be "recovered"
+        if self.proxy_pid is not None and self.proxy_config is not None:
+            stop_proxy(self.proxy_pid, self.proxy_config, process=self._proxy)  # no new requests
         ours = self.is_running()
         regions = [s.shm_region for s in stub_processes(self.pid)] if ours else []
         if ours:
