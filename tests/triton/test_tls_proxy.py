@@ -13,9 +13,11 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,7 +60,7 @@ def server(triton_server: Callable[..., Any], tmp_path_factory: pytest.TempPathF
         "1": {"models": [IDENTITY_MODEL, NUMPY_API_MODEL]}}}}}
     (repo / "repository_metadata.json").write_text(json.dumps(registry))
     tls = TlsSettings(cert=certs.server_cert, key=certs.server_key, client_ca=certs.ca)
-    with triton_server(repo, host="0.0.0.0", tls=tls, recovery=False) as handle:
+    with triton_server(repo, host="0.0.0.0", tls=tls) as handle:  # with the watchdog
         yield handle
 
 
@@ -237,3 +239,18 @@ def test_nnunet_client_reaches_the_endpoint_with_the_ca_and_a_client_certificate
         monkeypatch.setenv(name, str(path))
     with NnunetClient(url, protocol, model_name=ENDPOINT) as client:  # the files from the environment
         client.check_ready()
+
+
+def test_a_killed_proxy_is_started_again_by_the_watchdog(server: ServerHandle, certs: Certificates) -> None:
+    from nnunet_triton.server.proxy import running_pid
+
+    assert server.proxy_config is not None
+    killed = running_pid(server.proxy_config)
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)  # nginx's workers survive their master and keep the port
+    deadline = time.monotonic() + 60.0
+    while running_pid(server.proxy_config) in (None, killed) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running_pid(server.proxy_config) not in (None, killed)
+    assert _request(server, certs, "GET", "/v2/health/ready")[0] == 200
+    assert _request(server, certs, "GET", "/v2/health/ready", client=None)[0] == 400

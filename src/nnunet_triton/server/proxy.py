@@ -18,6 +18,7 @@ into the run folder, on the public address:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import grp
 import ipaddress
@@ -47,6 +48,9 @@ __all__ = [
     "check_exposure",
     "find_nginx",
     "is_loopback",
+    "kill_orphaned_workers",
+    "proxy_alive",
+    "running_pid",
     "public_model_pattern",
     "render_config",
     "start_proxy",
@@ -270,24 +274,47 @@ class ProxyProcess:
     def is_running(self) -> bool:
         if self._process is not None:
             return self._process.poll() is None
-        return _is_our_nginx(self.pid, self.config_file)
+        return proxy_alive(self.pid, self.config_file)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         stop_proxy(self.pid, self.config_file, timeout_s=timeout_s, process=self._process)
 
 
-def _is_our_nginx(pid: int, config_file: str) -> bool:
+def proxy_alive(pid: int, config_file: str) -> bool:
+    """Whether ``pid`` is an nginx master started on ``config_file`` (guards against pid reuse)."""
     try:
         return config_file.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
 
+def _group_members(pgid: int, name: str = "nginx") -> list[int]:
+    """Pids of the processes named ``name`` in process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        comm, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if comm == name and int(rest[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def kill_orphaned_workers(master_pid: int) -> None:
+    """SIGKILL what is left of a dead nginx master's process group: its workers outlive a master killed by
+    SIGKILL and keep serving (and holding the port)."""
+    if _group_members(master_pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(master_pid, signal.SIGKILL)
+
+
 def stop_proxy(pid: int, config_file: str, *, timeout_s: float = 10.0,
                process: subprocess.Popen[bytes] | None = None) -> None:
     """SIGQUIT (graceful), then SIGKILL the group; only a process started with ``config_file``."""
     alive = (lambda: process.poll() is None) if process is not None else (
-        lambda: _is_our_nginx(pid, config_file))
+        lambda: proxy_alive(pid, config_file))
     if alive():
         os.kill(pid, signal.SIGQUIT)
         deadline = time.monotonic() + timeout_s
@@ -297,6 +324,7 @@ def stop_proxy(pid: int, config_file: str, *, timeout_s: float = 10.0,
             os.killpg(pid, signal.SIGKILL)
         if process is not None:
             process.wait()
+    kill_orphaned_workers(pid)
     _remove_temp_dir(config_file)
 
 
@@ -311,7 +339,7 @@ def _prepare_run_dir(config: ProxyConfig) -> tuple[str | None, Path]:
     """(worker user, temp folder). As root the workers (which face the network) run as ``nobody``; their
     request-body folder is then a fresh 0700 folder of ``nobody`` under the system temp folder, since the
     run folder's parents need not be searchable by ``nobody``."""
-    config.run_dir.mkdir(parents=True, exist_ok=True)
+    config.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if os.geteuid() != 0:
         worker, temp = None, config.run_dir
     else:
@@ -356,6 +384,30 @@ def _wait_listening(process: subprocess.Popen[bytes], config: ProxyConfig, timeo
             time.sleep(0.05)
 
 
+def nginx_command(config_file: Path, nginx: str | None = None) -> list[str]:
+    """nginx on ``config_file`` with its prefix and error log in that file's folder (the run folder)."""
+    run_dir = Path(config_file).absolute().parent
+    return [nginx or find_nginx(), "-p", str(run_dir), "-c", str(Path(config_file).absolute()),
+            "-e", str(run_dir / "nginx-error.log")]
+
+
+def launch(command: Sequence[str], *, detach: bool) -> subprocess.Popen[bytes]:
+    """Start nginx in its own process group (stopped as a group); without ``detach`` it gets SIGTERM
+    when the starting thread's process exits."""
+    return subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=None if detach else _die_with_parent)
+
+
+def running_pid(config_file: str | Path) -> int | None:
+    """The pid of the nginx master running on ``config_file`` (from its pid file), None when none runs."""
+    try:
+        pid = int((Path(config_file).parent / "nginx.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if proxy_alive(pid, str(Path(config_file).absolute())) else None
+
+
 def start_proxy(config: ProxyConfig, *, detach: bool = False, timeout_s: float = 30.0) -> ProxyProcess:
     """Write ``config``'s nginx.conf (0600: it may hold the bearer token) and start nginx on it."""
     nginx = find_nginx()
@@ -363,14 +415,11 @@ def start_proxy(config: ProxyConfig, *, detach: bool = False, timeout_s: float =
     fd = os.open(config.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(render_config(config, worker_user=worker, temp_dir=temp))
-    command = [nginx, "-p", str(config.run_dir.absolute()), "-c", str(config.config_file.absolute()),
-               "-e", str((config.run_dir / "nginx-error.log").absolute())]
+    command = nginx_command(config.config_file, nginx)
     check = subprocess.run([*command, "-t"], capture_output=True, text=True, check=False)
     if check.returncode != 0:
         raise ProxyError(f"nginx rejected {config.config_file}: {check.stderr.strip()}")
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True,
-                               preexec_fn=None if detach else _die_with_parent)
+    process = launch(command, detach=detach)
     _wait_listening(process, config, timeout_s)
     LOGGER.info("TLS proxy (nginx pid %d) on %s -> Triton HTTP 127.0.0.1:%d (client %s)", process.pid,
                 config.url, config.upstream_port,
