@@ -1,5 +1,5 @@
-"""server.proxy: the nginx config it renders and the refusal to expose a server without TLS (nginx only checks
-the syntax here; tests/triton/test_tls_proxy.py runs the real one)."""
+"""server.proxy_config: the nginx config it renders and the refusal to expose a server without TLS (nginx only
+checks the syntax here; tests/triton/test_tls_proxy.py runs the real one)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from nnunet_triton.cli import deploy
 from nnunet_triton.cli import main as cli_main
 from nnunet_triton.server import embedded
-from nnunet_triton.server.proxy import (
+from nnunet_triton.server.proxy_config import (
     ExposureError,
     ProxyConfig,
     TlsSettings,
