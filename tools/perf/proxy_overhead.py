@@ -1,7 +1,7 @@
 """What the TLS proxy costs a request: the identity model called straight over HTTP vs through the nginx proxy
 (HTTPS, client certificate, body buffered whole), for request bodies of a few sizes.
 
-    python tools/perf/proxy_overhead.py [--sizes-mib 1 64 256] [--repeats 5]
+    python -m tools.perf.proxy_overhead [--sizes-mib 1 64 256] [--repeats 5]   (from the checkout root)
 
 One embedded server (the test suite's identity model) with TLS on loopback; certificates made with openssl
 in a temporary folder. Each request sends one FP32 tensor of the given size and asks for a tiny output back,
@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _request_seconds(client: Any, array: np.ndarray, repeats: int) -> float:
@@ -46,7 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO_ROOT))
     import tritonclient.http as httpclient
 
     from nnunet_triton.client.tls import ClientTls
