@@ -254,3 +254,36 @@ def test_a_killed_proxy_is_started_again_by_the_watchdog(server: ServerHandle, c
     assert running_pid(server.proxy_config) not in (None, killed)
     assert _request(server, certs, "GET", "/v2/health/ready")[0] == 200
     assert _request(server, certs, "GET", "/v2/health/ready", client=None)[0] == 400
+
+
+def test_bearer_token_proxy_refuses_requests_without_the_token(server: ServerHandle, certs: Certificates,
+                                                               tmp_path: Path) -> None:
+    from nnunet_triton.server.proxy import ProxyConfig, public_model_pattern, start_proxy
+
+    token_file = tmp_path / "token"
+    token_file.write_text("a-long-random-token-0123456789\n")
+    config = ProxyConfig(listen_host="127.0.0.1", listen_port=_free_port(), upstream_port=server.http_port,
+                         tls=TlsSettings(certs.server_cert, certs.server_key, token_file=token_file),
+                         model_pattern=public_model_pattern([ENDPOINT]), run_dir=tmp_path / "proxy")
+    proxy = start_proxy(config)
+    try:
+        def status(headers: dict[str, str]) -> int:
+            connection = http.client.HTTPSConnection("127.0.0.1", config.listen_port, timeout=60,
+                                                     context=_context(certs, client=None))
+            try:
+                connection.request("GET", f"/v2/models/{ENDPOINT}/ready", headers=headers)
+                return connection.getresponse().status
+            finally:
+                connection.close()
+
+        assert [status({}), status({"Authorization": "Bearer wrong-token-0123456789"}),
+                status({"Authorization": "Bearer a-long-random-token-0123456789"})] == [401, 401, 200]
+    finally:
+        proxy.stop()
+    assert not proxy.is_running()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
