@@ -26,6 +26,8 @@ class ProxyKeeper:
         self.config_file = Path(config_file).absolute()
         self.start_timeout_s = start_timeout_s
         self.restarts = 0
+        self._failures = 0  # restarts in a row that did not come up: the next try waits 2^n s (<= 60 s)
+        self._next_try = 0.0
         self._last_pid = running_pid(self.config_file)
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -35,7 +37,9 @@ class ProxyKeeper:
             self._process.poll()  # reap a restarted master that died
         pid = running_pid(self.config_file)
         if pid is not None:
-            self._last_pid = pid
+            self._last_pid, self._failures = pid, 0
+            return False
+        if time.monotonic() < self._next_try:
             return False
         if self._last_pid is not None:
             kill_orphaned_workers(self._last_pid)  # they still hold the port
@@ -47,11 +51,18 @@ class ProxyKeeper:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        self._last_pid = running_pid(self.config_file)
+        started = running_pid(self.config_file)
         self.restarts += 1
-        if self._last_pid is None:
-            LOGGER.error("the TLS proxy did not start again (see %s)",
-                         self.config_file.parent / "nginx-error.log")
+        if started is not None:
+            self._last_pid = started
+            LOGGER.warning("the TLS proxy runs again (nginx pid %d)", started)
         else:
-            LOGGER.warning("the TLS proxy runs again (nginx pid %d)", self._last_pid)
+            if self._process.poll() is None:  # neither up nor gone: do not leave it behind
+                self._process.kill()
+                self._process.wait()
+            self._failures += 1
+            delay = min(60.0, 2.0 ** self._failures)
+            self._next_try = time.monotonic() + delay
+            LOGGER.error("the TLS proxy did not start again (see %s); next try in %.0f s",
+                         self.config_file.parent / "nginx-error.log", delay)
         return True
