@@ -1,7 +1,7 @@
 """Real certificates for the TLS tests, made with the ``openssl`` command line in a tmp folder.
 
-One CA signs the server certificate (``localhost`` and ``127.0.0.1``) and a client certificate; a second,
-unrelated CA signs a client certificate the server must refuse.
+EC P-256 keys (fast to make). One CA signs the server certificate (``localhost`` and ``127.0.0.1``) and a
+client certificate; a second, unrelated CA signs a client certificate the server must refuse.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["Certificates", "make_certificates"]
+
+_NEW_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
 
 
 @dataclass(frozen=True)
@@ -29,12 +31,12 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _ca(name: str, cwd: Path) -> None:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem",
+    _openssl("req", "-x509", *_NEW_KEY, "-keyout", f"{name}.key", "-out", f"{name}.pem",
              "-days", "2", "-subj", f"/CN={name}", cwd=cwd)
 
 
 def _signed(name: str, ca: str, subject: str, cwd: Path, ext: str | None = None) -> None:
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+    _openssl("req", *_NEW_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr",
              "-subj", f"/CN={subject}", cwd=cwd)
     extra = ["-extfile", ext] if ext else []
     _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",

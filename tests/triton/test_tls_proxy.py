@@ -13,9 +13,11 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,7 +60,7 @@ def server(triton_server: Callable[..., Any], tmp_path_factory: pytest.TempPathF
         "1": {"models": [IDENTITY_MODEL, NUMPY_API_MODEL]}}}}}
     (repo / "repository_metadata.json").write_text(json.dumps(registry))
     tls = TlsSettings(cert=certs.server_cert, key=certs.server_key, client_ca=certs.ca)
-    with triton_server(repo, host="0.0.0.0", tls=tls, recovery=False) as handle:
+    with triton_server(repo, host="0.0.0.0", tls=tls) as handle:  # with the watchdog
         yield handle
 
 
@@ -97,10 +99,16 @@ def _infer_body(n_values: int) -> bytes:
 
 
 def _chunked(body: bytes, chunk_size: int) -> bytes:
-    """``body`` in HTTP/1.1 chunked transfer encoding (the input CVE-2025-23310/23311 need)."""
-    pieces = [b"%x\r\n%s\r\n" % (len(body[i:i + chunk_size]), body[i:i + chunk_size])
-              for i in range(0, len(body), chunk_size)]
-    return b"".join(pieces) + b"0\r\n\r\n"
+    """``body`` in HTTP/1.1 chunked transfer encoding (the input CVE-2025-23310/23311 need); the full chunks
+    are laid out with NumPy (millions of 1-byte chunks in a fraction of a second)."""
+    full, rest = divmod(len(body), chunk_size)
+    head = b"%x\r\n" % chunk_size
+    rows = np.empty((full, len(head) + chunk_size + 2), np.uint8)
+    rows[:, :len(head)] = np.frombuffer(head, np.uint8)
+    rows[:, len(head):-2] = np.frombuffer(body[:full * chunk_size], np.uint8).reshape(full, chunk_size)
+    rows[:, -2:] = np.frombuffer(b"\r\n", np.uint8)
+    tail = b"%x\r\n%s\r\n" % (rest, body[full * chunk_size:]) if rest else b""
+    return rows.tobytes() + tail + b"0\r\n\r\n"
 
 
 def _send_chunked(server: ServerHandle, certs: Certificates, path: str, body: bytes,
@@ -237,3 +245,51 @@ def test_nnunet_client_reaches_the_endpoint_with_the_ca_and_a_client_certificate
         monkeypatch.setenv(name, str(path))
     with NnunetClient(url, protocol, model_name=ENDPOINT) as client:  # the files from the environment
         client.check_ready()
+
+
+def test_a_killed_proxy_is_started_again_by_the_watchdog(server: ServerHandle, certs: Certificates) -> None:
+    from nnunet_triton.server.proxy import running_pid
+
+    assert server.proxy_config is not None
+    killed = running_pid(server.proxy_config)
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)  # nginx's workers survive their master and keep the port
+    deadline = time.monotonic() + 60.0
+    while running_pid(server.proxy_config) in (None, killed) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running_pid(server.proxy_config) not in (None, killed)
+    assert _request(server, certs, "GET", "/v2/health/ready")[0] == 200
+    assert _request(server, certs, "GET", "/v2/health/ready", client=None)[0] == 400
+
+
+def test_bearer_token_proxy_refuses_requests_without_the_token(server: ServerHandle, certs: Certificates,
+                                                               tmp_path: Path) -> None:
+    from nnunet_triton.server.proxy import ProxyConfig, public_model_pattern, start_proxy
+
+    token_file = tmp_path / "token"
+    token_file.write_text("a-long-random-token-0123456789\n")
+    config = ProxyConfig(listen_host="127.0.0.1", listen_port=_free_port(), upstream_port=server.http_port,
+                         tls=TlsSettings(certs.server_cert, certs.server_key, token_file=token_file),
+                         model_pattern=public_model_pattern([ENDPOINT]), run_dir=tmp_path / "proxy")
+    proxy = start_proxy(config)
+    try:
+        def status(headers: dict[str, str]) -> int:
+            connection = http.client.HTTPSConnection("127.0.0.1", config.listen_port, timeout=60,
+                                                     context=_context(certs, client=None))
+            try:
+                connection.request("GET", f"/v2/models/{ENDPOINT}/ready", headers=headers)
+                return connection.getresponse().status
+            finally:
+                connection.close()
+
+        assert [status({}), status({"Authorization": "Bearer wrong-token-0123456789"}),
+                status({"Authorization": "Bearer a-long-random-token-0123456789"})] == [401, 401, 200]
+    finally:
+        proxy.stop()
+    assert not proxy.is_running()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -1,5 +1,5 @@
-"""server.proxy: the nginx config it renders and the refusal to expose a server without TLS (nginx only checks
-the syntax here; tests/triton/test_tls_proxy.py runs the real one)."""
+"""server.proxy_config: the nginx config it renders and the refusal to expose a server without TLS (nginx only
+checks the syntax here; tests/triton/test_tls_proxy.py runs the real one)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from nnunet_triton.cli import deploy
 from nnunet_triton.cli import main as cli_main
 from nnunet_triton.server import embedded
-from nnunet_triton.server.proxy import (
+from nnunet_triton.server.proxy_config import (
     ExposureError,
     ProxyConfig,
     TlsSettings,
@@ -143,3 +143,14 @@ def test_serve_and_deploy_refuse_a_public_host_without_tls(tmp_path: Path, capsy
     assert not (tmp_path / "out").exists()  # refused before building
     assert [r.message.split(" would ")[0].split(" publishes ")[0] for r in caplog.records
             if r.levelname == "ERROR"] == ["the embedded tritonserver", "--target docker"]
+
+
+def test_binding_beyond_loopback_warns_of_the_known_cves_of_tritonserver_2_51(
+        caplog: pytest.LogCaptureFixture) -> None:
+    for host in ("127.0.0.1", "0.0.0.0"):
+        embedded._warn_known_cves(host)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("the embedded tritonserver 2.51.0 (NGC 24.10) has published CVEs fixed in "
+                                  "Triton 25.07 and later (CVE-2025-23310, CVE-2025-23311, ")
+    assert "it now serves 0.0.0.0 through the TLS proxy" in warnings[0]

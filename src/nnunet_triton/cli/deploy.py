@@ -502,7 +502,8 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
     spec = k8s.K8sSpec(info=info, plan=dspec.plan, image=args.image or dspec.image_tag, model_source=source,
                        namespace=args.namespace, min_replicas=args.min_replicas,
                        max_replicas=args.max_replicas, queue_target_us=args.queue_target_us,
-                       service_monitor=args.service_monitor, startup_timeout_s=dspec.startup_timeout_s)
+                       service_monitor=args.service_monitor, startup_timeout_s=dspec.startup_timeout_s,
+                       tls_secret=args.tls_secret)
     args.out.mkdir(parents=True, exist_ok=True)
     files = k8s.manifest_files(spec)
     for name, text in files.items():
@@ -615,6 +616,10 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     ):
         kube.add_argument(flag, type=kind, default=default, help=text)
     kube.add_argument("--service-monitor", action="store_true", help="add a ServiceMonitor")
+    kube.add_argument("--tls-secret", default=None,
+                      help="Secret with tls.crt, tls.key and ca.crt: an nginx sidecar serves HTTPS with "
+                           "client certificates (allow-list of paths) and a NetworkPolicy admits only its "
+                           "port (docs/security.md)")
     kube.add_argument("--cpu", type=int, default=2, help="--kube-play: the pod's CPUs (requests = limits)")
 
 

@@ -310,7 +310,8 @@ def _local_server(home: str | None, server_url: str) -> Any:
     from nnunet_triton.server.handle import recorded_server
 
     handle = recorded_server(home)
-    if handle is None or not handle.is_running() or server_url not in (handle.http_url, handle.grpc_url):
+    urls = (handle.http_url, handle.grpc_url, handle.proxy_url) if handle is not None else ()
+    if handle is None or not handle.is_running() or server_url not in urls:  # proxy_url: its TLS proxy
         return None
     return handle
 

@@ -23,7 +23,7 @@ from nnunet_triton.cli import build
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server.embedded import DEFAULT_HOST, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, recorded_server
-from nnunet_triton.server.proxy import TlsSettings
+from nnunet_triton.server.proxy import TlsSettings, running_pid
 from nnunet_triton.server.triton_install import (
     DEFAULT_HOME,
     HOME_ENV,
@@ -212,6 +212,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     state |= {"running": running, "ready": handle.is_ready(), "watchdog_running": handle.watchdog_running(),
               "healthy": bool(health and health.healthy),
               "problems": health.problems() if health else ["tritonserver is not running"]}
+    if handle.proxy_pid is not None and handle.proxy_config is not None:
+        state["proxy_running"] = running_pid(handle.proxy_config) is not None  # restarts included
+        if not state["proxy_running"]:  # the public endpoint is unreachable (closed, not open)
+            state["healthy"] = False
+            state["problems"].append(f"the TLS proxy (nginx pid {handle.proxy_pid}) is not running: "
+                                     f"{handle.proxy_url} does not answer")
     if handle.events_file and Path(handle.events_file).is_file():
         lines = Path(handle.events_file).read_text().splitlines()
         state["recoveries"] = [json.loads(line) for line in lines[-10:]]  # the last ten

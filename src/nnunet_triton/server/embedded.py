@@ -196,7 +196,8 @@ def _start_watchdog(handle: ServerHandle, launch: _Launch) -> None:
     log_path = launch.log_file.with_name(launch.log_file.stem + ".watchdog.log")
     command = [sys.executable, "-m", "nnunet_triton.server.watchdog", "--url", handle.http_url,
                "--server-pid", str(handle.pid), "--model-repository", str(launch.model_repository),
-               "--events-file", str(events)]
+               "--events-file", str(events),
+               *(["--proxy-config", handle.proxy_config] if handle.proxy_config else [])]
     with open(log_path, "ab") as log:
         offset = log.tell()  # the log is appended to across restarts: only this watchdog's lines count
         process = subprocess.Popen(

@@ -22,7 +22,7 @@ from nnunet_triton.server.health import (
     repository_expectations,
     stub_processes,
 )
-from nnunet_triton.server.proxy import stop_proxy
+from nnunet_triton.server.proxy import running_pid, stop_proxy
 
 __all__ = [
     "ServerHandle",
@@ -146,8 +146,10 @@ class ServerHandle:
         """
         timeout_s = self.exit_timeout_s + 10.0 if timeout_s is None else timeout_s
         self._stop_watchdog()  # first: a stopping server's models must not be "recovered"
-        if self.proxy_pid is not None and self.proxy_config is not None:
-            stop_proxy(self.proxy_pid, self.proxy_config, process=self._proxy)  # no new requests
+        if self.proxy_pid is not None and self.proxy_config is not None:  # first: no new requests
+            # the watchdog may have started the proxy again (server.proxy_keeper): its pid file says which
+            pid = running_pid(self.proxy_config) or self.proxy_pid
+            stop_proxy(pid, self.proxy_config, process=self._proxy if pid == self.proxy_pid else None)
         ours = self.is_running()
         regions = [s.shm_region for s in stub_processes(self.pid)] if ours else []
         if ours:

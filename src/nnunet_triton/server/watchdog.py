@@ -57,6 +57,7 @@ from nnunet_triton.server.health import (
     unmapped_shm_regions,
 )
 from nnunet_triton.server.model_control import CONTROL_HEADER, TOKEN_ENV, ModelControl
+from nnunet_triton.server.proxy_keeper import ProxyKeeper
 
 __all__ = [
     "CONTROL_HEADER",
@@ -125,8 +126,10 @@ class Watchdog:
     def __init__(self, url: str, server_pid: int, models: Sequence[str], token: str, *,
                  events_file: str | Path | None = None, interval_s: float = DEFAULT_INTERVAL_S,
                  load_timeout_s: float = 900.0, shm: str | Path = "/dev/shm",
-                 model_repository: str | Path | None = None) -> None:
+                 model_repository: str | Path | None = None, proxy_config: str | Path | None = None) -> None:
         self.url = url
+        # the TLS proxy in front of the server (server.proxy): started again when its nginx died
+        self._proxy = ProxyKeeper(proxy_config) if proxy_config is not None else None
         self.server_pid = server_pid
         self.models = list(models)
         self.model_repository = Path(model_repository) if model_repository is not None else None
@@ -150,6 +153,8 @@ class Watchdog:
         announced = False
         while not self._stop and pid_alive(self.server_pid):
             self.tick()
+            if self._proxy is not None:
+                self._proxy.check()
             if not announced:  # after the first check: the launcher waits for this line
                 LOGGER.info("%s tritonserver pid %d at %s (%d models, %d processes, every %.1f s)", WATCHING,
                             self.server_pid, self.url, len(self.models), len(self._stubs), self.interval_s)
@@ -314,6 +319,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-repository", required=True, type=Path)
     parser.add_argument("--events-file", type=Path, default=None, help="append one JSON line per recovery")
     parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="seconds between checks")
+    parser.add_argument("--proxy-config", type=Path, default=None,
+                        help="nginx.conf of the server's TLS proxy: started again when it died")
     return parser
 
 
@@ -327,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     watchdog = Watchdog(args.url, args.server_pid, repository_models(args.model_repository), token,
                         events_file=args.events_file, interval_s=args.interval,
-                        model_repository=args.model_repository)
+                        model_repository=args.model_repository, proxy_config=args.proxy_config)
     signal.signal(signal.SIGTERM, watchdog.stop)
     return watchdog.run()
 

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from nnunet_triton.server.deploy import k8s_proxy
 from nnunet_triton.server.deploy.docker import (
     CONTAINER_PORTS,
     CONTAINER_REPOSITORY,
@@ -83,6 +84,10 @@ class K8sSpec:
         gpus: GPUs per pod: 1 (the gpu image) or 0 (the cpu image, a target cpu repository).
         host_ports: (http, grpc, metrics) published on the node's loopback (``hostIP: 127.0.0.1``), for a
             single-node run such as ``podman kube play``; None (a cluster) = reached through the Service.
+        tls_secret: a Secret with ``tls.crt``, ``tls.key`` and ``ca.crt``: an nginx sidecar serves HTTPS with
+            client certificates on ``k8s_proxy.PROXY_PORT``, the Service publishes only that port (and
+            metrics with ``service_monitor``) and a NetworkPolicy admits only those (``k8s_proxy``).
+        proxy_image: the sidecar's nginx image.
     """
 
     info: RepositoryInfo
@@ -101,6 +106,8 @@ class K8sSpec:
     exit_timeout_s: int = 30
     gpus: int = 1
     host_ports: tuple[int, int, int] | None = None
+    tls_secret: str | None = None
+    proxy_image: str = k8s_proxy.DEFAULT_PROXY_IMAGE
 
     def __post_init__(self) -> None:
         if self.gpus not in (0, 1) or (self.gpus == 0) != (self.info.target == "cpu"):
@@ -112,6 +119,9 @@ class K8sSpec:
             raise ValueError(
                 f"need 1 <= min_replicas <= max_replicas, got {self.min_replicas}, {self.max_replicas}."
             )
+        if self.tls_secret is not None and (not _NAME.match(self.tls_secret) or self.host_ports is not None):
+            raise ValueError(f"tls_secret must name a Secret (a DNS-1123 label) of a cluster deployment (no "
+                             f"host_ports), got {self.tls_secret!r}.")
         if self.service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
             raise ValueError(
                 f"service_type must be ClusterIP, NodePort or LoadBalancer, got {self.service_type!r}."
@@ -194,6 +204,9 @@ def deployment(spec: K8sSpec) -> dict[str, Any]:
         "containers": [_server_container(spec)],
         "volumes": _volumes(spec),
     }
+    if spec.tls_secret is not None:
+        pod["containers"].append(k8s_proxy.proxy_container(spec))
+        pod["volumes"] += k8s_proxy.proxy_volumes(spec)
     if spec.model_source.kind == "image":
         pod["initContainers"] = [{
             "name": "model-repository",
@@ -221,8 +234,12 @@ def deployment(spec: K8sSpec) -> dict[str, Any]:
 
 
 def service(spec: K8sSpec) -> dict[str, Any]:
+    published = dict(CONTAINER_PORTS)
+    if spec.tls_secret is not None:  # HTTPS through the sidecar only (metrics for the ServiceMonitor)
+        published = {"https": k8s_proxy.PROXY_PORT,
+                     **({"metrics": CONTAINER_PORTS["metrics"]} if spec.service_monitor else {})}
     ports = [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
-             for name, port in CONTAINER_PORTS.items()]
+             for name, port in published.items()]
     return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(spec),
             "spec": {"type": spec.service_type, "selector": _selector(spec), "ports": ports}}
 
@@ -257,6 +274,9 @@ def service_monitor(spec: K8sSpec) -> dict[str, Any]:
 def manifests(spec: K8sSpec) -> dict[str, dict[str, Any]]:
     """``{file name: manifest}`` in apply order."""
     files = {"deployment.yaml": deployment(spec), "service.yaml": service(spec), "hpa.yaml": autoscaler(spec)}
+    if spec.tls_secret is not None:
+        files = {"proxy-configmap.yaml": k8s_proxy.proxy_config_map(spec), **files,
+                 "networkpolicy.yaml": k8s_proxy.network_policy(spec)}
     if spec.service_monitor:
         files["servicemonitor.yaml"] = service_monitor(spec)
     return files
