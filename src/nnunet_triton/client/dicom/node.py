@@ -62,6 +62,7 @@ from typing import Any
 import pydicom
 
 from nnunet_triton.client.dicom.access import VERIFICATION, AccessPolicy
+from nnunet_triton.client.dicom.admission import Admission, AdmittingServer
 from nnunet_triton.client.dicom.destination import DicomWebDestination, StoreDestination, parse_destination
 from nnunet_triton.client.dicom.modality import ModalityRule
 from nnunet_triton.client.dicom.node_admin import read_status, requeue
@@ -271,9 +272,15 @@ class DicomNode(Receiving):
         ae.add_supported_context(VERIFICATION)
         handlers = [(evt.EVT_C_STORE, self._on_store), (evt.EVT_REQUESTED, self._on_requested),
                     (evt.EVT_DATA_RECV, self._on_data), (evt.EVT_CONN_CLOSE, self._on_closed)]
-        self._server = ae.start_server(
-            (self.config.host, self.config.port), block=False, evt_handlers=handlers,
-            ssl_context=access.tls.server_context() if access.tls is not None else None)
+        admission = Admission(access, listening_host=self.config.host,
+                              network_timeout_s=self.config.network_timeout_s,
+                              ssl_context=access.tls.server_context() if access.tls is not None else None)
+        self._server = ae.make_server((self.config.host, self.config.port), evt_handlers=handlers,
+                                      server_class=AdmittingServer, admission=admission)
+        ae._servers.append(self._server)  # as AE.start_server does: server.shutdown() removes it
+        accepting = threading.Thread(target=self._server.serve_forever, name="nnunet-triton-accept",
+                                     daemon=True)
+        accepting.start()
         self._write_status()
         for target, name in ((self._run, "nnunet-triton-node"), (self._monitor, "nnunet-triton-monitor")):
             thread = threading.Thread(target=target, name=name, daemon=True)
