@@ -10,9 +10,11 @@ A PACS routes studies to the node's AE title. What happens, in order:
    association that sends more than ``max_instance_bytes`` for one instance is aborted. The instance is
    copied (a Deflate one inflated in chunks, with the same limit) into the spool's ``tmp/``, its header read
    without pixel data, its UIDs checked against the UID rule (:mod:`.uids`) and the C-STORE request, the
-   quota and the per-series limit checked, and it is renamed to ``incoming/<series>/<sop>.dcm`` with file
-   and folder ``fsync``: only then is the C-STORE answered with success. An instance the node has already
-   is acknowledged and not stored again (a sender cannot replace a slice).
+   quota and the per-series limit checked and its place in the series' count reserved (under one lock, so
+   parallel associations cannot pass the limit), and it is hard-linked to ``incoming/<series>/<sop>.dcm``
+   (an exclusive create) with file and folder ``fsync``: only then is the C-STORE answered with success. An
+   instance the node has already is acknowledged and not stored again, one that another association is
+   storing at that moment is answered 0xA700: a sender cannot replace a slice, concurrently or not.
 3. **Completeness.** A series is complete when no instance of its *study* arrived for ``idle_timeout_s``
    and no association that delivered instances of the study is still open (it is held back at most
    ``max_open_wait_s``), the rule of Orthanc's stable studies plus the sender's own end of transfer.
@@ -214,6 +216,7 @@ class DicomNode(Receiving):
         self._study_seen: dict[str, float] = {}
         self._carrying: dict[int, set[str]] = {}  # association -> studies it delivered
         self._rx_bytes: dict[int, int] = {}  # association -> bytes received since its last C-STORE
+        self._storing: set[tuple[str, str]] = set()  # (series, SOP instance) being stored now
         self._series_locks: dict[str, threading.Lock] = {}  # a series' folder: filled vs. cleared
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -496,7 +499,10 @@ class DicomNode(Receiving):
         wait = self.config.idle_timeout_s
         with self._lock:
             open_studies = set().union(*self._carrying.values()) if self._carrying else set()
+            storing = {series for series, _ in self._storing}
             for uid, entry in sorted(self._pending.items(), key=lambda item: item[1].last_seen):
+                if uid in storing:  # an instance is being stored: its place is counted, its file not there
+                    continue
                 idle = now - max(entry.last_seen, self._study_seen.get(entry.study, 0.0))
                 held = entry.study in open_studies and idle < self.config.max_open_wait_s
                 if idle >= wait and not held and now >= entry.next_attempt:
