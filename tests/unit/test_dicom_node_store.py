@@ -106,3 +106,37 @@ def test_four_parallel_associations_cannot_pass_the_per_series_limit(node, tmp_p
 
     stored = list(Path(node.config.spool, "incoming", series.series_uid).glob("*.dcm"))
     assert (len(stored), statuses.count(0), statuses.count(0xA700)) == (5, 5, 7)
+
+
+def test_a_dataset_being_received_lies_in_the_spools_tmp_not_in_the_machines_tmpdir(
+        node, tmp_path, monkeypatch):
+    import tempfile
+
+    machine_tmp = tmp_path / "machine-tmp"
+    machine_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(machine_tmp))
+    series = support.write_ct_series(tmp_path / "ct", n_slices=1)
+    big = pydicom.dcmread(series.files[0])
+    big.Rows = big.Columns = 2048
+    big.PixelData = np.zeros((2048, 2048), np.int16).tobytes()  # 8 MiB: received over many PDUs
+    spool_tmp = Path(node.config.spool, "tmp")
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(f"spool/{p.name}" for p in spool_tmp.iterdir())
+            seen.update(f"machine/{p.name}" for p in machine_tmp.iterdir())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        statuses = _in_parallel(node.config.port, [[big]])
+    finally:
+        done.set()
+        watcher.join()
+
+    assert statuses == [[0]]
+    assert any(name.startswith("spool/pynetdicom-") for name in seen), sorted(seen)
+    assert not [name for name in seen if name.startswith("machine/")]
+    peers.wait_for(lambda: not any(spool_tmp.iterdir()), what="spool/tmp emptied")

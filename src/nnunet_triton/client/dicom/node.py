@@ -2,11 +2,13 @@
 
 A PACS routes studies to the node's AE title. What happens, in order:
 
-1. **Association.** Only the senders of the :class:`~.access.AccessPolicy` are accepted (called AE title:
-   the node's or one its routes map to a model; calling AE title and host, TLS, a limit per host); the
-   others get an A-ASSOCIATE-RJ. Only image storage SOP classes in uncompressed transfer syntaxes are
-   accepted by default.
-2. **C-STORE.** pynetdicom writes the dataset to a temporary file as it arrives (never whole in memory); an
+1. **Association.** Connections are admitted first (:mod:`.admission`: hosts, per-host limit, a deadline
+   for the TLS handshake and the A-ASSOCIATE-RQ, its size). Only the senders of the
+   :class:`~.access.AccessPolicy` are accepted (called AE title: the node's or one its routes map to a
+   model; calling AE title and host, TLS, a limit per host); the others get an A-ASSOCIATE-RJ. Only image
+   storage SOP classes in uncompressed transfer syntaxes are accepted by default.
+2. **C-STORE.** pynetdicom writes the dataset to a temporary file in the spool's ``tmp/`` as it arrives
+   (never whole in memory, counted by the quota's recount, removed at the next start after a crash); an
    association that sends more than ``max_instance_bytes`` for one instance is aborted. The instance is
    copied (a Deflate one inflated in chunks, with the same limit) into the spool's ``tmp/``, its header read
    without pixel data, its UIDs checked against the UID rule (:mod:`.uids`) and the C-STORE request, the
@@ -69,7 +71,7 @@ from nnunet_triton.client.dicom.destination import DicomWebDestination, StoreDes
 from nnunet_triton.client.dicom.modality import ModalityRule
 from nnunet_triton.client.dicom.node_admin import read_status, requeue
 from nnunet_triton.client.dicom.phi import describe
-from nnunet_triton.client.dicom.receiving import STATUS_SUCCESS, Receiving
+from nnunet_triton.client.dicom.receiving import STATUS_SUCCESS, Receiving, receive_into
 from nnunet_triton.client.dicom.routing import NoRoute, Route, Routes
 from nnunet_triton.client.dicom.seg import SegmentLabel, generic_segment_labels, write_dicom_seg
 from nnunet_triton.client.dicom.spool import Spool, SpoolLimits, durable_json, durable_output
@@ -259,12 +261,14 @@ class DicomNode(Receiving):
     def start(self) -> None:
         """Resume the spool, start listening, the worker and the monitor.
 
-        Sets pynetdicom's process-wide ``STORE_RECV_CHUNKED_DATASET`` (datasets are received to a file).
+        Sets pynetdicom's process-wide ``STORE_RECV_CHUNKED_DATASET`` (datasets are received to a file) and
+        makes it write those files into the spool's ``tmp/`` (:func:`.receiving.receive_into`).
         """
         from pynetdicom import AE, _config, evt
 
         self._resume()
         _config.STORE_RECV_CHUNKED_DATASET = True
+        receive_into(self.spool.tmp)
         access = self.config.access
         ae = AE(ae_title=self.config.ae_title)
         ae.require_called_aet = False  # decided in _on_requested, with a reason in the log
@@ -302,6 +306,7 @@ class DicomNode(Receiving):
             return
         self._stop.set()
         self._close_server()
+        receive_into(None, previous=self.spool.tmp)
         for thread in self._threads:
             thread.join(timeout=600)
         self._write_status()

@@ -19,7 +19,8 @@ from nnunet_triton.client.dicom.phi import describe
 from nnunet_triton.client.dicom.spool import InstanceTooLarge, inflate_deflated
 from nnunet_triton.client.dicom.uids import UID_RULE, valid_uid
 
-__all__ = ["Receiving", "STATUS_SUCCESS", "STATUS_OUT_OF_RESOURCES", "STATUS_CANNOT_UNDERSTAND",
+__all__ = ["Receiving", "receive_into", "STATUS_SUCCESS",
+           "STATUS_OUT_OF_RESOURCES", "STATUS_CANNOT_UNDERSTAND",
            "STATUS_SOP_CLASS_NOT_SUPPORTED", "RX_SLACK"]
 
 LOGGER = logging.getLogger("nnunet_triton.client.dicom.node")  # one logger for the node's story
@@ -27,6 +28,33 @@ LOGGER = logging.getLogger("nnunet_triton.client.dicom.node")  # one logger for 
 STATUS_SUCCESS, STATUS_OUT_OF_RESOURCES, STATUS_CANNOT_UNDERSTAND = 0x0000, 0xA700, 0xC000
 STATUS_SOP_CLASS_NOT_SUPPORTED = 0x0122
 RX_SLACK = 1 << 20  # command set and PDU headers on top of an instance's bytes
+
+
+_RECEIVE_DIR: list[Path] = []  # the spools' tmp/ folders of the nodes running in this process, newest last
+
+
+def _spool_temporary_file(*args: Any, **kwargs: Any) -> Any:
+    """pynetdicom's NamedTemporaryFile for a dataset being received, in the spool's ``tmp/`` (counted by
+    the quota, removed at the next start after a crash) instead of the machine's TMPDIR."""
+    from tempfile import NamedTemporaryFile
+
+    folders = [f for f in reversed(_RECEIVE_DIR) if f.is_dir()]
+    if folders:
+        kwargs.setdefault("dir", folders[0])
+        kwargs.setdefault("prefix", "pynetdicom-")
+    return NamedTemporaryFile(*args, **kwargs)
+
+
+def receive_into(folder: Path | None, *, previous: Path | None = None) -> None:
+    """Make pynetdicom write the datasets it receives into ``folder`` (a spool's ``tmp/``); ``previous``
+    is forgotten (a node that stops). Process-wide, like pynetdicom's ``STORE_RECV_CHUNKED_DATASET``."""
+    from pynetdicom import dimse_messages
+
+    if previous is not None and previous in _RECEIVE_DIR:
+        _RECEIVE_DIR.remove(previous)
+    if folder is not None:
+        _RECEIVE_DIR.append(folder)
+    dimse_messages.NamedTemporaryFile = _spool_temporary_file  # type: ignore[assignment]
 
 
 class Receiving:
