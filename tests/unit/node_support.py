@@ -8,7 +8,9 @@ Orthanc + Triton tests in ``tests/triton`` cover it).
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -164,3 +166,56 @@ def running(config: NodeConfig) -> DicomNode:
     node = DicomNode(config)
     node.start()
     return node
+
+
+def make_certificates(folder: Path) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate in ``folder``, made with openssl
+    (the test is skipped without it)."""
+    import pytest
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test CA",
+            "-keyout", "ca.key", "-out", "ca.pem")
+    (folder / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+                "-out", f"{name}.csr")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.pem")
+    return folder
+
+
+def tls_client(certificates: Path, *, with_cert: bool = True) -> Any:
+    """A client TLS context trusting the test CA, with the client certificate unless ``with_cert``
+    is False."""
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(certificates / "ca.pem"))
+    if with_cert:
+        context.load_cert_chain(str(certificates / "client.pem"), str(certificates / "client.key"))
+    return context
+
+
+def connect_from(host: str, port: int) -> socket.socket:
+    """A raw TCP connection to the node on loopback from the source address ``host`` (127.0.0.x plays
+    another machine)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(host, 0))
+    return sock
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the node closed ``sock`` (reads until end of stream; False while it stays open)."""
+    sock.settimeout(0.05)
+    try:
+        while True:
+            if not sock.recv(65536):
+                return True
+    except (TimeoutError, BlockingIOError):
+        return False
+    except OSError:
+        return True

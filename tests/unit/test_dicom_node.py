@@ -278,34 +278,16 @@ def test_node_limits_the_associations_of_one_host(node_factory):
     rejection = third.acceptor.primitive
     assert third.is_rejected and (rejection.result, rejection.diagnostic) == (2, 2)  # transient: busy
     first.release()
-    time.sleep(0.3)
+    peers.wait_for(lambda: len(node._server.active_associations) < 2, what="the released association to end")
     fourth = peers.associate(node.config.port)
     assert fourth.is_established
     second.release()
     fourth.release()
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory):
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, all made here with openssl."""
-    folder = tmp_path_factory.mktemp("tls")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test CA",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=folder)
-    (folder / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-                 "-out", f"{name}.csr", cwd=folder)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.pem", cwd=folder)
-    return folder
+    return peers.make_certificates(tmp_path_factory.mktemp("tls"))
 
 
 def test_node_over_tls_stores_only_for_clients_with_a_certificate_of_its_ca(

@@ -129,7 +129,7 @@ def test_an_instance_is_fsynced_and_its_folder_too_before_the_c_store_is_answere
     if shutil.which("strace") is None:
         pytest.skip("strace is not installed (apt-get install strace)")
     trace = tmp_path / "trace.txt"
-    calls = "trace=fsync,fdatasync,rename,renameat,renameat2,sendto"
+    calls = "trace=fsync,fdatasync,rename,renameat,renameat2,link,linkat,sendto"
     wrapper = ["strace", "-f", "-qq", "-yy", "-e", calls, "-o", str(trace)]
     try:
         process, port = _start(tmp_path / "spool", wrapper=wrapper, settings='{"idle_timeout_s": 600}')
@@ -146,15 +146,15 @@ def test_an_instance_is_fsynced_and_its_folder_too_before_the_c_store_is_answere
     assert statuses == [0]
     lines = trace.read_text().splitlines()
     final = f"incoming/{series.series_uid}/{series.sop_uids[0]}.dcm"
-    renamed = next(i for i, line in enumerate(lines) if re.search(r"rename", line) and final in line)
+    renamed = next(i for i, line in enumerate(lines) if re.search(r"rename|link", line) and final in line)
     answered = next(i for i, line in enumerate(lines[renamed:], renamed)
                     if "sendto(" in line and "TCP" in line)
-    received = str(tmp_path / "spool" / "tmp" / "rx-")  # the spool's receive file, before its rename
+    received = str(tmp_path / "spool" / "tmp" / "rx-")  # the spool's receive file, before its link
     synced_file = [i for i, line in enumerate(lines[:renamed]) if line.split()[1].startswith("fsync(")
                    and received in line]
     synced_dirs = {re.search(r"fsync\(\d+<([^>]+)>", line)[1] for line in lines[renamed:answered]
                    if "fsync(" in line}
-    assert synced_file, "the instance's data were not fsynced before its rename"
+    assert synced_file, "the instance's data were not fsynced before it was linked into place"
     assert str(tmp_path / "spool" / "incoming" / series.series_uid) in synced_dirs
     assert answered > renamed
 

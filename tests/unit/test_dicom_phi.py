@@ -55,3 +55,26 @@ def test_redacting_filter_masks_third_party_records_and_leaves_ours_alone():
 def test_describe_keeps_our_own_messages_that_name_rules_and_uids():
     error = InputValidationError("series 1.2.3: gap (missing slices?) between IM0001.dcm and IM0003.dcm")
     assert describe(error) == f"InputValidationError: {error}"
+
+
+# pydicom's character set test files: (file, its SpecificCharacterSet), the name as pydicom decodes it
+CHARSET_FILES = [("chrFren.dcm", "ISO_IR 100 (Latin-1)"), ("chrX1.dcm", "ISO_IR 192 (UTF-8)"),
+                 ("chrJapMulti.dcm", "ISO 2022 IR 87"), ("chrH31.dcm", "ISO 2022 IR 13/87"),
+                 ("chrKoreanMulti.dcm", "ISO 2022 IR 149"), ("chrX2.dcm", "GB18030"),
+                 ("chrRuss.dcm", "ISO_IR 144"), ("chrGreek.dcm", "ISO_IR 126")]
+
+
+@pytest.mark.parametrize(("name", "charset"), CHARSET_FILES, ids=[c for _, c in CHARSET_FILES])
+def test_redaction_decodes_names_with_the_datasets_specific_character_set(name, charset):
+    from pydicom.data import get_charset_files
+
+    path = get_charset_files(name)[0]
+    header = pydicom.dcmread(path, stop_before_pixels=True)  # as the node reads it: values still raw
+    shown = str(pydicom.dcmread(path, stop_before_pixels=True).PatientName)  # what a message may print
+    text = f"no axial slices in series {shown} of {shown.split('^')[0]}"
+
+    redacted = describe(InputValidationError(text), [header])
+
+    parts = {p for p in shown.replace("=", "^").split("^") if p.strip()}
+    assert not [p for p in parts if p.strip() in redacted], (charset, redacted)
+    assert redacted.startswith("InputValidationError: no axial slices in series <withheld>")

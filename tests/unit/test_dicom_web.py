@@ -218,3 +218,49 @@ def test_dicomweb_auth_reads_secrets_from_files_or_the_environment(tmp_path, mon
         DicomWebAuth.from_env(user="ai", password_file=tmp_path / "two-lines")
     with pytest.raises(PacsError, match=r"cannot read the token file '.*missing'"):
         DicomWebAuth.from_env(token_file=tmp_path / "missing")
+
+
+class Redirector:
+    """An HTTP server on ``host`` that answers every GET with a 302 to ``target`` + the path (or records it
+    when ``target`` is None)."""
+
+    def __init__(self, host: str, target: str | None) -> None:
+        self.requests: list[str] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_GET(self):  # noqa: N802 - the http.server name
+                owner.requests.append(self.path)
+                self.send_response(302 if target else 404)
+                if target:
+                    self.send_header("Location", target + self.path)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer((host, 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return int(self.httpd.server_address[1])
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+
+
+@pytest.mark.parametrize("where", ["another host", "another port"])
+def test_dicomweb_client_does_not_follow_a_redirect_to_another_origin(where, tmp_path):
+    elsewhere = Redirector("127.0.0.2" if where == "another host" else "127.0.0.1", None)
+    pacs = Redirector("127.0.0.1", f"http://{elsewhere.httpd.server_address[0]}:{elsewhere.port}")
+    try:
+        with pytest.raises(PacsError, match=r"HTTP 302 redirect to another origin \(http://127\.0\.0\.[12]:"
+                                            r"\d+\) is not followed"):
+            location = DicomWebLocation.parse(f"dicomweb://127.0.0.1:{pacs.port}/dicom-web")
+            fetch_study(location, STUDY, tmp_path)
+    finally:
+        pacs.close()
+        elsewhere.close()
+    assert pacs.requests and not elsewhere.requests

@@ -90,7 +90,10 @@ def add_parsers(sub: Any) -> None:
     who.add_argument("--accept-unknown-callers", action="store_true",
                      help="accept calling AE titles not given with --allow (the default on loopback only)")
     who.add_argument("--max-associations", type=int, default=10, help="associations at once (10)")
-    who.add_argument("--max-associations-per-host", type=int, default=4, help="of them from one host (4)")
+    who.add_argument("--max-associations-per-host", type=int, default=4,
+                     help="connections from one host, counted from accept (4)")
+    who.add_argument("--association-request-timeout", type=parse_duration, default=10.0,
+                     help="seconds from accept to a complete A-ASSOCIATE-RQ, TLS handshake included (10)")
     who.add_argument("--accept-all-storage", action="store_true",
                      help="accept every storage SOP class (default: image storage only)")
     who.add_argument("--accept-deflate", action="store_true",
@@ -196,7 +199,7 @@ def _access(args: argparse.Namespace) -> Any:
         accept_unknown=True if args.accept_unknown_callers else None, tls=tls,
         transfer_syntaxes=(*UNCOMPRESSED, DEFLATED) if args.accept_deflate else UNCOMPRESSED,
         max_associations=args.max_associations, max_associations_per_host=args.max_associations_per_host,
-        **extra)
+        association_request_timeout_s=args.association_request_timeout, **extra)
 
 
 def _routes(args: argparse.Namespace) -> Any:

@@ -15,11 +15,15 @@ and MONAI Informatics Gateway (``rejectUnknownSources``) offer it:
 - only the SOP classes of ``storage_classes`` (default: image storage, so no SR, SEG, RT, presentation
   states, encapsulated documents) in the transfer syntaxes of ``transfer_syntaxes`` (default: the two
   uncompressed little-endian ones; Deflate only when asked for, and then inflated with a size limit);
-- at most ``max_associations`` associations at once, ``max_associations_per_host`` of them from one host.
+- at most ``max_associations`` associations at once, ``max_associations_per_host`` connections from one
+  host (counted from accept, also while they have not sent their request), and an A-ASSOCIATE-RQ of at
+  most ``max_association_request_bytes`` complete within ``association_request_timeout_s`` of accept
+  (the TLS handshake included); see :mod:`.admission`.
 
-:meth:`AccessPolicy.refusal` decides one association request; :mod:`.node` calls it when the A-ASSOCIATE-RQ
-arrives and answers with an A-ASSOCIATE-RJ (a permanent rejection naming the calling or called AE title as
-not recognised, or a transient one for a host over its limit).
+:mod:`.admission` applies the host rules at accept; :meth:`AccessPolicy.refusal` decides one association
+request; :mod:`.node` calls it when the A-ASSOCIATE-RQ arrives and answers with an A-ASSOCIATE-RJ (a
+permanent rejection naming the calling or called AE title as not recognised, or a transient one for a host
+over its limit).
 """
 
 from __future__ import annotations
@@ -167,11 +171,17 @@ class AccessPolicy:
     transfer_syntaxes: tuple[str, ...] = UNCOMPRESSED
     max_associations: int = 10
     max_associations_per_host: int = 4
+    association_request_timeout_s: float = 10.0
+    max_association_request_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_associations_per_host <= self.max_associations:
             raise PacsError("association limits: need 1 <= max_associations_per_host <= max_associations, "
                             f"got {self.max_associations_per_host} and {self.max_associations}.")
+        if self.association_request_timeout_s <= 0 or self.max_association_request_bytes < 1024:
+            raise PacsError("association request: need a timeout > 0 s and a size bound >= 1024 bytes, "
+                            f"got {self.association_request_timeout_s} s and "
+                            f"{self.max_association_request_bytes}.")
         if not self.storage_classes or not self.transfer_syntaxes:
             raise PacsError("the node must accept at least one storage class and one transfer syntax.")
 
@@ -181,6 +191,15 @@ class AccessPolicy:
         if self.accept_unknown is not None:
             return self.accept_unknown
         return not self.peers and is_loopback_host(listening_host)
+
+    def names_host(self, host: str) -> bool:
+        """Whether an allowed sender is bound to hosts that include ``host`` (an IP address)."""
+        return any(peer.hosts and peer.allows(host) for peer in self.peers)
+
+    def any_host(self, listening_host: str) -> bool:
+        """Whether a connection from any host may go on to its association request: unknown callers are
+        accepted, or an allowed sender is not bound to hosts."""
+        return self.accepts_unknown(listening_host) or any(not peer.hosts for peer in self.peers)
 
     def check_listening(self, listening_host: str) -> None:
         """Refuse a configuration that would accept no one (beyond loopback, no known sender)."""

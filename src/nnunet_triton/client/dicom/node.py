@@ -2,17 +2,21 @@
 
 A PACS routes studies to the node's AE title. What happens, in order:
 
-1. **Association.** Only the senders of the :class:`~.access.AccessPolicy` are accepted (called AE title:
-   the node's or one its routes map to a model; calling AE title and host, TLS, a limit per host); the
-   others get an A-ASSOCIATE-RJ. Only image storage SOP classes in uncompressed transfer syntaxes are
-   accepted by default.
-2. **C-STORE.** pynetdicom writes the dataset to a temporary file as it arrives (never whole in memory); an
+1. **Association.** Connections are admitted first (:mod:`.admission`: hosts, per-host limit, a deadline
+   for the TLS handshake and the A-ASSOCIATE-RQ, its size). Only the senders of the
+   :class:`~.access.AccessPolicy` are accepted (called AE title: the node's or one its routes map to a
+   model; calling AE title and host, TLS, a limit per host); the others get an A-ASSOCIATE-RJ. Only image
+   storage SOP classes in uncompressed transfer syntaxes are accepted by default.
+2. **C-STORE.** pynetdicom writes the dataset to a temporary file in the spool's ``tmp/`` as it arrives
+   (never whole in memory, counted by the quota's recount, removed at the next start after a crash); an
    association that sends more than ``max_instance_bytes`` for one instance is aborted. The instance is
    copied (a Deflate one inflated in chunks, with the same limit) into the spool's ``tmp/``, its header read
    without pixel data, its UIDs checked against the UID rule (:mod:`.uids`) and the C-STORE request, the
-   quota and the per-series limit checked, and it is renamed to ``incoming/<series>/<sop>.dcm`` with file
-   and folder ``fsync``: only then is the C-STORE answered with success. An instance the node has already
-   is acknowledged and not stored again (a sender cannot replace a slice).
+   quota and the per-series limit checked and its place in the series' count reserved (under one lock, so
+   parallel associations cannot pass the limit), and it is hard-linked to ``incoming/<series>/<sop>.dcm``
+   (an exclusive create) with file and folder ``fsync``: only then is the C-STORE answered with success. An
+   instance the node has already is acknowledged and not stored again, one that another association is
+   storing at that moment is answered 0xA700: a sender cannot replace a slice, concurrently or not.
 3. **Completeness.** A series is complete when no instance of its *study* arrived for ``idle_timeout_s``
    and no association that delivered instances of the study is still open (it is held back at most
    ``max_open_wait_s``), the rule of Orthanc's stable studies plus the sender's own end of transfer.
@@ -62,11 +66,12 @@ from typing import Any
 import pydicom
 
 from nnunet_triton.client.dicom.access import VERIFICATION, AccessPolicy
+from nnunet_triton.client.dicom.admission import Admission, AdmittingServer
 from nnunet_triton.client.dicom.destination import DicomWebDestination, StoreDestination, parse_destination
 from nnunet_triton.client.dicom.modality import ModalityRule
 from nnunet_triton.client.dicom.node_admin import read_status, requeue
 from nnunet_triton.client.dicom.phi import describe
-from nnunet_triton.client.dicom.receiving import STATUS_SUCCESS, Receiving
+from nnunet_triton.client.dicom.receiving import STATUS_SUCCESS, Receiving, receive_into
 from nnunet_triton.client.dicom.routing import NoRoute, Route, Routes
 from nnunet_triton.client.dicom.seg import SegmentLabel, generic_segment_labels, write_dicom_seg
 from nnunet_triton.client.dicom.spool import Spool, SpoolLimits, durable_json, durable_output
@@ -213,6 +218,7 @@ class DicomNode(Receiving):
         self._study_seen: dict[str, float] = {}
         self._carrying: dict[int, set[str]] = {}  # association -> studies it delivered
         self._rx_bytes: dict[int, int] = {}  # association -> bytes received since its last C-STORE
+        self._storing: set[tuple[str, str]] = set()  # (series, SOP instance) being stored now
         self._series_locks: dict[str, threading.Lock] = {}  # a series' folder: filled vs. cleared
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -255,12 +261,14 @@ class DicomNode(Receiving):
     def start(self) -> None:
         """Resume the spool, start listening, the worker and the monitor.
 
-        Sets pynetdicom's process-wide ``STORE_RECV_CHUNKED_DATASET`` (datasets are received to a file).
+        Sets pynetdicom's process-wide ``STORE_RECV_CHUNKED_DATASET`` (datasets are received to a file) and
+        makes it write those files into the spool's ``tmp/`` (:func:`.receiving.receive_into`).
         """
         from pynetdicom import AE, _config, evt
 
         self._resume()
         _config.STORE_RECV_CHUNKED_DATASET = True
+        receive_into(self.spool.tmp)
         access = self.config.access
         ae = AE(ae_title=self.config.ae_title)
         ae.require_called_aet = False  # decided in _on_requested, with a reason in the log
@@ -271,9 +279,15 @@ class DicomNode(Receiving):
         ae.add_supported_context(VERIFICATION)
         handlers = [(evt.EVT_C_STORE, self._on_store), (evt.EVT_REQUESTED, self._on_requested),
                     (evt.EVT_DATA_RECV, self._on_data), (evt.EVT_CONN_CLOSE, self._on_closed)]
-        self._server = ae.start_server(
-            (self.config.host, self.config.port), block=False, evt_handlers=handlers,
-            ssl_context=access.tls.server_context() if access.tls is not None else None)
+        admission = Admission(access, listening_host=self.config.host,
+                              network_timeout_s=self.config.network_timeout_s,
+                              ssl_context=access.tls.server_context() if access.tls is not None else None)
+        self._server = ae.make_server((self.config.host, self.config.port), evt_handlers=handlers,
+                                      server_class=AdmittingServer, admission=admission)
+        ae._servers.append(self._server)  # as AE.start_server does: server.shutdown() removes it
+        accepting = threading.Thread(target=self._server.serve_forever, name="nnunet-triton-accept",
+                                     daemon=True)
+        accepting.start()
         self._write_status()
         for target, name in ((self._run, "nnunet-triton-node"), (self._monitor, "nnunet-triton-monitor")):
             thread = threading.Thread(target=target, name=name, daemon=True)
@@ -292,6 +306,7 @@ class DicomNode(Receiving):
             return
         self._stop.set()
         self._close_server()
+        receive_into(None, previous=self.spool.tmp)
         for thread in self._threads:
             thread.join(timeout=600)
         self._write_status()
@@ -489,7 +504,10 @@ class DicomNode(Receiving):
         wait = self.config.idle_timeout_s
         with self._lock:
             open_studies = set().union(*self._carrying.values()) if self._carrying else set()
+            storing = {series for series, _ in self._storing}
             for uid, entry in sorted(self._pending.items(), key=lambda item: item[1].last_seen):
+                if uid in storing:  # an instance is being stored: its place is counted, its file not there
+                    continue
                 idle = now - max(entry.last_seen, self._study_seen.get(entry.study, 0.0))
                 held = entry.study in open_studies and idle < self.config.max_open_wait_s
                 if idle >= wait and not held and now >= entry.next_attempt:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,8 +49,9 @@ def _harmless(value: str) -> bool:
 
 
 def raw_text(ds: Any, keyword: str) -> str | None:
-    """The value of ``keyword`` in ``ds`` as stored (None when absent), read without pydicom converting it:
-    the conversion of an invalid value logs the value."""
+    """The value of ``keyword`` in ``ds`` as stored (None when absent), read without pydicom converting it
+    (the conversion of an invalid value logs the value) and decoded with the dataset's
+    SpecificCharacterSet."""
     from pydicom.datadict import tag_for_keyword
 
     tag = tag_for_keyword(keyword)
@@ -57,11 +59,58 @@ def raw_text(ds: Any, keyword: str) -> str | None:
         return None
     value = ds.get_item(tag).value
     if isinstance(value, bytes):
-        return value.decode("latin-1").rstrip("\x00 ")
+        return _decode(ds, value).rstrip("\x00 ")
     if value is None:
         return ""
     several = isinstance(value, list | tuple) or type(value).__name__ == "MultiValue"
     return "\\".join(str(v) for v in value) if several else str(value)
+
+
+def _encodings(ds: Any) -> list[str]:
+    """Python codecs of the dataset's SpecificCharacterSet (pydicom's mapping; ASCII when absent)."""
+    from pydicom.charset import convert_encodings
+
+    try:
+        declared = ds.get("SpecificCharacterSet", "ISO_IR 6") if hasattr(ds, "get") else "ISO_IR 6"
+        return list(convert_encodings(declared or "ISO_IR 6"))
+    except Exception:  # noqa: BLE001 - an unknown character set: decode as Latin-1 below
+        return ["latin_1"]
+
+
+def _decode(ds: Any, value: bytes) -> str:
+    """``value`` as pydicom decodes it with the dataset's character sets (ISO 2022 escape sequences,
+    multi-byte sets), delimiters of names and values resetting the state; Latin-1 when that fails."""
+    from pydicom.charset import decode_bytes
+
+    try:
+        with warnings.catch_warnings():  # a value that does not decode: replaced characters, no warning
+            warnings.simplefilter("ignore")
+            return decode_bytes(value, _encodings(ds), {0x5C, 0x5E, 0x3D})
+    except Exception:  # noqa: BLE001 - redaction must not fail on a broken value
+        return value.decode("latin-1")
+
+
+def _raw_bytes(ds: Any, keyword: str) -> bytes | None:
+    from pydicom.datadict import tag_for_keyword
+
+    tag = tag_for_keyword(keyword)
+    if tag is None or tag not in ds:
+        return None
+    value = ds.get_item(tag).value
+    return value if isinstance(value, bytes) else None
+
+
+def _parts(text: str) -> set[str]:
+    """A value's items and name components worth masking: two characters or more, or one that is not
+    ASCII (a one-ideograph family name)."""
+    parts: set[str] = set()
+    for item in (text or "").split("\\"):
+        item = item.strip()
+        for part in [item, *re.split(r"[\^=]", item)]:
+            part = part.strip()
+            if len(part) >= 2 or (part and not part.isascii()):
+                parts.add(part)
+    return parts
 
 
 def phi_values(datasets: Iterable[Any]) -> set[str]:
@@ -73,11 +122,10 @@ def phi_values(datasets: Iterable[Any]) -> set[str]:
                 text = raw_text(ds, keyword)
             except Exception:  # noqa: BLE001 - a value that cannot even be read is not shown either
                 continue
-            for item in (text or "").split("\\"):
-                item = item.strip()
-                if len(item) >= 2:
-                    values.add(item)
-                    values.update(part.strip() for part in re.split(r"[\^=]", item) if len(part.strip()) >= 2)
+            values.update(_parts(text or ""))
+            raw = _raw_bytes(ds, keyword)
+            if raw is not None:  # as a library that ignored the character set would show it, too
+                values.update(_parts(raw.decode("latin-1").rstrip("\x00 ")))
     return values
 
 

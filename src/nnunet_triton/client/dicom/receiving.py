@@ -19,7 +19,8 @@ from nnunet_triton.client.dicom.phi import describe
 from nnunet_triton.client.dicom.spool import InstanceTooLarge, inflate_deflated
 from nnunet_triton.client.dicom.uids import UID_RULE, valid_uid
 
-__all__ = ["Receiving", "STATUS_SUCCESS", "STATUS_OUT_OF_RESOURCES", "STATUS_CANNOT_UNDERSTAND",
+__all__ = ["Receiving", "receive_into", "STATUS_SUCCESS",
+           "STATUS_OUT_OF_RESOURCES", "STATUS_CANNOT_UNDERSTAND",
            "STATUS_SOP_CLASS_NOT_SUPPORTED", "RX_SLACK"]
 
 LOGGER = logging.getLogger("nnunet_triton.client.dicom.node")  # one logger for the node's story
@@ -27,6 +28,33 @@ LOGGER = logging.getLogger("nnunet_triton.client.dicom.node")  # one logger for 
 STATUS_SUCCESS, STATUS_OUT_OF_RESOURCES, STATUS_CANNOT_UNDERSTAND = 0x0000, 0xA700, 0xC000
 STATUS_SOP_CLASS_NOT_SUPPORTED = 0x0122
 RX_SLACK = 1 << 20  # command set and PDU headers on top of an instance's bytes
+
+
+_RECEIVE_DIR: list[Path] = []  # the spools' tmp/ folders of the nodes running in this process, newest last
+
+
+def _spool_temporary_file(*args: Any, **kwargs: Any) -> Any:
+    """pynetdicom's NamedTemporaryFile for a dataset being received, in the spool's ``tmp/`` (counted by
+    the quota, removed at the next start after a crash) instead of the machine's TMPDIR."""
+    from tempfile import NamedTemporaryFile
+
+    folders = [f for f in reversed(_RECEIVE_DIR) if f.is_dir()]
+    if folders:
+        kwargs.setdefault("dir", folders[0])
+        kwargs.setdefault("prefix", "pynetdicom-")
+    return NamedTemporaryFile(*args, **kwargs)
+
+
+def receive_into(folder: Path | None, *, previous: Path | None = None) -> None:
+    """Make pynetdicom write the datasets it receives into ``folder`` (a spool's ``tmp/``); ``previous``
+    is forgotten (a node that stops). Process-wide, like pynetdicom's ``STORE_RECV_CHUNKED_DATASET``."""
+    from pynetdicom import dimse_messages
+
+    if previous is not None and previous in _RECEIVE_DIR:
+        _RECEIVE_DIR.remove(previous)
+    if folder is not None:
+        _RECEIVE_DIR.append(folder)
+    dimse_messages.NamedTemporaryFile = _spool_temporary_file  # type: ignore[assignment]
 
 
 class Receiving:
@@ -39,6 +67,7 @@ class Receiving:
     _study_seen: dict[str, float]
     _carrying: dict[int, set[str]]
     _rx_bytes: dict[int, int]
+    _storing: set[tuple[str, str]]
     _fatal: str | None
     _server: Any
 
@@ -165,10 +194,17 @@ class Receiving:
         return str(study), str(series), str(sop)
 
     def _keep(self, staged: Path, study: str, series: str, sop: str, *, assoc_key: int) -> int:
-        """Check duplicates, limits and quota, then move the instance into ``incoming/`` durably."""
+        """Check duplicates, limits and quota and reserve the instance's place in the series' count, all
+        under the node's lock; then hard-link it into ``incoming/`` (exclusive: an instance already there
+        is never replaced) durably."""
         limits = self.spool.limits
         size = staged.stat().st_size
+        now = time.monotonic()
         with self._lock:
+            if (series, sop) in self._storing:  # another association is storing the same instance now
+                LOGGER.warning("refused instance %s of series %s: another association is storing it now",
+                               sop, series)
+                return STATUS_OUT_OF_RESOURCES
             if self.spool.known(series, sop):
                 LOGGER.info("series %s: instance %s is spooled already; not stored again", series, sop)
                 return STATUS_SUCCESS
@@ -178,29 +214,48 @@ class Receiving:
                 LOGGER.warning("refused instance %s of series %s: the series has %d instances, the limit "
                                "max_instances_per_series", sop, series, count)
                 return STATUS_OUT_OF_RESOURCES
-            if not self.spool.reserve(size):  # the move happens outside the lock
+            if not self.spool.reserve(size):
                 self._degraded["quota"] = f"spool quota max_spool_bytes={limits.max_spool_bytes} reached"
                 LOGGER.warning("refused instance %s of series %s: the spool quota of %d bytes is reached",
                                sop, series, limits.max_spool_bytes)
                 return STATUS_OUT_OF_RESOURCES
+            # the place is reserved before the data is accepted: concurrent stores see it counted
+            entry = pending if pending is not None else self._pending.setdefault(
+                series, self._new_series(study, now, count))
+            entry.count += 1
+            self._storing.add((series, sop))
+        placed = False
         try:
             with open(staged, "rb") as handle:
                 os.fsync(handle.fileno())
             with self._series_lock(series):  # the worker does not clear the folder meanwhile
-                self.spool.move(staged, self.spool.instance(series, sop))
+                placed = self.spool.place(staged, self.spool.instance(series, sop))
         except OSError as exc:
-            self.spool.release(size)
             return self._spool_error(f"spooling instance {sop} of series {series}", exc)
+        finally:
+            self._settle(series, sop, entry, placed=placed, size=size, study=study, assoc_key=assoc_key)
+        if not placed:
+            LOGGER.info("series %s: instance %s is spooled already; not stored again", series, sop)
+        return STATUS_SUCCESS
+
+    def _settle(self, series: str, sop: str, entry: Any, *, placed: bool, size: int, study: str,
+                assoc_key: int) -> None:
+        """End a reservation: count the instance stored, or give its place and bytes back."""
         now = time.monotonic()
         with self._lock:
+            self._storing.discard((series, sop))
+            if not placed:
+                self.spool.release(size)
+                entry.count -= 1
+                if entry.count <= 0 and self._pending.get(series) is entry and not self.spool.count(series):
+                    del self._pending[series]
+                return
             self._degraded.pop("disk", None)
             self._degraded.pop("quota", None)
-            entry = self._pending.setdefault(series, self._new_series(study, now, count))
-            entry.count += 1
+            self._pending.setdefault(series, entry)  # the worker may have finished the series meanwhile
             entry.last_seen = now
             self._study_seen[study] = now
             self._carrying.setdefault(assoc_key, set()).add(study)
-        return STATUS_SUCCESS
 
     def _spool_error(self, what: str, exc: OSError) -> int:
         reason = f"{what} failed: {os.strerror(exc.errno) if exc.errno else type(exc).__name__}"

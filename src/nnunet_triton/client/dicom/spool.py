@@ -297,6 +297,17 @@ class Spool:
         if source.parent != target.parent:
             fsync_dir(source.parent)
 
+    def place(self, source: Path, target: Path) -> bool:
+        """Hard-link ``source`` to ``target`` durably unless ``target`` exists (then False, nothing
+        changed): the exclusive create that never replaces a file."""
+        _make_dirs(target.parent)
+        try:
+            os.link(source, target)
+        except FileExistsError:
+            return False
+        fsync_dir(target.parent)
+        return True
+
     def merge_into(self, source_dir: Path, target_dir: Path, *, names: set[str] | None = None) -> int:
         """Move the instances of ``source_dir`` (those in ``names``, default all) into ``target_dir``."""
         moved = 0

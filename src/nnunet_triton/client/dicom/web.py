@@ -41,7 +41,7 @@ from nnunet_triton.client.imageio import atomic_output
 from nnunet_triton.errors import PacsError
 
 __all__ = ["SCHEMES", "DicomWebAuth", "DicomWebLocation", "SeriesChoice", "is_dicomweb", "is_loopback",
-           "choose_series", "fetch_study", "store_files", "read_secret"]
+           "choose_series", "fetch_study", "store_files", "read_secret", "RedirectRefused"]
 
 LOGGER = logging.getLogger(__name__)
 # dicomweb-client logs every request's headers at DEBUG (an Authorization header among them): never let it
@@ -168,6 +168,7 @@ class DicomWebLocation:
         session = (create_session_from_user_pass(auth.user, auth.password) if auth.user is not None
                    else create_session())
         session.trust_env = False  # no credentials from ~/.netrc, no proxy from the environment
+        session.hooks["response"].append(_same_origin_redirects_only)
         if auth.ca_file is not None:
             session.verify = str(auth.ca_file)
         headers = {"Authorization": f"Bearer {auth.token}"} if auth.token else None
@@ -176,8 +177,37 @@ class DicomWebLocation:
         return client
 
 
+class RedirectRefused(PacsError):
+    """A DICOMweb server redirected to another origin or to plain http; the client does not follow."""
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    default = {"http": 80, "https": 443}.get(parts.scheme.lower())
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port or default
+
+
+def _same_origin_redirects_only(response: Any, *args: Any, **kwargs: Any) -> Any:
+    """requests response hook (it runs before a redirect is followed): refuse a redirect whose target has
+    another scheme, host or port than the request (the plain-http rule and the credentials stay with the
+    origin that was configured)."""
+    if not response.is_redirect:
+        return response
+    from urllib.parse import urljoin
+
+    target = urljoin(response.url, response.headers.get("location", ""))
+    if _origin(target) != _origin(response.url):
+        scheme, host, port = _origin(target)
+        raise RedirectRefused(f"DICOMweb {response.url.split('?')[0]}: HTTP {response.status_code} redirect "
+                              f"to another origin ({scheme}://{host}:{port}) is not followed; configure the "
+                              "server's own URL.")
+    return response
+
+
 def _reason(exc: BaseException) -> str:
     """What went wrong, without request headers or bodies: the HTTP status or the exception's kind."""
+    if isinstance(exc, RedirectRefused):
+        return str(exc)
     response = getattr(exc, "response", None)
     if response is not None and getattr(response, "status_code", None) is not None:
         return f"HTTP {response.status_code} {getattr(response, 'reason', '') or ''}".strip()
