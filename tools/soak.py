@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from nnunet_triton.util.retry import TritonCode, triton_code
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 LOGGER = logging.getLogger("soak")
@@ -40,7 +42,6 @@ DEFAULT_MODEL = (
     REPO_ROOT / "tests" / "fixtures" / "Dataset901_SynthCT" / "nnUNetTrainer__nnUNetPlans__3d_tiny"
 )
 DEFAULT_OUT = REPO_ROOT / "build" / "soak"
-INVALID_ARG = {"400", "StatusCode.INVALID_ARGUMENT"}
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ def run_one(worker: Worker, job: Job, tally: Tally) -> None:
     except InferenceServerException as exc:
         elapsed = time.perf_counter() - start
         status = str(exc.status())
-        if job.expected is None and status in INVALID_ARG:
+        if job.expected is None and triton_code(status) is TritonCode.INVALID_ARG:
             tally.add(job.name, "invalid_rejected", elapsed)
         else:
             tally.add(job.name, "unexpected_error", elapsed, f"{worker.protocol} {status}: {exc.message()}")

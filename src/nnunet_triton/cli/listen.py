@@ -235,8 +235,8 @@ def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tupl
                 description = describe_endpoint(server_url, args.protocol, model_name=pinned,
                                                 timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
             except ClientError as exc:
-                raise ClientError(f"model {pinned!r} ({routes.where(name)}) cannot be used: {exc}",
-                                  status=exc.status) from None
+                raise type(exc)(f"model {pinned!r} ({routes.where(name)}) cannot be used: {exc}",
+                                status=exc.status) from None
             default = name == routes.default
             rule = modality_rule(description, settings.modality or (args.modality if default else None))
             if rule.allowed is None:

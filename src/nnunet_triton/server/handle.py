@@ -17,12 +17,12 @@ from nnunet_triton.server import watchdog
 from nnunet_triton.server.health import (
     HealthReport,
     check_health,
-    pid_alive,
     remove_shm_regions,
     repository_expectations,
     stub_processes,
 )
 from nnunet_triton.server.proxy import running_pid, stop_proxy
+from nnunet_triton.util.process import pid_alive
 
 __all__ = [
     "ServerHandle",

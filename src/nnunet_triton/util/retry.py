@@ -113,6 +113,6 @@ class RetryPolicy:
                     raise
                 delay = self.delay(attempt)
                 attempt += 1
-                LOGGER.warning("retryable failure (%s); retry %d/%d in %.1f s", exc, attempt, self.retries,
+                LOGGER.warning("server UNAVAILABLE (%s); retry %d/%d in %.1f s", exc, attempt, self.retries,
                                delay)
                 sleep(delay)
