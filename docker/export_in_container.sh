@@ -5,7 +5,7 @@
 #   /src    this source tree (read-only)        /models the results folder's parent (read-only: a cascade
 #                                                       stage needs its sibling previous-stage folder)
 #   /out    parent of the output repository     REPOSITORY_OUT  the repository path under /out
-#   TORCH_VERSION / TORCHVISION_VERSION          2.5.1 / 0.20.1 for Triton 24.10 (libtorch 2.5)
+#   TORCH_VERSION / TORCHVISION_VERSION          2.10.0 / 0.25.0 for Triton 25.12 (libtorch 2.10)
 #   HOST_UID / HOST_GID                          owner of the result on the host
 # Arguments are passed to `python -m repository.build` (e.g. --model /models/<folder> --target gpu).
 set -euo pipefail
@@ -18,7 +18,7 @@ mkdir -p /opt/src
 tar -C /src --exclude=./.venv --exclude=./build --exclude=./.git -cf - . | tar -C /opt/src -xf -
 
 # the project's lock, minus the torch stack pinned for the host's newer torch (its CUDA wheels, triton, and
-# sympy: torch 2.5.1 requires sympy==1.13.1, the lock has 1.14.0 -> ResolutionImpossible)
+# sympy: an older torch may pin another sympy than the lock's -> ResolutionImpossible)
 grep -v -E '^(torch|torchvision|triton|sympy|nvidia-[a-z0-9-]+)==' /opt/src/requirements/constraints.txt \
     > /opt/constraints.txt
 python -m pip install --no-cache-dir --disable-pip-version-check -c /opt/constraints.txt \

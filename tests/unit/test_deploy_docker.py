@@ -19,6 +19,7 @@ from test_steps import SOURCE_ADAPTERS
 from nnunet_triton import io_names
 from nnunet_triton.builder.build_inputs import ADAPTERS, COMBINE_ADAPTER, FOLD_RUNNER_ADAPTER
 from nnunet_triton.builder.model_specs import BuildOptions
+from nnunet_triton.builder.torch_compat import GPU_TRITON_RELEASE, TRITON_RELEASES
 from nnunet_triton.errors import DeployError
 from nnunet_triton.server.deploy import docker, entrypoint, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
@@ -49,8 +50,8 @@ def _pins(name: str) -> dict[str, str]:
 
 def test_dockerfile_build_args_are_declared_with_matching_defaults(tmp_path: Path) -> None:
     rendered = docker.dockerfile_build_args(docker_spec(tmp_path))
-    assert rendered == {"VARIANT": "gpu", "TRITON_RELEASE": "24.10",
-                        "BASE_IMAGE": "nvcr.io/nvidia/tritonserver:24.10-py3"}
+    assert rendered == {"VARIANT": "gpu", "TRITON_RELEASE": "25.12",
+                        "BASE_IMAGE": "nvcr.io/nvidia/tritonserver:25.12-pyt-python-py3"}
     declared = _dockerfile_args()
     assert {name: declared.get(name) for name in rendered} == rendered  # defaults = what deploy renders
 
@@ -72,16 +73,34 @@ def test_dockerfile_is_one_recipe_whose_serving_stage_checks_adapters_and_the_fi
     assert not re.search(r"^(ADD|CMD|ENTRYPOINT) ", text, flags=re.MULTILINE)  # keep NGC's entrypoint
 
 
-def test_both_images_pin_torch_and_numpy_2_in_their_requirement_files() -> None:
+def test_the_cpu_image_pins_torch_the_gpu_image_takes_its_bases_torch_and_both_pin_numpy_2() -> None:
     cpu, gpu = _pins("image-cpu.txt"), _pins("image-gpu.txt")
-    assert (cpu["torch"], gpu["torch"]) == (docker.IMAGE_TORCH["cpu"], docker.IMAGE_TORCH["gpu"])
-    assert cpu["numpy"] == "2.4.6" and gpu["numpy"] == "2.2.6"  # 2.2.x: the last numpy for Python 3.10
+    assert cpu["torch"] == docker.IMAGE_TORCH["cpu"]
+    assert "torch" not in gpu  # the -pyt-python-py3 base holds it: no second torch and CUDA stack
+    assert docker.IMAGE_TORCH["gpu"] == TRITON_RELEASES[GPU_TRITON_RELEASE].libtorch == "2.10"
     lock = dict(line.split("==") for line in (REQUIREMENTS / "constraints.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
     assert {name: version for name, version in cpu.items() if lock.get(name, version) != version} == {
         "torch": "2.13.0+cpu"}  # the rest is the lock's
-    assert "cupy-cuda12x" in gpu and "nvidia-pytriton" in cpu
+    assert (gpu["numpy"], gpu["scipy"]) == (lock["numpy"], lock["scipy"])  # cp312 wheels of the lock's
+    assert gpu["cupy-cuda13x"].startswith("14.") and "nvidia-pytriton" in cpu
     assert not set(_pins("export.txt")) & set(cpu)
+
+
+def test_the_gpu_image_is_on_a_current_ngc_release_and_pip_into_its_system_python_says_why() -> None:
+    """NGC 25.x has Python 3.12 under PEP 668: pip into it needs --break-system-packages, said why; the base
+    must already hold torch (checked in the build); the release is >= 25.07 (older: published CVEs)."""
+    text = DOCKERFILE.read_text()
+    release = _dockerfile_args()["TRITON_RELEASE"]
+    assert tuple(int(part) for part in release.split(".")) >= (25, 7) and release == GPU_TRITON_RELEASE
+    assert _dockerfile_args()["BASE_IMAGE"].endswith("-pyt-python-py3")
+    assert TRITON_RELEASES[release].python == "3.12"
+    installs = re.findall(r"python3 -m pip install ([^\n]*)", text)
+    serving = [line for line in installs if "export.txt" not in line]  # the export stage is cpu's venv
+    assert serving and all("--break-system-packages" in line for line in serving)
+    assert "PEP 668" in text and "import torch" in text[:text.index("COPY requirements/image-")]
+    gpu_requirements = (REQUIREMENTS / "image-gpu.txt").read_text()
+    assert not re.search(r"^torch|^nvidia-", gpu_requirements, flags=re.MULTILINE)
 
 
 def test_dockerfile_copies_and_mounts_only_paths_its_dockerignore_keeps() -> None:
@@ -137,11 +156,11 @@ def test_docker_build_command_equals_expected_when_libtorch_runner(tmp_path: Pat
         "--build-arg",
         "VARIANT=gpu",
         "--build-arg",
-        "TRITON_RELEASE=24.10",
+        "TRITON_RELEASE=25.12",
         "--build-arg",
-        "BASE_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3",
+        "BASE_IMAGE=nvcr.io/nvidia/tritonserver:25.12-pyt-python-py3",
         "--tag",
-        "nnunet-triton:0.1.0-triton24.10",
+        "nnunet-triton:0.1.0-triton25.12",
         ".",
     )
 
@@ -243,7 +262,7 @@ def test_deploy_spec_refuses_when_gpu_target_gets_no_gpu(tmp_path: Path) -> None
         docker_spec(tmp_path, gpus=())
 
 
-def test_export_container_command_runs_the_builder_with_torch_2_5_on_the_model_folders_parent(
+def test_export_container_command_runs_the_builder_with_torch_2_10_on_the_model_folders_parent(
     tmp_path: Path,
 ) -> None:
     argv = docker.export_container_command(
@@ -274,9 +293,9 @@ def test_export_container_command_runs_the_builder_with_torch_2_5_on_the_model_f
         "--env",
         "HOST_GID=100",
         "--env",
-        "TORCH_VERSION=2.5.1",
+        "TORCH_VERSION=2.10.0",
         "--env",
-        "TORCHVISION_VERSION=0.20.1",
+        "TORCHVISION_VERSION=0.25.0",
         "python:3.11-slim",
         "bash",
         "/src/docker/export_in_container.sh",
@@ -381,16 +400,16 @@ def test_each_endpoint_version_is_checked_against_the_torch_of_its_own_fold_runn
     """The image's pip torch loads the Python runner's folds, its libtorch the libtorch runner's."""
     python_runner = BuildOptions(target="gpu", fold_precision="fp16", fold_runner="python",
                                  orchestrator_instances=1)
-    write_repository(tmp_path / "ok", GPU_OPTIONS, torch_version="2.5.1", name="liver")
-    write_repository(tmp_path / "ok", python_runner, torch_version="2.6.0", name="lung")
-    write_repository(tmp_path / "bad", GPU_OPTIONS, torch_version="2.6.0", name="liver")
-    write_repository(tmp_path / "bad", python_runner, torch_version="2.6.0", name="lung")
-    pip_torch_2_6 = {"runner_torch_version": "2.6.0"}  # libtorch stays 2.5 (Triton 24.10)
-    docker.check_image_compatible(docker_spec(tmp_path / "ok", built=True, **pip_torch_2_6))
-    refused = (r"^liver__v1__fold_0/1/model.pt was exported with torch 2.6.0, newer than torch 2.5 "
-               r"\(libtorch of nvcr.io/nvidia/tritonserver:24.10-py3\)")
+    write_repository(tmp_path / "ok", GPU_OPTIONS, torch_version="2.10.0", name="liver")
+    write_repository(tmp_path / "ok", python_runner, torch_version="2.11.0", name="lung")
+    write_repository(tmp_path / "bad", GPU_OPTIONS, torch_version="2.11.0", name="liver")
+    write_repository(tmp_path / "bad", python_runner, torch_version="2.11.0", name="lung")
+    pip_torch_2_11 = {"runner_torch_version": "2.11.0"}  # libtorch stays 2.10 (Triton 25.12)
+    docker.check_image_compatible(docker_spec(tmp_path / "ok", built=True, **pip_torch_2_11))
+    refused = (r"^liver__v1__fold_0/1/model.pt was exported with torch 2.11.0, newer than torch 2.10 "
+               r"\(libtorch of nvcr.io/nvidia/tritonserver:25.12-pyt-python-py3\)")
     with pytest.raises(DeployError, match=refused):
-        docker.check_image_compatible(docker_spec(tmp_path / "bad", built=True, **pip_torch_2_6))
+        docker.check_image_compatible(docker_spec(tmp_path / "bad", built=True, **pip_torch_2_11))
 
 
 def test_the_container_refuses_a_repository_whose_endpoints_mix_targets(tmp_path: Path, capsys) -> None:

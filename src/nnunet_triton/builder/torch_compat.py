@@ -2,10 +2,11 @@
 
 A TorchScript ``model.pt`` saved by a newer torch may not load in an older libtorch (pytorch/pytorch#62313:
 a newer export fails in an older Triton with "Unknown type name 'NoneType'"). Triton's ``pytorch_libtorch``
-backend loads the fold models with the libtorch its NGC release was built from (24.10: PyTorch 2.5), so the
-builder refuses to export for that runner with a newer torch, before any work, naming both versions and the
-two ways out (export in the matching container: ``nnunet-triton deploy --target docker``; or say which
-libtorch the server really has: ``--serving-torch``). ``repository_metadata.json`` records both versions.
+backend loads the fold models with the libtorch its NGC release was built from (the GPU image's release,
+``GPU_TRITON_RELEASE`` 25.12: PyTorch 2.10; 24.10: PyTorch 2.5), so the builder refuses to export for that
+runner with a newer torch, before any work, naming both versions and the two ways out (export in the
+matching container: ``nnunet-triton deploy --target docker``; or say which libtorch the server really has:
+``--serving-torch``). ``repository_metadata.json`` records both versions.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from nnunet_triton.errors import ConfigParameterError, ExportError
 
 __all__ = [
     "DEFAULT_TRITON_RELEASE",
+    "GPU_TRITON_RELEASE",
     "TRITON_RELEASES",
     "TritonRelease",
     "DEFAULT_LIBTORCH",
@@ -27,6 +29,10 @@ __all__ = [
 ]
 
 DEFAULT_TRITON_RELEASE = "24.10"  # Triton 2.51.0, the release of the embedded (PyTriton 0.7.0) server
+# the GPU image's NGC release (docker/Dockerfile): Triton before 25.07 has published critical CVEs, 24.10's
+# CUDA 12.6 and torch 2.5 have no Blackwell kernels; 25.12 is the newest whose libtorch (2.10) pip's torch
+# matches for the export
+GPU_TRITON_RELEASE = "25.12"
 
 
 @dataclass(frozen=True)
@@ -39,9 +45,15 @@ class TritonRelease:
     python: str  # the Python-backend stub's Python
 
 
-# Only releases whose versions were checked (NGC release notes); others need an explicit libtorch version.
-TRITON_RELEASES = {"24.10": TritonRelease("24.10", "2.51.0", libtorch="2.5", python="3.10")}
-DEFAULT_LIBTORCH = TRITON_RELEASES[DEFAULT_TRITON_RELEASE].libtorch  # loads libtorch fold models by default
+# 24.10: checked against its sources (triton.md section 8). 25.12: from NGC's release notes as recalled, NOT
+# checked offline (no NGC page or image reachable here; docs/deploy.md marks it unverified): the GPU image's
+# build checks the libtorch and Python it really has (docker/Dockerfile). Other releases need an explicit
+# libtorch version.
+TRITON_RELEASES = {
+    "24.10": TritonRelease("24.10", "2.51.0", libtorch="2.5", python="3.10"),
+    "25.12": TritonRelease("25.12", "2.64.0", libtorch="2.10", python="3.12"),
+}
+DEFAULT_LIBTORCH = TRITON_RELEASES[GPU_TRITON_RELEASE].libtorch  # loads libtorch fold models by default
 
 
 def torch_minor(version: str) -> tuple[int, int]:
@@ -81,7 +93,7 @@ def check_export_torch(export_torch: str, serving_torch: str | None, *, runner: 
     loading = torch_minor_text(serving_torch)
     raise ExportError(
         f"the {runner} fold runner loads the fold models with torch {loading} (libtorch of "
-        f"nvcr.io/nvidia/tritonserver:{DEFAULT_TRITON_RELEASE}-py3 is {DEFAULT_LIBTORCH}) but this "
+        f"nvcr.io/nvidia/tritonserver:{GPU_TRITON_RELEASE}-pyt-python-py3 is {DEFAULT_LIBTORCH}) but this "
         f"environment exports with torch {export_torch}, which is newer: a TorchScript file from a "
         "newer torch may not load in an older one. Export with a matching torch: `nnunet-triton deploy "
         "--target docker --execute` (a checkout: `make deploy TARGET=docker`) builds the repository "

@@ -35,8 +35,8 @@ Tolerance (max |reloaded - eager| <= rel * max(1, max |eager|)):
 The eager network runs as nnU-Net runs it (under autocast for fp16); the reloaded file runs without
 autocast, as Triton's libtorch backend and the Python runner run it.
 
-TorchScript compatibility: a file saved by a newer torch may not load in an older libtorch. Triton
-24.10's libtorch is PyTorch 2.5; export with ``torch==2.5.x`` for the ``pytorch_libtorch`` runner.
+TorchScript compatibility: a file saved by a newer torch may not load in an older libtorch. The GPU
+image's Triton 25.12 has libtorch 2.10; export with ``torch==2.10.x`` for the ``pytorch_libtorch`` runner.
 The Python runner loads the file with the torch that exported it, so any version works there.
 """
 

@@ -598,7 +598,8 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     gpu.add_argument("--base-image", default=None,
                      help="the Dockerfile's BASE_IMAGE (cpu default with podman: the local debootstrapped "
                           f"{container_engine.LOCAL_BASE_IMAGE}, made when missing)")
-    gpu.add_argument("--triton-release", default=docker.DEFAULT_TRITON_RELEASE)
+    gpu.add_argument("--triton-release", default=docker.GPU_TRITON_RELEASE,
+                     help="the gpu image's NGC release (the cpu image is always the wheel's 24.10)")
     gpu.add_argument("--image-torch-version", default=None, help="libtorch X.Y of a release not known here")
     gpu.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
     gpu.add_argument("--gpus", type=int, nargs="+", default=[0], help="host GPU ids for the container")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import __version__, io_names
-from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE
+from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE, GPU_TRITON_RELEASE, TRITON_RELEASES
 from nnunet_triton.errors import DeployError
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, DEFAULT_PORTS
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible, triton_release
@@ -44,6 +44,7 @@ __all__ = [
     "CONTAINER_PORTS",
     "CONTAINER_REPOSITORY",
     "DEFAULT_TRITON_RELEASE",
+    "GPU_TRITON_RELEASE",
     "DEFAULT_RUNNER_TORCH",
     "DeploySpec",
     "tritonserver_args",
@@ -63,8 +64,9 @@ __all__ = [
 ]
 
 VARIANTS = ("gpu", "cpu")
-# torch in each image's Python (requirements/image-<variant>.txt; a unit test keeps them equal)
-IMAGE_TORCH = {"gpu": "2.5.1", "cpu": "2.13.0+cpu"}
+# torch in each image's Python: cpu, requirements/image-cpu.txt's pin (a unit test keeps them equal); gpu, the
+# torch NGC's -pyt-python-py3 base already holds (its libtorch's major.minor; no second torch is installed)
+IMAGE_TORCH = {"gpu": TRITON_RELEASES[GPU_TRITON_RELEASE].libtorch, "cpu": "2.13.0+cpu"}
 DEFAULT_RUNNER_TORCH = IMAGE_TORCH["gpu"]
 # any Debian bookworm (here: the debootstrapped localhost/debian:bookworm of server.deploy.engine)
 CPU_BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
@@ -75,8 +77,8 @@ EXIT_BAD_REPOSITORY = 78  # EX_CONFIG (sysexits.h)
 CONTAINER_REPOSITORY = "/models"
 CONTAINER_PORTS = DEFAULT_PORTS  # the container side: tritonserver's own defaults
 EXPORT_IMAGE = "python:3.11-slim"
-EXPORT_TORCH = "2.5.1"  # pip release of the torch 2.5 that Triton 24.10's libtorch is built from
-EXPORT_TORCHVISION = "0.20.1"  # the torchvision released with torch 2.5.1 (nnU-Net's trainer lookup needs it)
+EXPORT_TORCH = "2.10.0"  # pip release of the torch 2.10 that Triton 25.12's libtorch is built from
+EXPORT_TORCHVISION = "0.25.0"  # the torchvision that pins torch 2.10.0 (nnU-Net's trainer lookup needs it)
 CUPY_CACHE_DIR = "/var/cache/cupy"  # docker/Dockerfile's CUPY_CACHE_DIR: compiled CuPy kernels
 CUPY_CACHE_VOLUME = "nnunet-triton-cupy-cache"  # a named volume: the kernels outlive the container
 STUB_TIMEOUT_S = 120  # stub start handshake; stubs importing cupy/torch on a busy host need > 30 s
@@ -105,7 +107,7 @@ class DeploySpec:
     info: RepositoryInfo
     plan: MemoryPlan
     repository: str
-    triton_release: str = DEFAULT_TRITON_RELEASE
+    triton_release: str = GPU_TRITON_RELEASE  # the gpu image's NGC release (cpu: always the wheel's 24.10)
     image_name: str = "nnunet-triton"
     container_name: str = "nnunet-triton"
     gpus: tuple[int, ...] = (0,)
@@ -147,9 +149,14 @@ class DeploySpec:
         return IMAGE_TORCH[self.variant] if self.variant == "cpu" else self.runner_torch_version
 
     @property
+    def release(self) -> str:
+        """The image's Triton release: the NGC base's (gpu), the nvidia-pytriton wheel's (cpu)."""
+        return DEFAULT_TRITON_RELEASE if self.variant == "cpu" else self.triton_release
+
+    @property
     def image_tag(self) -> str:
         suffix = "-cpu" if self.variant == "cpu" else ""
-        return f"{self.image_name}:{__version__}-triton{self.triton_release}{suffix}"
+        return f"{self.image_name}:{__version__}-triton{self.release}{suffix}"
 
     @property
     def export_image_tag(self) -> str:
@@ -162,7 +169,9 @@ class DeploySpec:
             return self.base_image_ref
         if self.variant == "cpu":
             return CPU_BASE_IMAGE
-        return f"nvcr.io/nvidia/tritonserver:{self.triton_release}-py3"
+        # -pyt-python-py3: the PyTorch and Python backends only, and the torch they are built with, so the
+        # image installs no second torch (the full -py3 flavour has every backend)
+        return f"nvcr.io/nvidia/tritonserver:{self.triton_release}-pyt-python-py3"
 
 
 def replace_spec(spec: DeploySpec, **changes: Any) -> DeploySpec:
@@ -238,7 +247,7 @@ def check_image_compatible(spec: DeploySpec) -> None:
 
 def dockerfile_build_args(spec: DeploySpec) -> dict[str, str]:
     """``--build-arg`` values for docker/Dockerfile (each one is declared there with an ``ARG``)."""
-    return {"VARIANT": spec.variant, "TRITON_RELEASE": spec.triton_release, "BASE_IMAGE": spec.base_image}
+    return {"VARIANT": spec.variant, "TRITON_RELEASE": spec.release, "BASE_IMAGE": spec.base_image}
 
 
 def docker_build_command(spec: DeploySpec, *, dockerfile: str = "docker/Dockerfile", context: str = ".",
@@ -328,8 +337,8 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
                              ) -> tuple[str, ...]:
     """``docker run`` that builds the repository with a torch matching the image's libtorch.
 
-    Runs ``docker/export_in_container.sh`` in ``python:3.11-slim`` (our code needs Python 3.11; NGC's
-    pytorch:24.10 image has 3.10): pip torch ``torch_version`` (2.5.1 = libtorch 2.5 of Triton 24.10),
+    Runs ``docker/export_in_container.sh`` in ``python:3.11-slim`` (the builder's Python, with pip's
+    torch): pip torch ``torch_version`` (2.10.0 = libtorch 2.10 of Triton 25.12),
     then ``python -m repository.build --model /models/<name> --out /out/<name> <builder_args>``; the result
     is handed to ``uid:gid``. The model folder's parent is mounted (read-only) so that a cascade stage finds
     its previous stage (nnU-Net's sibling folder). fp16 exports trace under CUDA autocast: ``--gpus``.
