@@ -72,7 +72,8 @@ def server(triton_server):
 
 
 def _segment(handle, image, spacing, model="nnunet", version=None):
-    with NnunetClient(handle.grpc_url, "grpc", timeout_s=TIMEOUT_S, model=model, version=version) as client:
+    with NnunetClient(handle.grpc_url, "grpc", timeout_s=TIMEOUT_S, endpoint=model,
+                      version=version) as client:
         return client.segment(image, spacing, mirroring=False).segmentation
 
 

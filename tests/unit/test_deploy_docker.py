@@ -419,4 +419,4 @@ def test_endpoint_usage_lists_every_endpoint_with_its_url_versions_and_call(tmp_
     for name in ("liver", "lung"):
         assert (f"nnunet-triton predict --model {name} -i <images> -o build/predictions/{name} --url h:8000"
                 in text)
-    assert "NnunetClient('h:8000', model='liver')" in text and text.endswith("stop it:\n  make undeploy")
+    assert "NnunetClient('h:8000', endpoint='liver')" in text and text.endswith("stop it:\n  make undeploy")

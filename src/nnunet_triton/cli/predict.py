@@ -252,7 +252,7 @@ def _predict_folders(args: argparse.Namespace) -> int:
         args.concurrency = default_concurrency(description)
 
     def make_client() -> NnunetClient:
-        return NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout, model_name=model)
+        return NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout, endpoint=model)
 
     with make_client() as client:
         client.check_ready()

@@ -134,7 +134,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
                               deployment={**identity, "url": server_url, "endpoint": model, **versions,
                                           **({"model_changes": changes} if changes else {})},
                               total=len(jobs))
-    with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, model_name=model) as client:
+    with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, endpoint=model) as client:
         def segment(image: Any, spacing: Any) -> tuple[Any, Any]:
             answer = client.segment(image, spacing, options)
             return answer.segmentation, answer.probabilities
