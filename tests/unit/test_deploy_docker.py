@@ -417,6 +417,6 @@ def test_endpoint_usage_lists_every_endpoint_with_its_url_versions_and_call(tmp_
     assert lines[3].split() == ["lung", "http://h:8000/v2/models/lung", "(runs", "version", "1;", "pinned:",
                                 "lung__v1)"]
     for name in ("liver", "lung"):
-        assert (f"nnunet-triton predict --model {name} -i <images> -o build/predictions/{name} --url h:8000"
-                in text)
+        assert (f"nnunet-triton predict --endpoint {name} -i <images> -o build/predictions/{name} "
+                "--url h:8000" in text)
     assert "NnunetClient('h:8000', endpoint='liver')" in text and text.endswith("stop it:\n  make undeploy")

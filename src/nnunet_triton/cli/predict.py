@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.cli.common import (
+    DeprecatedAlias,
     add_connection_arguments,
     add_endpoint_selection,
     add_request_option_arguments,
@@ -87,8 +88,10 @@ def add_parsers(sub: Any) -> None:
                                               "server's thread and memory split")
     info_parser.set_defaults(run=lambda args: info(args))
     info_parser.add_argument("--json", action="store_true", help="print the description as JSON")
-    info_parser.add_argument("--model", "--endpoint", dest="only", default=None,
+    info_parser.add_argument("--endpoint", dest="only", default=None,
                              help="describe only this endpoint (default: every endpoint served)")
+    info_parser.add_argument("--model", dest="only", action=DeprecatedAlias, replacement="--endpoint",
+                             help="deprecated spelling of --endpoint")
     info_parser.add_argument("--model-repository", type=Path, default=None,
                              help="the served repository (default: the one the server of --home serves)")
     info_parser.add_argument("--home", default=None, help="server home of `nnunet-triton serve`")

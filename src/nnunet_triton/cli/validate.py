@@ -66,7 +66,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--allow-model-change", action="store_true",
                    help="with --against: the endpoint may serve another training of the same labels (a new "
                         "version, other plans or trainer); the differences are listed in the report")
-    add_endpoint_selection(p, flag="--endpoint")
+    add_endpoint_selection(p, model_aliases=False)
     add_connection_arguments(p)
 
 

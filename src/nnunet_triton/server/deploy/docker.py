@@ -382,7 +382,7 @@ def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str, *, 
         lines.append(f"  {name:<{width}}  {urls[name]:<{url_width}}  (runs version {mine[0].version}; "
                      f"pinned: {pinned})")
     lines.append("  typed copies <name>_fp16, _int16, _uint16, _uint8 take those images as they are")
-    calls = [f"  nnunet-triton predict --model {name} -i {images} -o build/predictions/{name} --url {http}"
+    calls = [f"  nnunet-triton predict --endpoint {name} -i {images} -o build/predictions/{name} --url {http}"
              for name in names]
     return "\n".join([
         "",
