@@ -328,7 +328,7 @@ def test_names_that_would_clash_with_other_models_are_refused_before_anything_is
         with pytest.raises(ValueError, match=rule):
             build.VersionChoice(name=bad)
     with pytest.raises(SystemExit) as exit_info:
-        repository_cli.main(["--model", str(MODEL_DIR), "--out", str(tmp_path / "r"), "--name", "x__v1"])
+        repository_cli.main(["--model", str(MODEL_DIR), "--out", str(tmp_path / "r"), "--endpoint", "x__v1"])
     assert exit_info.value.code == 2 and not (tmp_path / "r").exists()
 
 

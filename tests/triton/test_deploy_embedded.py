@@ -87,7 +87,7 @@ def test_deploy_with_two_names_serves_both_endpoints_from_one_server(
 
     monkeypatch.setenv("NNUNET_TRITON_HOME", str(tmp_path / "home"))
     repo = tmp_path / "repo"
-    argv = ["--model", str(model), str(model), "--name", "liver", "lung", "--out", str(repo),
+    argv = ["--model", str(model), str(model), "--endpoint", "liver", "lung", "--out", str(repo),
             "--ready-timeout", "600"]
     handle = None
     try:

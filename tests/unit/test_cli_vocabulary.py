@@ -42,3 +42,37 @@ def test_a_bad_endpoint_name_is_refused_by_either_spelling(capsys) -> None:
         with pytest.raises(SystemExit):
             cli.parser().parse_args([*PREDICT, flag, "Liver"])
         assert "lowercase" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "name", "version"), [
+    (["build", "--model", "m", "--endpoint", "liver", "--endpoint-version", "2"], "liver", 2),
+    (["load", "--endpoint", "liver", "--endpoint-version", "2"], "liver", 2),
+    (["promote", "--endpoint", "liver", "--endpoint-version", "2"], "liver", 2),
+    (["remove", "--endpoint", "liver"], "liver", None),
+    (["rollback", "--endpoint", "liver"], "liver", "absent"),
+])
+def test_build_and_rollouts_take_the_endpoint_as_endpoint_and_endpoint_version(argv, name, version,
+                                                                                capsys) -> None:
+    args = cli.parser().parse_args(argv)
+    assert (args.name, getattr(args, "endpoint_version", "absent")) == (name, version)
+    old = [{"--endpoint": "--name", "--endpoint-version": "--version"}.get(a, a) for a in argv]
+    args = cli.parser().parse_args(old)
+    assert (args.name, getattr(args, "endpoint_version", "absent")) == (name, version)
+    assert "warning: --name is deprecated and will be removed in the next release; use --endpoint" in \
+        capsys.readouterr().err
+
+
+def test_deploy_takes_one_endpoint_per_results_folder_as_endpoint() -> None:
+    from nnunet_triton.cli import deploy
+
+    args = deploy._parser(False).parse_args(["--model", "a", "b", "--endpoint", "liver", "lung"])
+    assert args.name == ["liver", "lung"]
+
+
+def test_rollouts_need_an_endpoint_and_promote_a_version(capsys) -> None:
+    for argv in (["promote", "--endpoint-version", "2"], ["promote", "--endpoint", "liver"]):
+        with pytest.raises(SystemExit):
+            cli.parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert "one of the arguments --endpoint --name is required" in err
+    assert "one of the arguments --endpoint-version --version is required" in err

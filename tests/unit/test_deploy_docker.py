@@ -113,9 +113,9 @@ def test_builder_args_rebuild_the_same_options_on_the_export_host() -> None:
     assert docker.builder_args(options, folds=(0, "all"), configuration="3d_fullres", name="liver") == (
         "--target", "gpu", "--precision", "fp16", "--export-device", "cuda", "--tile-batch-size", "8",
         "--fold-instances", "1", "--orchestrator-instances", "2", "--max-inflight", "4",
-        "--folds", "0", "all", "--configuration", "3d_fullres", "--name", "liver",
+        "--folds", "0", "all", "--configuration", "3d_fullres", "--endpoint", "liver",
     )  # fmt: skip
-    assert "--name" not in docker.builder_args(options)  # no name: the builder's default endpoint
+    assert "--endpoint" not in docker.builder_args(options)  # no name: the builder's default endpoint
     flags = [arg for arg in docker.builder_args(options, name="liver") if arg.startswith("--")]
     build_help = subprocess.run(
         [sys.executable, "-m", "repository.build", "--help"],

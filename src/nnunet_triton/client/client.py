@@ -109,7 +109,7 @@ class NnunetClient:
         url: ``host:port`` of the HTTP (default 8000) or gRPC (default 8001) endpoint.
         protocol: ``"http"`` or ``"grpc"``.
         timeout_s: end-to-end limit of one inference (HTTP network timeout, gRPC client deadline).
-        endpoint: the endpoint name (``nnunet``, ``liver``, ...: ``nnunet-triton build --name``), or any
+        endpoint: the endpoint name (``nnunet``, ``liver``, ...: ``nnunet-triton build --endpoint``), or any
             Triton model of the server by its full name (``liver__v2``, ``nnunet_monolith``).
         version: call exactly this version of ``endpoint`` (its pinned endpoint ``<endpoint>__v<version>``);
             default: the version the server promoted for ``endpoint``.

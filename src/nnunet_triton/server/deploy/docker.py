@@ -11,7 +11,7 @@ with :data:`EXIT_BAD_REPOSITORY` and one clear line when it cannot be served, so
 (:data:`RESTART_POLICY`) restarts a crashed or killed server but gives up on a repository that never
 loads.
 
-One server serves the whole repository: every endpoint name (``nnunet-triton deploy --model A B --name
+One server serves the whole repository: every endpoint name (``nnunet-triton deploy --model A B --endpoint
 liver lung``), every version of each, and their public and pinned endpoints; sizes add up over them
 (:func:`~nnunet_triton.server.deploy.sizing.plan_memory`).
 
@@ -307,13 +307,13 @@ def builder_args(options: Any, *, folds: tuple[int | str, ...] | None = None,
                  name: str | None = None) -> tuple[str, ...]:
     """``repository/build.py`` flags that rebuild ``options`` (a BuildOptions) in the export container
     (``export_device`` cuda on the GPU export host; None: the builder's default, cpu) as the endpoint
-    ``name`` (``--name``: one run per endpoint writes it into the shared repository; None: the builder's
+    ``name`` (``--endpoint``: one run per endpoint writes it into the shared repository; None: the builder's
     default name)."""
     fold_args = ("--folds", *map(str, folds)) if folds else ()
     config_args = ("--configuration", configuration) if configuration else ()
     torch_args = ("--serving-torch", options.serving_torch) if options.serving_torch else ()
     device_args = ("--export-device", export_device) if export_device else ()
-    name_args = ("--name", name) if name else ()
+    name_args = ("--endpoint", name) if name else ()
     return ("--target", str(options.target), "--precision", options.fold_precision,
             *device_args, "--tile-batch-size", str(options.tile_batch_size),
             "--fold-instances", str(options.fold_instances),
