@@ -2,12 +2,17 @@
 
 Import as ``from tests.fixture_paths import SYNTH_CT, SYNTH_ANISO`` (needs the repository root on
 ``sys.path``, which ``python -m pytest`` provides). See ``tests/fixtures/README.md`` for provenance.
+
+The fixtures are committed: a missing one is a broken checkout, so :func:`require_fixture` fails the test
+that needs it (naming the file and its generator) instead of skipping it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 __all__ = [
     "ALL_FIXTURE_MODELS",
@@ -17,9 +22,11 @@ __all__ = [
     "SYNTH_CT",
     "FixtureModel",
     "HeldOutCase",
+    "require_fixture",
 ]
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+REPO_ROOT = FIXTURES_DIR.parents[1]
 MODEL_FOLDER_NAME = "nnUNetTrainer__nnUNetPlans__3d_tiny"
 _IMAGE_SUFFIX = "_0000.nii.gz"
 
@@ -71,3 +78,18 @@ class FixtureModel:
 SYNTH_CT = FixtureModel("Dataset901_SynthCT")
 SYNTH_ANISO = FixtureModel("Dataset902_SynthAniso")
 ALL_FIXTURE_MODELS = (SYNTH_CT, SYNTH_ANISO)
+
+
+def require_fixture(path: Path, *, made_by: str) -> Path:
+    """``path`` (a committed fixture file or folder); fails the calling test when it is missing.
+
+    Args:
+        path: the fixture file or folder the test reads.
+        made_by: the generator that wrote it (``tools/make_fixture_model.py``), named in the failure.
+    """
+    if not path.exists():
+        shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+        pytest.fail(f"fixture {shown} is missing: the fixtures are committed (restore it with git, or "
+                    f"regenerate it with {made_by}); a missing fixture fails, it is not skipped",
+                    pytrace=False)
+    return path

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 # --- public endpoint -------------------------------------------------------------------------------
-ENDPOINT_MODEL = "nnunet"  # the default endpoint name (``build`` without ``--name``)
+ENDPOINT_MODEL = "nnunet"  # the default endpoint name (``build`` without ``--endpoint``)
 IMAGE = "IMAGE"  # [C, *spatial] in the training reader's axis order (SimpleITK: z, y, x)
 SPACING = "SPACING"  # [n_spatial] float64, same axis order as IMAGE
 SEGMENTATION = "SEGMENTATION"  # [*spatial] uint8/uint16, geometry of IMAGE

@@ -190,7 +190,8 @@ class Registry:
         if version == entry.promoted:
             raise RepositoryError(
                 f"version {version} of {name!r} is promoted (its public endpoint runs it): promote another "
-                f"version first, or remove the whole endpoint (remove --name {name} without --version)."
+                f"version first, or remove the whole endpoint (remove --endpoint {name} without "
+                "--endpoint-version)."
             )
         versions = {v: e for v, e in entry.versions.items() if v != version}
         previous = None if entry.previous == version else entry.previous

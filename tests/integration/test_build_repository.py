@@ -19,6 +19,7 @@ from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.cli import build as repository_cli
 from nnunet_triton.errors import ExportError, PlansError, RepositoryError, UnsupportedModelError
 from nnunet_triton.registry import read_registry, version_metadata
+from tests.fixture_paths import require_fixture
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get(
@@ -26,9 +27,10 @@ MODEL_DIR = Path(os.environ.get(
     REPO_ROOT / "tests" / "fixtures" / "Dataset901_SynthCT" / "nnUNetTrainer__nnUNetPlans__3d_tiny",
 ))
 
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "plans.json").is_file(), reason=f"fixture model {MODEL_DIR} is missing"
-)
+
+@pytest.fixture(autouse=True)
+def _committed_fixture() -> None:
+    require_fixture(MODEL_DIR / "plans.json", made_by="tools/make_fixture_model.py")
 
 
 def _files(root: Path) -> list[str]:
@@ -326,7 +328,7 @@ def test_names_that_would_clash_with_other_models_are_refused_before_anything_is
         with pytest.raises(ValueError, match=rule):
             build.VersionChoice(name=bad)
     with pytest.raises(SystemExit) as exit_info:
-        repository_cli.main(["--model", str(MODEL_DIR), "--out", str(tmp_path / "r"), "--name", "x__v1"])
+        repository_cli.main(["--model", str(MODEL_DIR), "--out", str(tmp_path / "r"), "--endpoint", "x__v1"])
     assert exit_info.value.code == 2 and not (tmp_path / "r").exists()
 
 

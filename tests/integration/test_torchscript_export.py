@@ -19,6 +19,7 @@ from nnunet_triton.cli import export as torchscript_cli
 from nnunet_triton.errors import ExportError, UnsupportedModelError
 from nnunet_triton.pipeline.fold_runner import load_runner
 from nnunet_triton.validate.oracle import nnunet_predictor
+from tests.fixture_paths import require_fixture
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get(
@@ -26,9 +27,10 @@ MODEL_DIR = Path(os.environ.get(
     REPO_ROOT / "tests" / "fixtures" / "Dataset901_SynthCT" / "nnUNetTrainer__nnUNetPlans__3d_tiny",
 ))
 
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "plans.json").is_file(), reason=f"fixture model {MODEL_DIR} is missing"
-)
+
+@pytest.fixture(autouse=True)
+def _committed_fixture() -> None:
+    require_fixture(MODEL_DIR / "plans.json", made_by="tools/make_fixture_model.py")
 
 
 def _nnunet_network(fold: int) -> torch.nn.Module:

@@ -16,6 +16,7 @@ import torch
 
 from nnunet_triton.numerics.model_folder import read_model_folder
 from nnunet_triton.numerics.postprocessing import find_postprocessing_pkl, load_postprocessing_pkl
+from tests.fixture_paths import require_fixture
 
 DATASET = Path(__file__).resolve().parents[1] / "fixtures" / "Dataset903_SynthMulti"
 CHECKPOINT_KEYS = {"network_weights", "init_args", "trainer_name", "inference_allowed_mirroring_axes",
@@ -28,7 +29,10 @@ MODELS = {
     "nnUNetTrainerBN__nnUNetPlans__3d_tiny": ("nnUNetTrainerBN", "3d_tiny", "PlainConvUNet", 3),
 }
 
-pytestmark = pytest.mark.skipif(not DATASET.is_dir(), reason=f"fixture {DATASET.name} is missing")
+
+@pytest.fixture(autouse=True)
+def _committed_fixture() -> None:
+    require_fixture(DATASET, made_by="tools/make_variety_fixtures.py")
 
 
 @pytest.mark.parametrize("folder", MODELS)

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from nnunet_triton.validate.oracle import nnunet_predictor
+from tests.fixture_paths import require_fixture
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,8 +59,7 @@ def model_dir(dataset: str) -> Path:
     path = Path(dataset) if Path(dataset).is_absolute() else FIXTURES / dataset
     if not (path / "plans.json").is_file():
         path = path / MODEL_FOLDER
-    if not (path / "plans.json").is_file():
-        pytest.skip(f"fixture model {path.relative_to(REPO_ROOT)} is missing (tools/make_fixture_model.py)")
+    require_fixture(path / "plans.json", made_by="tools/make_fixture_model.py")
     return path
 
 
@@ -79,7 +79,8 @@ def cases(dataset: str) -> tuple[Case, ...]:
         label = sitk.GetArrayFromImage(sitk.ReadImage(str(root / "labelsTs" / f"{name}.nii.gz")))
         found.append(Case(name=name, image=image, spacing=spacing, label=label))
     if not found:
-        pytest.skip(f"fixture {dataset} has no imagesTs/*_0000.nii.gz")
+        pytest.fail(f"fixture {dataset} has no imagesTs/*_0000.nii.gz (the held-out cases are committed)",
+                    pytrace=False)
     return tuple(found)
 
 

@@ -20,6 +20,7 @@ from recovery_support import Load, assert_recovers_under_load
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import PlansError
 from nnunet_triton.validate.oracle import nnunet_predictor
+from tests.fixture_paths import require_fixture
 
 DATASET = "Dataset904_SynthCascade"
 LOWRES = f"{DATASET}/nnUNetTrainer__nnUNetPlans__3d_lowres_tiny"
@@ -33,8 +34,7 @@ def cascade_server(triton_server):
     from nnunet_triton.builder.model_specs import BuildOptions
     from nnunet_triton.builder.repository import build_repository
 
-    if not (FIXTURES / CASCADE / "plans.json").is_file():
-        pytest.skip(f"fixture {CASCADE} is missing (tools/make_cascade_fixture.py)")
+    require_fixture(FIXTURES / CASCADE / "plans.json", made_by="tools/make_cascade_fixture.py")
     options = BuildOptions(tile_batch_size=4, per_sample_forward=True)
     result = build_repository(FIXTURES / CASCADE, BUILD_ROOT / "cascade", options=options, folds=FOLDS)
     with triton_server(result.out) as handle:

@@ -18,6 +18,7 @@ from recovery_support import Load, assert_recovers_under_load
 
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import PlansError
+from tests.fixture_paths import require_fixture
 
 MULTI = "Dataset903_SynthMulti"
 MEMBERS = (f"{MULTI}/nnUNetTrainer__nnUNetPlans__3d_tiny", f"{MULTI}/nnUNetTrainer__nnUNetPlans__2d_tiny")
@@ -31,8 +32,7 @@ def ensemble_server(triton_server):
     from nnunet_triton.builder.repository import build_ensemble_repository
 
     for member in MEMBERS:
-        if not (FIXTURES / member / "plans.json").is_file():
-            pytest.skip(f"fixture {member} is missing (tools/make_variety_fixtures.py)")
+        require_fixture(FIXTURES / member / "plans.json", made_by="tools/make_variety_fixtures.py")
     options = BuildOptions(tile_batch_size=4, per_sample_forward=True)
     result = build_ensemble_repository([FIXTURES / m for m in MEMBERS], BUILD_ROOT / "ensemble-2d-3d",
                                        options=options)

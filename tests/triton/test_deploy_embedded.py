@@ -87,7 +87,7 @@ def test_deploy_with_two_names_serves_both_endpoints_from_one_server(
 
     monkeypatch.setenv("NNUNET_TRITON_HOME", str(tmp_path / "home"))
     repo = tmp_path / "repo"
-    argv = ["--model", str(model), str(model), "--name", "liver", "lung", "--out", str(repo),
+    argv = ["--model", str(model), str(model), "--endpoint", "liver", "lung", "--out", str(repo),
             "--ready-timeout", "600"]
     handle = None
     try:
@@ -112,7 +112,7 @@ def test_deploy_with_two_names_serves_both_endpoints_from_one_server(
         image, spacing = _case(model)
         answers = {}
         for name in ("liver", "lung"):
-            with NnunetClient(http, model=name) as nnunet:
+            with NnunetClient(http, endpoint=name) as nnunet:
                 answers[name] = nnunet.segment(image, spacing, mirroring=False).segmentation
         assert answers["liver"].shape == image.shape[1:]
         assert np.array_equal(answers["liver"], answers["lung"])  # the same results folder behind both

@@ -21,6 +21,7 @@ from nnunet_triton import io_names
 from nnunet_triton.builder import repository as build
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.validate.oracle import nnunet_predictor
+from tests.fixture_paths import require_fixture
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get(
@@ -32,9 +33,10 @@ TILE_BATCH = 4
 # long enough that requests sent together on a busy 2-core machine land in one dynamic batch
 QUEUE_DELAY_US = 300_000
 
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "plans.json").is_file(), reason=f"fixture model {MODEL_DIR} is missing"
-)
+
+@pytest.fixture(autouse=True)
+def _committed_fixture() -> None:
+    require_fixture(MODEL_DIR / "plans.json", made_by="tools/make_fixture_model.py")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from pipeline_support import FIXTURES, REPO_ROOT, cases
 from test_configuration_ensemble import MEMBERS, _nnunet_ensemble
 
 from nnunet_triton.client.client import NnunetClient
+from tests.fixture_paths import require_fixture
 
 
 def _free_port() -> int:
@@ -46,8 +47,7 @@ def test_make_serve_with_two_models_serves_nnunets_ensemble(tmp_path):
     if shutil.which("make") is None:
         pytest.skip("GNU make is not installed")
     for member in MEMBERS:
-        if not (FIXTURES / member / "plans.json").is_file():
-            pytest.skip(f"fixture {member} is missing (tools/make_variety_fixtures.py)")
+        require_fixture(FIXTURES / member / "plans.json", made_by="tools/make_variety_fixtures.py")
     env = {**os.environ, "NNUNET_TRITON_HOME": str(tmp_path / "home"), "MAKEFLAGS": ""}
     ports = {name: _free_port() for name in ("HTTP", "GRPC", "METRICS")}
     variables = [f"MODEL={' '.join(str(FIXTURES / m) for m in MEMBERS)}",

@@ -72,7 +72,8 @@ def server(triton_server):
 
 
 def _segment(handle, image, spacing, model="nnunet", version=None):
-    with NnunetClient(handle.grpc_url, "grpc", timeout_s=TIMEOUT_S, model=model, version=version) as client:
+    with NnunetClient(handle.grpc_url, "grpc", timeout_s=TIMEOUT_S, endpoint=model,
+                      version=version) as client:
         return client.segment(image, spacing, mirroring=False).segmentation
 
 
@@ -183,7 +184,7 @@ def test_a_version_built_while_serving_is_loaded_validated_against_v1_and_remove
     assert (third.version, third.promoted) == (3, False)
     control = rollout.ModelControl(server.http_url, server.control_token)
     assert not control.ready("nnunet__v3")  # built, not loaded
-    assert cli.main(["load", "--name", "nnunet", "--version", "3", "--url", server.http_url,
+    assert cli.main(["load", "--endpoint", "nnunet", "--endpoint-version", "3", "--url", server.http_url,
                      "--model-repository", str(REPOSITORY)]) == 0
     case = cases(SYNTHCT)[0]
     np.testing.assert_array_equal(_segment(server, case.image, case.spacing, version=3),
@@ -196,7 +197,7 @@ def test_a_version_built_while_serving_is_loaded_validated_against_v1_and_remove
     report = json.loads((tmp_path / "r" / "validation.json").read_text())
     assert report["deployment"]["endpoint"] == "nnunet__v3"
     assert report["deployment"]["model_changes"] == ["folds: recorded ['0', '1'], now ['1']"]
-    assert cli.main(["remove", "--name", "nnunet", "--version", "3", "--url", server.http_url,
+    assert cli.main(["remove", "--endpoint", "nnunet", "--endpoint-version", "3", "--url", server.http_url,
                      "--model-repository", str(REPOSITORY)]) == 0
     assert not control.ready("nnunet__v3__fold_1") and not (REPOSITORY / "nnunet__v3__fold_1").exists()
     assert sorted(read_registry(REPOSITORY).endpoint("nnunet").versions) == [1, 2]

@@ -235,10 +235,10 @@ def test_nnunet_client_reaches_the_endpoint_with_the_ca_and_a_client_certificate
 
     url = server.proxy_url if protocol == "http" else server.grpc_url
     assert url is not None
-    with NnunetClient(url, protocol, model_name=ENDPOINT,
+    with NnunetClient(url, protocol, endpoint=ENDPOINT,
                       tls=client_tls(certs.ca, certs.client_cert, certs.client_key)) as client:
         client.check_ready()
-    with NnunetClient(url, protocol, model_name=ENDPOINT, tls=client_tls(certs.ca)) as client, \
+    with NnunetClient(url, protocol, endpoint=ENDPOINT, tls=client_tls(certs.ca)) as client, \
             pytest.raises(ClientError, match="Triton server at .* is not (live|reachable)"):
         client.check_ready()
     for name, path in ((CA_ENV, certs.ca), (CERT_ENV, certs.client_cert), (KEY_ENV, certs.client_key)):

@@ -32,6 +32,7 @@ from nnunet_triton.numerics.model_folder import load_inference_config, read_mode
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.numerics.preprocess import preprocess_case
 from nnunet_triton.validate.oracle import nnunet_predictor
+from tests.fixture_paths import require_fixture
 
 CUPY_ATOL = 1e-5  # image channels on CuPy: as tests/unit/test_preprocess.py (float32 reduction order)
 # One-hot channels on CuPy: resize_segmentation breaks exact ties of interpolated indicators; CuPy's zoom
@@ -252,8 +253,13 @@ def test_load_inference_config_counts_one_hot_channels_like_nnunet_when_cascade_
 # The nnU-Net-trained cascade fixture
 # --------------------------------------------------------------------------------------------------
 
-needs_fixture = pytest.mark.skipif(not (CASCADE_DIR / "fold_all" / "checkpoint_final.pth").is_file(),
-                                   reason="tests/fixtures/Dataset904_SynthCascade not generated")
+@pytest.fixture
+def _committed_cascade() -> None:
+    require_fixture(CASCADE_DIR / "fold_all" / "checkpoint_final.pth",
+                    made_by="tools/make_cascade_fixture.py")
+
+
+needs_fixture = pytest.mark.usefixtures("_committed_cascade")
 
 
 def _held_out() -> list[str]:

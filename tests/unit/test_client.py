@@ -62,3 +62,36 @@ def test_importing_client_does_not_import_tritonclient():
     env = {**os.environ, "PYTHONPATH": str(Path(nnunet_triton.__file__).parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "False"
+
+
+def test_the_endpoint_is_named_by_endpoint_and_version_and_old_spellings_warn():
+    assert NnunetClient("127.0.0.1:1").model_name == "nnunet"
+    assert NnunetClient("127.0.0.1:1", endpoint="liver", version=2).model_name == "liver__v2"
+    assert NnunetClient("127.0.0.1:1", endpoint="nnunet_monolith").model_name == "nnunet_monolith"
+    with pytest.warns(DeprecationWarning, match=r"NnunetClient\(model=...\) is deprecated .* use endpoint="):
+        assert NnunetClient("127.0.0.1:1", model="liver", version=3).model_name == "liver__v3"
+    with pytest.warns(DeprecationWarning, match=r"NnunetClient\(model_name=...\) is deprecated .* endpoint="):
+        assert NnunetClient("127.0.0.1:1", model_name="liver__v1", version=3).model_name == "liver__v1"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="endpoint='liver' and its "
+                                                         "deprecated spelling model='lung' disagree"):
+        NnunetClient("127.0.0.1:1", endpoint="liver", model="lung")
+    from nnunet_triton.client.predictor import TritonPredictor
+
+    assert TritonPredictor(url="127.0.0.1:1", endpoint="liver", version=2).client.model_name == "liver__v2"
+    with pytest.warns(DeprecationWarning, match=r"TritonPredictor\(model=...\) is deprecated"):
+        assert TritonPredictor(url="127.0.0.1:1", model="liver").client.model_name == "liver"
+
+
+def test_the_project_calls_its_clients_by_endpoint_not_the_deprecated_spellings():
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for path in sorted([*(root / "src").rglob("*.py"), *(root / "tools").rglob("*.py"),
+                        *(root / "tests").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None))
+                    in {"NnunetClient", "TritonPredictor"}):
+                offenders += [f"{path.relative_to(root)}:{node.lineno}: {k.arg}=" for k in node.keywords
+                              if k.arg in {"model", "model_name"} and path != Path(__file__).resolve()]
+    assert offenders == []

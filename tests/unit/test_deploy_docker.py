@@ -132,9 +132,9 @@ def test_builder_args_rebuild_the_same_options_on_the_export_host() -> None:
     assert docker.builder_args(options, folds=(0, "all"), configuration="3d_fullres", name="liver") == (
         "--target", "gpu", "--precision", "fp16", "--export-device", "cuda", "--tile-batch-size", "8",
         "--fold-instances", "1", "--orchestrator-instances", "2", "--max-inflight", "4",
-        "--folds", "0", "all", "--configuration", "3d_fullres", "--name", "liver",
+        "--folds", "0", "all", "--configuration", "3d_fullres", "--endpoint", "liver",
     )  # fmt: skip
-    assert "--name" not in docker.builder_args(options)  # no name: the builder's default endpoint
+    assert "--endpoint" not in docker.builder_args(options)  # no name: the builder's default endpoint
     flags = [arg for arg in docker.builder_args(options, name="liver") if arg.startswith("--")]
     build_help = subprocess.run(
         [sys.executable, "-m", "repository.build", "--help"],
@@ -436,6 +436,6 @@ def test_endpoint_usage_lists_every_endpoint_with_its_url_versions_and_call(tmp_
     assert lines[3].split() == ["lung", "http://h:8000/v2/models/lung", "(runs", "version", "1;", "pinned:",
                                 "lung__v1)"]
     for name in ("liver", "lung"):
-        assert (f"nnunet-triton predict --model {name} -i <images> -o build/predictions/{name} --url h:8000"
-                in text)
-    assert "NnunetClient('h:8000', model='liver')" in text and text.endswith("stop it:\n  make undeploy")
+        assert (f"nnunet-triton predict --endpoint {name} -i <images> -o build/predictions/{name} "
+                "--url h:8000" in text)
+    assert "NnunetClient('h:8000', endpoint='liver')" in text and text.endswith("stop it:\n  make undeploy")

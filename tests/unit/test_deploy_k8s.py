@@ -207,7 +207,7 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
     assert (f"bash /src/docker/export_in_container.sh --model /models/{FIXTURE.name} --target gpu "
             "--precision fp16") in lines[0]
     assert "--serving-torch 2.10" in lines[0]  # the image's libtorch: the builder there checks its torch
-    assert lines[0].endswith("--name nnunet")
+    assert lines[0].endswith("--endpoint nnunet")
     assert f"--volume {out}:/models:ro" in lines[2] and "--gpus device=1" in lines[2]
     options = BuildOptions(target="gpu", fold_precision="fp16")
     planned = RepositoryInfo.planned(read_model_folder(FIXTURE), options)
@@ -220,13 +220,14 @@ def test_deploy_tool_with_two_names_exports_each_endpoint_and_starts_one_contain
 ) -> None:
     monkeypatch.setattr(tool, "_local_torch_fits", lambda args: False)
     out = tmp_path / "repo_gpu"
-    assert tool.main(["--target", "docker", "--model", str(FIXTURE), str(FIXTURE), "--name", "liver", "lung",
+    assert tool.main(["--target", "docker", "--model", str(FIXTURE), str(FIXTURE),
+                      "--endpoint", "liver", "lung",
                       "--out", str(out), "--variant", "gpu", "--engine", "docker", "--dry-run"]) == 0
     printed = capsys.readouterr().out
     lines = _printed_commands(printed)
     assert [line.split()[:3] for line in lines] == [["docker", "run", "--rm"]] * 2 + [
         ["docker", "build", "--file"], ["docker", "run", "--detach"]]
-    assert [line.split()[-2:] for line in lines[:2]] == [["--name", "liver"], ["--name", "lung"]]
+    assert [line.split()[-2:] for line in lines[:2]] == [["--endpoint", "liver"], ["--endpoint", "lung"]]
     assert all(f"REPOSITORY_OUT=/out/{out.name}" in line for line in lines[:2])  # one repository
     loaded = re.findall(r"--load-model=(\S+)", lines[3])
     for name in ("liver", "lung"):
@@ -245,12 +246,13 @@ def test_deploy_tool_with_two_names_builds_both_in_the_cpu_images_export_stage(
     tmp_path, capsys
 ) -> None:
     out = tmp_path / "repo_cpu"
-    assert tool.main(["--target", "docker", "--model", str(FIXTURE), str(FIXTURE), "--name", "liver", "lung",
+    assert tool.main(["--target", "docker", "--model", str(FIXTURE), str(FIXTURE),
+                      "--endpoint", "liver", "lung",
                       "--out", str(out), "--variant", "cpu", "--engine", "podman", "--dry-run",
                       "--base-image", "localhost/debian:bookworm"]) == 0
     lines = _printed_commands(capsys.readouterr().out, "podman")
     exports = [line for line in lines if " -m repository.build " in line]
-    assert [line.split()[-2:] for line in exports] == [["--name", "liver"], ["--name", "lung"]]
+    assert [line.split()[-2:] for line in exports] == [["--endpoint", "liver"], ["--endpoint", "lung"]]
     assert all(f"--out /out/{out.name}" in line and "-export python3 -m repository.build" in line
                for line in exports)
     (run,) = [line for line in lines if line.startswith("podman run --detach")]
@@ -258,10 +260,10 @@ def test_deploy_tool_with_two_names_builds_both_in_the_cpu_images_export_stage(
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--name", "liver", "lung", "kidney"],
-     r"--name takes one name .* or one name per --model folder .*: got 3 names \['liver', 'lung', 'kidney'\] "
-     r"for 2 --model folder\(s\) \['/m/a', '/m/b'\]\."),
-    (["--name", "liver", "liver"], r"gives the endpoint name\(s\) \['liver'\] more than once"),
+    (["--endpoint", "liver", "lung", "kidney"],
+     r"--endpoint takes one name .* or one name per --model folder .*: got 3 names "
+     r"\['liver', 'lung', 'kidney'\] for 2 --model folder\(s\) \['/m/a', '/m/b'\]\."),
+    (["--endpoint", "liver", "liver"], r"gives the endpoint name\(s\) \['liver'\] more than once"),
     (["--configuration", "2d", "3d_lowres", "3d_fullres"],
      r"--configuration takes one value or one per --model folder \(2: \['/m/a', '/m/b'\]\), got \['2d', "),
 ])
@@ -289,13 +291,13 @@ def test_endpoint_plans_pair_names_with_models_or_keep_one_endpoint() -> None:
 def test_make_deploy_passes_names_that_pair_with_the_models(tmp_path: Path) -> None:
     (deploy,) = _make(tmp_path, "deploy", "MODEL=/m/a /m/b", "NAME=liver lung")
     assert deploy[:3] == ["-m", "nnunet_triton.cli", "deploy"]
-    assert _value(deploy, "--model") == ["/m/a", "/m/b"] and _value(deploy, "--name") == ["liver", "lung"]
+    assert _value(deploy, "--model") == ["/m/a", "/m/b"] and _value(deploy, "--endpoint") == ["liver", "lung"]
     args = tool._parser(undeploy=False).parse_args(deploy[3:])
     assert tool.endpoint_plans(args.model, args.name) == (
         tool.EndpointPlan("liver", (Path("/m/a"),), (None,)),
         tool.EndpointPlan("lung", (Path("/m/b"),), (None,)))
     (plain,) = _make(tmp_path, "deploy", "MODEL=/m/a")
-    assert "--name" not in plain
+    assert "--endpoint" not in plain
     help_text = _make_help()
     assert 'NAME="liver lung"' in help_text.split("\n  deploy ", 1)[1].splitlines()[0]
 
@@ -311,7 +313,7 @@ def test_deploy_tool_renders_one_deployment_for_every_endpoint_of_a_repository(
     yaml = pytest.importorskip("yaml")
     repo = two_endpoints(tmp_path / "repo")
     assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s"),
-                      "--name", "liver", "lung", "--image", "reg/nnunet-triton:1"]) == 0
+                      "--endpoint", "liver", "lung", "--image", "reg/nnunet-triton:1"]) == 0
     info = RepositoryInfo.from_repository(repo)
     (deployment,) = list(yaml.safe_load_all((tmp_path / "k8s" / "deployment.yaml").read_text()))
     template = deployment["spec"]["template"]
@@ -332,7 +334,7 @@ def test_deploy_tool_renders_one_deployment_for_every_endpoint_of_a_repository(
 def test_deploy_tool_refuses_k8s_names_the_repository_does_not_hold(tmp_path: Path, caplog) -> None:
     repo = two_endpoints(tmp_path / "repo")
     assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s"),
-                      "--name", "liver", "kidney"]) == 1
+                      "--endpoint", "liver", "kidney"]) == 1
     assert f"the repository {repo} has no endpoint(s) ['kidney'] (it holds ['liver', 'lung'])" in caplog.text
     assert not (tmp_path / "k8s").exists()
 

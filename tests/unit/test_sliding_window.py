@@ -25,6 +25,7 @@ from nnunet_triton.numerics.sliding_window import (
 )
 from nnunet_triton.numerics.tiling import tile_slicers
 from nnunet_triton.validate.oracle import nnunet_predictor
+from tests.fixture_paths import ALL_FIXTURE_MODELS, require_fixture
 
 try:
     from . import parity_support as ps
@@ -373,16 +374,16 @@ def test_torch_cpu_network_batch_n_matches_batch_1_only_without_onednn(net3d, re
 
 
 def _fixture_model_dirs() -> list[Path]:
-    return sorted(
-        # fold_[0-9]*: the cascade fixture (fold_all only) is covered by test_cascade.py
+    found = {  # fold_[0-9]*: the cascade fixture (fold_all only) is covered by test_cascade.py
         p.parent for p in FIXTURES.glob("**/plans.json") if any(p.parent.glob("fold_[0-9]*/checkpoint_*.pth"))
-    )
+    }
+    return sorted(found | {model.model_dir for model in ALL_FIXTURE_MODELS})  # these two always
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _fixture_model_dirs(), reason="no fixture model folders under tests/fixtures yet")
 @pytest.mark.parametrize("model_dir", _fixture_model_dirs(), ids=lambda p: p.name)
 def test_predict_sliding_window_equals_nnunet_when_fixture_model(model_dir):
+    require_fixture(model_dir / "plans.json", made_by="tools/make_fixture_model.py")
     predictor = nnunet_predictor(model_dir)
     patch = tuple(predictor.configuration_manager.patch_size)
     n_in = len(predictor.dataset_json["channel_names"])

@@ -25,7 +25,7 @@ from nnunet_triton.options import RequestOptions
 from nnunet_triton.serving.metrics import RequestRecord
 from nnunet_triton.serving.steps.preprocess import PreprocessStep
 from nnunet_triton.serving.steps.stitch import StitchStep
-from tests.fixture_paths import SYNTH_CT
+from tests.fixture_paths import SYNTH_CT, require_fixture
 
 SYNTHCT_MODEL = SYNTH_CT.model_dir
 
@@ -40,7 +40,10 @@ SOURCE_ADAPTERS = {
     "monolith": "repository/monolith/model.py",
 }
 
-pytestmark = pytest.mark.skipif(not (SYNTHCT_MODEL / "plans.json").is_file(), reason="fixture model missing")
+
+@pytest.fixture(autouse=True)
+def _committed_fixture() -> None:
+    require_fixture(SYNTHCT_MODEL / "plans.json", made_by="tools/make_fixture_model.py")
 
 
 @pytest.fixture(autouse=True)

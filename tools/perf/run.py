@@ -333,7 +333,7 @@ def _warm_up(ctx: _Context, handle: Any, model: str) -> None:
     from nnunet_triton.client.client import NnunetClient
 
     case = ctx.cases[ctx.plan.scenarios[0].volume]
-    with NnunetClient(handle.grpc_url, "grpc", timeout_s=3600.0, model_name=model) as client:
+    with NnunetClient(handle.grpc_url, "grpc", timeout_s=3600.0, endpoint=model) as client:
         for config in ctx.plan.warmups:
             folds, mirroring = config.resolve(ctx.deployed_folds)
             start = time.perf_counter()

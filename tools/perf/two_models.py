@@ -368,7 +368,7 @@ def _build(fixtures_root: Path, root: Path) -> dict[str, Path]:
 def _warm_up(url: str, triton_model: str, cases: Sequence[Case], mirroring: bool) -> None:
     from nnunet_triton.client.client import NnunetClient
 
-    with NnunetClient(url, "grpc", timeout_s=DEFAULT_CLIENT_TIMEOUT_S, model=triton_model) as client:
+    with NnunetClient(url, "grpc", timeout_s=DEFAULT_CLIENT_TIMEOUT_S, endpoint=triton_model) as client:
         for case in cases:
             start = time.perf_counter()
             client.segment(case.image, case.spacing, mirroring=mirroring)

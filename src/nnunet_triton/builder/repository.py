@@ -1,7 +1,7 @@
 """Build nnU-Net models into a Triton model repository: one endpoint name and version per build.
 
-    nnunet-triton build --model <Dataset.../Trainer__Plans__Config> [<more folders>] [--name liver]
-        [--new-version | --version N] [--promote] [--folds 0 1] [--out build/model_repository]
+    nnunet-triton build --model <Dataset.../Trainer__Plans__Config> [<more folders>] [--endpoint liver]
+        [--new-version | --endpoint-version N] [--promote] [--folds 0 1] [--out build/model_repository]
         [--target cpu|gpu] [--tile-batch-size 4] [--max-voxels N] [--max-request-bytes N] [--force]
 
 Two or more ``--model`` folders build an ensemble of configurations (``build_ensemble_repository``).
@@ -105,8 +105,8 @@ class BuildResult:
         state = "built" if self.rebuilt else "up to date"
         call = (f"the public endpoint {self.name!r} runs it" if self.promoted else
                 f"not promoted: call it as {io_names.pinned_endpoint(self.name, self.version)!r}; "
-                f"`nnunet-triton promote --name {self.name} --version {self.version}` makes {self.name!r} "
-                "run it")
+                f"`nnunet-triton promote --endpoint {self.name} --endpoint-version {self.version}` makes "
+                f"{self.name!r} run it")
         return f"{state}: {self.name} version {self.version} in {self.out} ({self.seconds:.1f} s; {call})"
 
 

@@ -1,7 +1,8 @@
 """``nnunet-triton``: every command line of the project, one subcommand per task.
 
-    nnunet-triton build    --model RESULTS_FOLDER [--name N] [--new-version] [--out DIR] ...  (cli.build)
-    nnunet-triton versions / load / promote / rollback / remove --name N [--version V]  (cli.rollout)
+    nnunet-triton build    --model RESULTS_FOLDER [--endpoint N] [--new-version] [--out DIR] ...  (cli.build)
+    nnunet-triton versions / load / promote / rollback / remove --endpoint N [--endpoint-version V]
+                                                                                        (cli.rollout)
     nnunet-triton export   --model RESULTS_FOLDER --out DIR ...                         (cli.export)
     nnunet-triton serve    [MODEL | --model-repository DIR] ... / stop / status          (cli.serve)
     nnunet-triton deploy   --model RESULTS_FOLDER [--target embedded|docker|k8s] / undeploy  (cli.deploy)

@@ -13,7 +13,7 @@ from typing import Any
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner, Target
 from nnunet_triton.builder.repository import VersionChoice, build_ensemble_repository, build_repository
-from nnunet_triton.cli.common import endpoint_name, endpoint_version
+from nnunet_triton.cli.common import DeprecatedAlias, endpoint_name, endpoint_version
 from nnunet_triton.errors import NnunetTritonError, PlansError
 from nnunet_triton.io_names import ENDPOINT_MODEL
 from nnunet_triton.numerics.model_folder import parse_fold, read_model_folder
@@ -34,16 +34,21 @@ def add_parsers(sub: Any) -> None:
 
 
 def add_endpoint_arguments(p: Any) -> None:
-    """``--name``, ``--new-version`` | ``--version N``, ``--promote``: the endpoint version a build writes."""
-    p.add_argument("--name", type=endpoint_name, default=ENDPOINT_MODEL,
+    """``--endpoint``, ``--new-version`` | ``--endpoint-version N``, ``--promote``: the endpoint version a
+    build writes (``--name`` / ``--version``: deprecated spellings, accepted with a warning)."""
+    p.add_argument("--endpoint", type=endpoint_name, default=ENDPOINT_MODEL, dest="name",
                    help=f"endpoint name (default {ENDPOINT_MODEL}); other names in the repository are left "
                         "as they are")
+    p.add_argument("--name", type=endpoint_name, dest="name", action=DeprecatedAlias,
+                   replacement="--endpoint", help="deprecated spelling of --endpoint")
     versions = p.add_mutually_exclusive_group()
     versions.add_argument("--new-version", action="store_true",
-                          help="add the next version of --name; the public endpoint keeps its promoted "
+                          help="add the next version of --endpoint; the public endpoint keeps its promoted "
                                "version (call the new one as <name>__v<N>; `nnunet-triton promote` switches)")
-    versions.add_argument("--version", type=endpoint_version, default=None, dest="endpoint_version",
+    versions.add_argument("--endpoint-version", type=endpoint_version, default=None, dest="endpoint_version",
                           help="build exactly this version (default: the name's latest, or 1)")
+    versions.add_argument("--version", type=endpoint_version, dest="endpoint_version", action=DeprecatedAlias,
+                          replacement="--endpoint-version", help="deprecated spelling of --endpoint-version")
     p.add_argument("--promote", action="store_true",
                    help="the public endpoint runs the version built (on a running server: nnunet-triton "
                         "promote)")

@@ -19,10 +19,9 @@ from nnunet_triton.numerics.model_folder import parse_fold
 from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_TILE_STEP_SIZE, RequestOptions, parse_int
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_PORTS
 
-__all__ = ["DEFAULT_PORTS", "URL_ENV", "add_connection_arguments", "connection_tls",
-           "add_request_option_arguments",
-           "add_endpoint_selection", "endpoint_model", "endpoint_name", "endpoint_version", "request_options",
-           "url", "say", "positive_int"]
+__all__ = ["DEFAULT_PORTS", "URL_ENV", "add_connection_arguments", "add_request_option_arguments",
+           "add_endpoint_selection", "connection_tls", "DeprecatedAlias", "endpoint_model", "endpoint_name",
+           "endpoint_version", "request_options", "url", "say", "positive_int"]
 
 URL_ENV = "NNUNET_TRITON_URL"
 
@@ -65,17 +64,37 @@ def endpoint_version(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_endpoint_selection(parser: argparse.ArgumentParser, *, flag: str = "--model") -> None:
-    """Which endpoint a client command calls: ``--model NAME`` (``validate``: ``--endpoint NAME``, its
-    ``--model`` being the results folder) and ``--model-version N``/``--endpoint-version N`` (a pinned
-    version; default: the promoted one). Read back with :func:`endpoint_model`."""
-    names = [flag] + (["--endpoint"] if flag != "--endpoint" else [])
-    parser.add_argument(*names, dest="endpoint", type=endpoint_name, default=io_names.ENDPOINT_MODEL,
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag, kept for one release: stores like the new one and warns on stderr."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, replacement: str, **kwargs: Any) -> None:
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        say(f"warning: {option_string} is deprecated and will be removed in the next release; "
+            f"use {self.replacement}")
+        setattr(namespace, self.dest, values)
+
+
+def add_endpoint_selection(parser: argparse.ArgumentParser, *, model_aliases: bool = True) -> None:
+    """Which endpoint a client command calls: ``--endpoint NAME`` and ``--endpoint-version N`` (a pinned
+    version; default: the promoted one). ``model_aliases``: the old spellings ``--model`` /
+    ``--model-version`` are accepted with a warning (not where ``--model`` is the results folder, as in
+    ``validate``). Read back with :func:`endpoint_model`."""
+    parser.add_argument("--endpoint", dest="endpoint", type=endpoint_name, default=io_names.ENDPOINT_MODEL,
                         help=f"endpoint name on the server (default {io_names.ENDPOINT_MODEL}; "
                              "`nnunet-triton info` lists them)")
-    parser.add_argument(f"{flag}-version", dest="endpoint_version", type=endpoint_version, default=None,
+    parser.add_argument("--endpoint-version", dest="endpoint_version", type=endpoint_version, default=None,
                         help="call exactly this version of the endpoint (<name>__v<N>; default: the version "
                              "the server promoted)")
+    if model_aliases:
+        parser.add_argument("--model", dest="endpoint", type=endpoint_name, action=DeprecatedAlias,
+                            replacement="--endpoint", help="deprecated spelling of --endpoint")
+        parser.add_argument("--model-version", dest="endpoint_version", type=endpoint_version,
+                            action=DeprecatedAlias, replacement="--endpoint-version",
+                            help="deprecated spelling of --endpoint-version")
 
 
 def endpoint_model(args: argparse.Namespace) -> str:

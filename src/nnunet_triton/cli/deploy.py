@@ -1,16 +1,16 @@
 """``nnunet-triton deploy | undeploy``: one command from an nnU-Net results folder to a serving endpoint
 (a checkout's ``make deploy`` / ``make undeploy`` run these).
 
-    nnunet-triton deploy --model <results folder> [<more folders>] [--name N [N ...]] [--configuration C]
+    nnunet-triton deploy --model <results folder> [<more folders>] [--endpoint N [N ...]] [--configuration C]
         [--folds 0 1] [--target embedded|docker|k8s] [--out DIR] [--execute]
     nnunet-triton undeploy [--target embedded|docker|k8s] [--out DIR] [--execute]
 
-Several models behind one server: ``--model A B --name liver lung`` (one name per folder) builds each folder
-as its own endpoint (``liver``, ``lung``, with their typed copies and pinned versions) into ONE repository,
-served by one server (one container, one Deployment) sized for all of them; without ``--name``, or with one
-name, the folders are one endpoint of that name (default ``nnunet``; two or more folders: an ensemble of
-configurations). Every endpoint already in the repository is served too (``nnunet-triton remove --name``
-takes one out).
+Several models behind one server: ``--model A B --endpoint liver lung`` (one name per folder) builds each
+folder as its own endpoint (``liver``, ``lung``, with their typed copies and pinned versions) into ONE
+repository, served by one server (one container, one Deployment) sized for all of them; without
+``--endpoint``, or with one name, the folders are one endpoint of that name (default ``nnunet``; two or more
+folders: an ensemble of configurations). Every endpoint already in the repository is served too
+(``nnunet-triton remove --endpoint`` takes one out).
 
 embedded: build the CPU repository (a no-op when the builder's input hash matches), start the embedded
 tritonserver detached with every model loaded explicitly, wait until ready, print endpoints and example
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.cli.common import endpoint_name
+from nnunet_triton.cli.common import DeprecatedAlias, endpoint_name
 from nnunet_triton.cli.serve import add_tls_arguments, tls_settings
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
@@ -95,7 +95,7 @@ class EndpointPlan:
 
 def endpoint_plans(models: Sequence[Path], names: Sequence[str] | None = None,
                    configurations: Sequence[str] | None = None) -> tuple[EndpointPlan, ...]:
-    """The endpoints ``--model``, ``--name`` and ``--configuration`` ask for.
+    """The endpoints ``--model``, ``--endpoint`` and ``--configuration`` ask for.
 
     No name or one name: every folder under that name (default ``nnunet``; several folders: an ensemble of
     configurations). One name per folder: one endpoint per folder, in the same order. No folder: none
@@ -108,14 +108,14 @@ def endpoint_plans(models: Sequence[Path], names: Sequence[str] | None = None,
     models, names = tuple(Path(m) for m in models), tuple(names or ())
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
-        raise NnunetTritonError(f"--name {' '.join(names)} gives the endpoint name(s) {twice} more than "
+        raise NnunetTritonError(f"--endpoint {' '.join(names)} gives the endpoint name(s) {twice} more than "
                                 "once; every endpoint of the repository needs its own name.")
     if not models:
         return ()
     folders = [str(m) for m in models]
     if len(names) > 1 and len(names) != len(models):
         raise NnunetTritonError(
-            f"--name takes one name (every --model folder under it: several folders are an ensemble of "
+            f"--endpoint takes one name (every --model folder under it: several folders are an ensemble of "
             f"configurations) or one name per --model folder (one endpoint each, one server): got "
             f"{len(names)} names {list(names)} for {len(models)} --model folder(s) {folders}.")
     given = tuple(configurations or ())
@@ -142,8 +142,8 @@ def _read_configs(args: argparse.Namespace) -> dict[str, Any]:  # {endpoint name
                 f"--target {args.target} serves one model folder per endpoint, got {len(endpoint.models)} "
                 f"for {endpoint.name!r} ({', '.join(map(str, endpoint.models))}); an ensemble of "
                 "configurations is deployed with --target embedded or built with `nnunet-triton build "
-                "--model A B`, several endpoints in one server with one --name per --model (--model A B "
-                "--name liver lung).")
+                "--model A B`, several endpoints in one server with one --endpoint per --model (--model A B "
+                "--endpoint liver lung).")
         for model in endpoint.models:
             if not (model / "plans.json").is_file():
                 raise NnunetTritonError(f"--model {str(model)!r} is not an nnU-Net results folder.")
@@ -187,7 +187,7 @@ def _print_usage(args: argparse.Namespace, info: deploy.RepositoryInfo, http: st
     if others:
         repository = getattr(args, "repository", None) or args.out
         print(f"note: the repository also holds the endpoint(s) {', '.join(others)} (built before), served "
-              f"too; `nnunet-triton remove --name NAME --model-repository {repository}` takes one out.")
+              f"too; `nnunet-triton remove --endpoint NAME --model-repository {repository}` takes one out.")
 
 
 def _images(args: argparse.Namespace) -> str:
@@ -485,8 +485,8 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
         if missing:
             raise NnunetTritonError(
                 f"the repository {str(repo)} has no endpoint(s) {missing} (it holds {list(info.endpoints)}); "
-                "build them into it first (`nnunet-triton deploy --target docker --model A B --name liver "
-                "lung` shows how), or leave out --name to serve what it holds.")
+                "build them into it first (`nnunet-triton deploy --target docker --model A B --endpoint "
+                "liver lung` shows how), or leave out --endpoint to serve what it holds.")
     else:
         info = deploy.RepositoryInfo.planned(_read_configs(args), _build_options(args, "gpu"))
         print(f"note: {repo} is not built yet; `nnunet-triton deploy --target docker` shows how to build it")
@@ -565,11 +565,13 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     if undeploy:
         return
     p.add_argument("--model", type=Path, nargs="+", default=None,
-                   help="nnU-Net results folder(s): with one --name per folder each is its own endpoint in "
-                        "one server; else one endpoint (several folders, embedded only: an ensemble of "
+                   help="nnU-Net results folder(s): with one --endpoint per folder each is its own endpoint "
+                        "in one server; else one endpoint (several folders, embedded only: an ensemble of "
                         "configurations); k8s with a built --repository needs none")
-    p.add_argument("--name", type=endpoint_name, nargs="+", default=None,
-                   help=f"endpoint names, one per --model folder (--model A B --name liver lung: two "
+    p.add_argument("--name", type=endpoint_name, nargs="+", dest="name", action=DeprecatedAlias,
+                   replacement="--endpoint", help="deprecated spelling of --endpoint")
+    p.add_argument("--endpoint", type=endpoint_name, nargs="+", default=None, dest="name",
+                   help=f"endpoint names, one per --model folder (--model A B --endpoint liver lung: two "
                         f"endpoints in one repository and one server), or one for all of them (default "
                         f"{io_names.ENDPOINT_MODEL}); k8s with a built --repository: the endpoints it must "
                         "hold")

@@ -248,7 +248,7 @@ def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tupl
                                "it is refused", name, rule.channels)
             labels = _labels(description, settings.dataset_json or (args.dataset_json if default else None),
                              name)
-            client = NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, model=name,
+            client = NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, endpoint=name,
                                   version=settings.version,  # one per model; the node has one worker
                                   tls=connection_tls(args))
             clients.append(client)

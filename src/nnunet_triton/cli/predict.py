@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.cli.common import (
+    DeprecatedAlias,
     add_connection_arguments,
     add_endpoint_selection,
     add_request_option_arguments,
@@ -88,8 +89,10 @@ def add_parsers(sub: Any) -> None:
                                               "server's thread and memory split")
     info_parser.set_defaults(run=lambda args: info(args))
     info_parser.add_argument("--json", action="store_true", help="print the description as JSON")
-    info_parser.add_argument("--model", "--endpoint", dest="only", default=None,
+    info_parser.add_argument("--endpoint", dest="only", default=None,
                              help="describe only this endpoint (default: every endpoint served)")
+    info_parser.add_argument("--model", dest="only", action=DeprecatedAlias, replacement="--endpoint",
+                             help="deprecated spelling of --endpoint")
     info_parser.add_argument("--model-repository", type=Path, default=None,
                              help="the served repository (default: the one the server of --home serves)")
     info_parser.add_argument("--home", default=None, help="server home of `nnunet-triton serve`")
@@ -253,7 +256,7 @@ def _predict_folders(args: argparse.Namespace) -> int:
         args.concurrency = default_concurrency(description)
 
     def make_client() -> NnunetClient:
-        return NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout, model_name=model,
+        return NnunetClient(url(args), protocol=args.protocol, timeout_s=args.timeout, endpoint=model,
                             tls=connection_tls(args))
 
     with make_client() as client:

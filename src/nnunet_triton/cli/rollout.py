@@ -2,10 +2,13 @@
 running server without a restart (:mod:`nnunet_triton.server.rollout`).
 
     nnunet-triton versions [--model-repository DIR] [--json]
-    nnunet-triton load     --name liver --version 2        the version answers on liver__v2 (validate it)
-    nnunet-triton promote  --name liver --version 2        liver (+ liver_int16, ...) runs version 2
-    nnunet-triton rollback --name liver                    back to the version promoted before
-    nnunet-triton remove   --name liver [--version 1]      unload and delete a version (or the whole name)
+    nnunet-triton load     --endpoint liver --endpoint-version 2     answers on liver__v2 (validate it)
+    nnunet-triton promote  --endpoint liver --endpoint-version 2     liver (+ liver_int16, ...) runs version 2
+    nnunet-triton rollback --endpoint liver                          back to the version promoted before
+    nnunet-triton remove   --endpoint liver [--endpoint-version 1]   unload and delete a version (or the name)
+
+``--name`` / ``--version`` are the deprecated spellings of ``--endpoint`` / ``--endpoint-version`` (accepted
+with a warning for one release).
 
 The repository is ``--model-repository`` (default: the one the server of ``--home`` serves, else
 ``build/model_repository``). The server is the one ``nnunet-triton serve`` recorded for that repository, or
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.cli.build import DEFAULT_OUT
-from nnunet_triton.cli.common import endpoint_name, endpoint_version, say
+from nnunet_triton.cli.common import DeprecatedAlias, endpoint_name, endpoint_version, say
 from nnunet_triton.errors import ServerError
 from nnunet_triton.server import rollout
 from nnunet_triton.server.handle import recorded_server
@@ -53,12 +56,18 @@ def add_parsers(sub: Any) -> None:
             ("rollback", "promote the version the endpoint ran before", None),
             ("remove", "unload and delete a version (not the promoted one), or an endpoint", "optional")):
         p = sub.add_parser(command, help=text)
-        p.add_argument("--name", required=True, type=endpoint_name, help="endpoint name")
+        names = p.add_mutually_exclusive_group(required=True)
+        names.add_argument("--endpoint", type=endpoint_name, dest="name", help="endpoint name")
+        names.add_argument("--name", type=endpoint_name, dest="name", action=DeprecatedAlias,
+                           replacement="--endpoint", help="deprecated spelling of --endpoint")
         if version is not None:
-            p.add_argument("--version", type=endpoint_version, required=version == "required",
-                           dest="endpoint_version",
-                           help="the version" + ("" if version == "required" else
-                                                 " (default: every version)"))
+            versions = p.add_mutually_exclusive_group(required=version == "required")
+            versions.add_argument("--endpoint-version", type=endpoint_version, dest="endpoint_version",
+                                  help="the version" + ("" if version == "required" else
+                                                        " (default: every version)"))
+            versions.add_argument("--version", type=endpoint_version, dest="endpoint_version",
+                                  action=DeprecatedAlias, replacement="--endpoint-version",
+                                  help="deprecated spelling of --endpoint-version")
         _common(p)
         p.set_defaults(run=_run, action=command)
 

@@ -67,7 +67,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--allow-model-change", action="store_true",
                    help="with --against: the endpoint may serve another training of the same labels (a new "
                         "version, other plans or trainer); the differences are listed in the report")
-    add_endpoint_selection(p, flag="--endpoint")
+    add_endpoint_selection(p, model_aliases=False)
     add_connection_arguments(p)
 
 
@@ -136,7 +136,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
                                           "fold_forward": published.get("fold_forward", "unknown"),
                                           **({"model_changes": changes} if changes else {})},
                               total=len(jobs))
-    with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, model_name=model,
+    with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, endpoint=model,
                       tls=connection_tls(args)) as client:
         def segment(image: Any, spacing: Any) -> tuple[Any, Any]:
             answer = client.segment(image, spacing, options)

@@ -7,7 +7,7 @@ forwards to every composing model (see ``docs/architecture.md``).
 
 Example::
 
-    with NnunetClient("127.0.0.1:8000", model="liver") as client:   # model="nnunet" by default
+    with NnunetClient("127.0.0.1:8000", endpoint="liver") as client:   # "nnunet" by default
         result = client.segment(image, spacing, mirroring=False)
         result.segmentation  # uint8/uint16 array shaped like image.shape[1:]
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -86,6 +87,22 @@ def endpoint_model(model: str = io_names.ENDPOINT_MODEL, version: int | None = N
     return model if version is None else io_names.pinned_endpoint(model, io_names.check_version(version))
 
 
+def _endpoint_argument(endpoint: str | None, model: str | None, model_name: str | None) -> str:
+    """``endpoint`` (default ``nnunet``) with the deprecated spellings ``model`` / ``model_name`` warned."""
+    if model is not None:
+        warnings.warn("NnunetClient(model=...) is deprecated and will be removed in the next release: use "
+                      "endpoint=...", DeprecationWarning, stacklevel=3)
+        if endpoint is not None and endpoint != model:
+            raise ValueError(f"NnunetClient: endpoint={endpoint!r} and its deprecated spelling "
+                             f"model={model!r} disagree; pass endpoint only.")
+        endpoint = model
+    if model_name is not None:
+        warnings.warn("NnunetClient(model_name=...) is deprecated and will be removed in the next release: "
+                      "use endpoint=... (a full Triton model name works, without version)",
+                      DeprecationWarning, stacklevel=3)
+    return io_names.ENDPOINT_MODEL if endpoint is None else endpoint
+
+
 class NnunetClient:
     """Talks to one endpoint of a Triton server serving nnU-Net models (``nnunet`` by default).
 
@@ -93,16 +110,22 @@ class NnunetClient:
         url: ``host:port`` of the HTTP (default 8000) or gRPC (default 8001) endpoint.
         protocol: ``"http"`` or ``"grpc"``.
         timeout_s: end-to-end limit of one inference (HTTP network timeout, gRPC client deadline).
-        model: the endpoint name (``nnunet``, ``liver``, ...: ``nnunet-triton build --name``).
-        version: call exactly this version of ``model`` (its pinned endpoint ``<model>__v<version>``);
-            default: the version the server promoted for ``model``.
+        endpoint: the endpoint name (``nnunet``, ``liver``, ...: ``nnunet-triton build --endpoint``), or any
+            Triton model of the server by its full name (``liver__v2``, ``nnunet_monolith``).
+        version: call exactly this version of ``endpoint`` (its pinned endpoint ``<endpoint>__v<version>``);
+            default: the version the server promoted for ``endpoint``.
         native_dtype: send FP16/INT16/UINT16/UINT8 images as they are, to the typed endpoint
             (``nnunet_int16``, ...: half the bytes of float32 for a CT), when the server has it; False,
             or a repository without typed endpoints, sends float32 to the FP32 endpoint. Same answer.
-        model_name: the Triton model to call, verbatim (the name this argument had before ``model``;
-            wins over ``model`` and ``version``).
+        model: deprecated spelling of ``endpoint`` (kept for one release, with a DeprecationWarning).
+        model_name: deprecated: the Triton model to call verbatim, now ``endpoint=`` without ``version``
+            (kept for one release, with a DeprecationWarning; wins over ``endpoint`` and ``version``).
         tls: CA and client certificate of a TLS server (``client.tls``); default: from
             ``$NNUNET_TRITON_CA``/``_CERT``/``_KEY`` when set, else plain HTTP/gRPC.
+
+    Raises:
+        ValueError: an unknown protocol, a timeout <= 0, or ``endpoint`` and its deprecated spelling
+            ``model`` both given.
     """
 
     def __init__(
@@ -111,9 +134,10 @@ class NnunetClient:
         protocol: str = "http",
         timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
         *,
-        model: str = io_names.ENDPOINT_MODEL,
+        endpoint: str | None = None,
         version: int | None = None,
         native_dtype: bool = True,
+        model: str | None = None,
         model_name: str | None = None,
         tls: ClientTls | None = None,
     ) -> None:
@@ -124,7 +148,8 @@ class NnunetClient:
         self.url = url
         self.protocol = protocol
         self.timeout_s = float(timeout_s)
-        self.model_name = model_name or endpoint_model(model, version)
+        endpoint = _endpoint_argument(endpoint, model, model_name)
+        self.model_name = model_name or endpoint_model(endpoint, version)
         self.native_dtype = native_dtype
         self._typed_ready: dict[str, bool] = {}
         self._client = triton_client(url, protocol, self.timeout_s, tls)

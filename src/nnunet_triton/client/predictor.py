@@ -3,7 +3,7 @@
 An nnU-Net script switches to Triton by changing the constructor line::
 
     predictor = nnUNetPredictor(tile_step_size=0.5, use_mirroring=True, device=torch.device("cuda"))
-    predictor = TritonPredictor(tile_step_size=0.5, use_mirroring=True, url="triton:8000")  # model="liver"
+    predictor = TritonPredictor(tile_step_size=0.5, use_mirroring=True, url="triton:8000")  # endpoint="liver"
     predictor.initialize_from_trained_model_folder(model_folder, use_folds=(0, 1))  # reads only the JSONs
     seg = predictor.predict_single_npy_array(image, {"spacing": spacing})
 
@@ -22,6 +22,7 @@ import logging
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,9 @@ class TritonPredictor:
     """Drop-in for ``nnUNetPredictor``; the numerics happen on the server (``url``, ``protocol``).
 
     ``perform_everything_on_device``, ``device`` and ``verbose_preprocessing`` are accepted for compatibility
-    and ignored (the deployment decides where it runs). ``use_gaussian=False`` is not served.
+    and ignored (the deployment decides where it runs). ``use_gaussian=False`` is not served. ``endpoint``
+    and ``version`` pick the endpoint as in :class:`NnunetClient` (``model`` is its deprecated spelling,
+    kept for one release with a DeprecationWarning).
     """
 
     def __init__(
@@ -71,8 +74,9 @@ class TritonPredictor:
         protocol: str = "http",
         timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
         retries: int = 3,
-        model: str = io_names.ENDPOINT_MODEL,
+        endpoint: str | None = None,
         version: int | None = None,
+        model: str | None = None,
     ) -> None:
         if not use_gaussian:
             raise UnsupportedModelError(
@@ -80,7 +84,15 @@ class TritonPredictor:
             )
         self.tile_step_size, self.use_mirroring = tile_step_size, use_mirroring
         self.verbose, self.allow_tqdm, self.retries = verbose, allow_tqdm, retries
-        self.client = NnunetClient(url, protocol=protocol, timeout_s=timeout_s, model=model, version=version)
+        if model is not None:
+            warnings.warn("TritonPredictor(model=...) is deprecated and will be removed in the next release: "
+                          "use endpoint=...", DeprecationWarning, stacklevel=2)
+            if endpoint is not None and endpoint != model:
+                raise ValueError(f"TritonPredictor: endpoint={endpoint!r} and its deprecated spelling "
+                                 f"model={model!r} disagree; pass endpoint only.")
+            endpoint = model
+        self.client = NnunetClient(url, protocol=protocol, timeout_s=timeout_s,
+                                   endpoint=endpoint or io_names.ENDPOINT_MODEL, version=version)
         self.url, self.protocol = url, protocol
         self.use_folds: tuple[int | str, ...] | None = None
         self.dataset_json: dict[str, Any] | None = None

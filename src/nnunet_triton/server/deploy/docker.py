@@ -11,7 +11,7 @@ with :data:`EXIT_BAD_REPOSITORY` and one clear line when it cannot be served, so
 (:data:`RESTART_POLICY`) restarts a crashed or killed server but gives up on a repository that never
 loads.
 
-One server serves the whole repository: every endpoint name (``nnunet-triton deploy --model A B --name
+One server serves the whole repository: every endpoint name (``nnunet-triton deploy --model A B --endpoint
 liver lung``), every version of each, and their public and pinned endpoints; sizes add up over them
 (:func:`~nnunet_triton.server.deploy.sizing.plan_memory`).
 
@@ -317,13 +317,13 @@ def builder_args(options: Any, *, folds: tuple[int | str, ...] | None = None,
                  name: str | None = None) -> tuple[str, ...]:
     """``repository/build.py`` flags that rebuild ``options`` (a BuildOptions) in the export container
     (``export_device`` cuda on the GPU export host; None: the builder's default, cpu) as the endpoint
-    ``name`` (``--name``: one run per endpoint writes it into the shared repository; None: the builder's
+    ``name`` (``--endpoint``: one run per endpoint writes it into the shared repository; None: the builder's
     default name)."""
     fold_args = ("--folds", *map(str, folds)) if folds else ()
     config_args = ("--configuration", configuration) if configuration else ()
     torch_args = ("--serving-torch", options.serving_torch) if options.serving_torch else ()
     device_args = ("--export-device", export_device) if export_device else ()
-    name_args = ("--name", name) if name else ()
+    name_args = ("--endpoint", name) if name else ()
     return ("--target", str(options.target), "--precision", options.fold_precision,
             *device_args, "--tile-batch-size", str(options.tile_batch_size),
             "--fold-instances", str(options.fold_instances),
@@ -392,7 +392,7 @@ def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str, *, 
         lines.append(f"  {name:<{width}}  {urls[name]:<{url_width}}  (runs version {mine[0].version}; "
                      f"pinned: {pinned})")
     lines.append("  typed copies <name>_fp16, _int16, _uint16, _uint8 take those images as they are")
-    calls = [f"  nnunet-triton predict --model {name} -i {images} -o build/predictions/{name} --url {http}"
+    calls = [f"  nnunet-triton predict --endpoint {name} -i {images} -o build/predictions/{name} --url {http}"
              for name in names]
     return "\n".join([
         "",
@@ -404,7 +404,7 @@ def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str, *, 
         *calls,
         '  python -c "from nnunet_triton.client.client import NnunetClient; import numpy as np; \\',
         "image = np.zeros((1, 32, 64, 64), np.float32); \\",
-        f"client = NnunetClient('{http}', model='{names[0]}'); \\",
+        f"client = NnunetClient('{http}', endpoint='{names[0]}'); \\",
         'print(client.segment(image, (1.0, 1.0, 1.0)).segmentation.shape)"',
         "stop it:",
         f"  {undeploy}",
