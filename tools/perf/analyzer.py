@@ -66,6 +66,9 @@ class AnalyzerSettings:
             perf_analyzer).
         shared_memory: ``none`` or ``system`` (client <-> server tensors through /dev/shm).
         output_shared_memory_size: bytes per output region when ``shared_memory`` is ``system``.
+        headers: ``(name, value)`` sent with every call (``-H``): the statistics and shared-memory APIs
+            perf_analyzer uses need the launcher's token (``ServerHandle.control_headers``). The value is on
+            perf_analyzer's command line for the run's duration.
     """
 
     model: str
@@ -85,6 +88,7 @@ class AnalyzerSettings:
     output_shared_memory_size: int = 64 * 2**20
     model_version: str = "1"
     measurement_mode: str = "count_windows"
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -172,6 +176,8 @@ def command(settings: AnalyzerSettings, csv_path: Path, *, binary: Path | None =
         args += ["--request-parameter", f"{name}:{value}:{kind}"]
     if s.bls_composing_models:
         args += ["--bls-composing-models", ",".join(s.bls_composing_models)]
+    for name, value in s.headers:
+        args += ["-H", f"{name}:{value}"]
     return args
 
 
