@@ -76,8 +76,9 @@ def tiles_of(case: Any, model_dir: Path) -> list[int]:
     return [len(s) for s in compute_steps_for_sliding_window(padded.shape[1:], config.patch_size, 0.5)]
 
 
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as response:  # noqa: S310 - loopback server we started
+def _get_json(url: str, headers: dict[str, str] | None = None) -> Any:
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - loopback server we started
         return json.loads(response.read())
 
 
@@ -103,11 +104,13 @@ def repository_numbers(http_url: str, fold_models: Sequence[str]) -> dict[str, A
     }
 
 
-def fold_stats(http_url: str, fold_models: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """``{fold model: gpu_goals.batch_counts(...)}`` from Triton's statistics API."""
+def fold_stats(http_url: str, fold_models: Sequence[str],
+               headers: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """``{fold model: gpu_goals.batch_counts(...)}`` from Triton's statistics API (it needs the launcher's
+    token: ``ServerHandle.control_headers``)."""
     out = {}
     for model in fold_models:
-        entries = _get_json(f"http://{http_url}/v2/models/{model}/stats")["model_stats"]
+        entries = _get_json(f"http://{http_url}/v2/models/{model}/stats", headers)["model_stats"]
         out[model] = gpu_goals.batch_counts(entries[0])
     return out
 
@@ -257,16 +260,16 @@ def stage_timings(stage: Any, setup: Any, model_dir: Path, repository: Path, cas
     stage.notes.append(f"warm-up: {warmed} direct fold requests (batch sizes "
                        f"1..{numbers['fold_max_batch_size']} of every fold model), 1 request, 1 wave of "
                        f"{CONCURRENCY}")
-    before_c1 = fold_stats(handle.http_url, fold_models)
+    before_c1 = fold_stats(handle.http_url, fold_models, handle.control_headers)
     with GpuSampler(setup.gpu) as c1_gpu:
         c1 = _timed(one, setup.reps)
-    before_c4 = fold_stats(handle.http_url, fold_models)
+    before_c4 = fold_stats(handle.http_url, fold_models, handle.control_headers)
     c4_requests = CONCURRENCY * setup.waves
     with GpuSampler(setup.gpu) as c4_gpu, ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
         start = time.perf_counter()
         list(pool.map(one, range(c4_requests)))
         c4_s = time.perf_counter() - start
-    after_c4 = fold_stats(handle.http_url, fold_models)
+    after_c4 = fold_stats(handle.http_url, fold_models, handle.control_headers)
     fallbacks, by_tensor = gpu_goals.host_fallbacks(metrics_before, _get_text(metrics_url))
     one_at_a_time, concurrent = gpu_goals.batch_delta(before_c1, before_c4), gpu_goals.batch_delta(before_c4,
                                                                                                  after_c4)

@@ -19,6 +19,7 @@ from pipeline_support import SYNTHCT, build, model_dir, probe_case, reference
 from nnunet_triton import io_names
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.errors import ClientError
+from nnunet_triton.server.model_control import ModelControl
 
 INTERNAL_OR_UNAVAILABLE = {"500", "503", "StatusCode.INTERNAL", "StatusCode.UNAVAILABLE"}
 
@@ -103,13 +104,14 @@ def test_grpc_client_deadline_mid_request_does_not_wedge_the_orchestrator(explic
 
 
 def _fold_items(stats_client, model: str = "fold_0") -> int:
-    """Network inputs (tiles) ``model`` has run since the server started."""
-    (stats,) = stats_client.get_inference_statistics(model)["model_stats"]
+    """Network inputs (tiles) ``model`` has run since the server started (a ``ModelControl``: statistics
+    need the launcher's token)."""
+    (stats,) = stats_client.statistics(model)["model_stats"]
     return int(stats["inference_count"])
 
 
 def _orchestrator_requests_done(stats_client) -> int:
-    (stats,) = stats_client.get_inference_statistics(io_names.ORCHESTRATOR_MODEL)["model_stats"]
+    (stats,) = stats_client.statistics(io_names.ORCHESTRATOR_MODEL)["model_stats"]
     return sum(int(stats["inference_stats"][k]["count"]) for k in ("success", "fail"))
 
 
@@ -124,7 +126,6 @@ def _wait_until(condition, what: str, timeout_s: float = 300.0) -> None:
 def test_grpc_cancel_stops_orchestrator_sending_tiles_and_next_request_is_correct(explicit_server,
                                                                                  record_property):
     import tritonclient.grpc as grpc
-    import tritonclient.http as http
 
     from nnunet_triton.numerics.model_folder import read_model_folder
     from nnunet_triton.numerics.sliding_window import mirror_combinations
@@ -134,7 +135,7 @@ def test_grpc_cancel_stops_orchestrator_sending_tiles_and_next_request_is_correc
     data = np.random.default_rng(0).standard_normal((1, 96, 128, 128), dtype=np.float32)
     variants = 1 + len(mirror_combinations(config.mirror_axes))
     full = len(tile_slicers(data.shape[1:], config.patch_size, 0.5)) * variants  # 343 tiles x 8 = 2744
-    stats = http.InferenceServerClient(explicit_server.http_url, network_timeout=900)
+    stats = ModelControl(explicit_server.http_url, explicit_server.control_token)
     client = grpc.InferenceServerClient(explicit_server.grpc_url)
     results: list = []
     try:
@@ -158,7 +159,6 @@ def test_grpc_cancel_stops_orchestrator_sending_tiles_and_next_request_is_correc
         _wait_until(lambda: bool(results), "client callback")
     finally:
         client.close()
-        stats.close()
     record_property("fold_items_run", ran)
     record_property("fold_items_full_request", full)
     assert "CANCELLED" in str(results[0].status()), results

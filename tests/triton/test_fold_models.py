@@ -95,8 +95,8 @@ def _nnunet_tiles(network: torch.nn.Module, tiles: np.ndarray) -> np.ndarray:
         return np.concatenate([network(torch.from_numpy(tiles[i:i + 1])).numpy() for i in range(len(tiles))])
 
 
-def _stats(client: httpclient.InferenceServerClient, model: str) -> tuple[int, int]:
-    (stats,) = client.get_inference_statistics(model)["model_stats"]
+def _stats(client: httpclient.InferenceServerClient, model: str, headers: dict[str, str]) -> tuple[int, int]:
+    (stats,) = client.get_inference_statistics(model, headers=headers)["model_stats"]
     return int(stats["inference_count"]), int(stats["execution_count"])
 
 
@@ -117,14 +117,14 @@ def test_fold_model_output_equals_nnunet_per_tile_forwards_bitwise_when_batch_is
     np.testing.assert_array_equal(output, expected)
 
 
-def test_concurrent_requests_run_in_fewer_executions_and_equal_nnunet_bitwise(client, networks) -> None:
+def test_concurrent_requests_run_in_fewer_executions_and_equal_nnunet_bitwise(server, client, networks):
     """One tile per request, sent together: the dynamic batcher merges them into fewer executions."""
     model = io_names.fold_model_name(0)
     tiles = _tiles(TILE_BATCH, seed=42)
-    inferences_before, executions_before = _stats(client, model)
+    inferences_before, executions_before = _stats(client, model, server.control_headers)
     pending = [client.async_infer(model, _request(tiles[i:i + 1])) for i in range(TILE_BATCH)]
     outputs = np.concatenate([p.get_result().as_numpy(io_names.FOLD_OUTPUT) for p in pending])
-    inferences_after, executions_after = _stats(client, model)
+    inferences_after, executions_after = _stats(client, model, server.control_headers)
     assert inferences_after - inferences_before == TILE_BATCH
     assert executions_after - executions_before < TILE_BATCH
     np.testing.assert_array_equal(outputs, _nnunet_tiles(networks[0], tiles))

@@ -53,13 +53,13 @@ def test_int16_case_through_its_endpoint_equals_nnunet(server):
     np.testing.assert_array_equal(result.segmentation, reference(SYNTHCT, case.name, True).segmentation)
 
 
-def _executions(url: str) -> dict[str, int]:
+def _executions(url: str, headers: dict[str, str]) -> dict[str, int]:
     """Requests each endpoint (``nnunet``, ``nnunet_int16``, ...) has answered, from Triton's statistics."""
     import tritonclient.http as http
 
     client = http.InferenceServerClient(url)
     try:
-        stats = client.get_inference_statistics()["model_stats"]
+        stats = client.get_inference_statistics(headers=headers)["model_stats"]
     finally:
         client.close()
     typed = (io_names.typed_endpoint(d) for d in io_names.IMAGE_DTYPES if d != "FP32")
@@ -67,11 +67,11 @@ def _executions(url: str) -> dict[str, int]:
     return {s["name"]: int(s["inference_stats"]["success"]["count"]) for s in stats if s["name"] in endpoints}
 
 
-def _routed(url: str, send) -> dict[str, int]:
+def _routed(server, send) -> dict[str, int]:
     """Which endpoints answered the requests ``send()`` made (their success counts' increase)."""
-    before = _executions(url)
+    before = _executions(server.http_url, server.control_headers)
     send()
-    after = _executions(url)
+    after = _executions(server.http_url, server.control_headers)
     return {name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)}
 
 
@@ -79,11 +79,11 @@ def test_native_dtype_off_sends_float32_to_the_fp32_endpoint(server):
     case = probe_case(SYNTHCT)
     with NnunetClient(server.http_url, native_dtype=False) as client:
         answers = {}
-        route = _routed(server.http_url, lambda: answers.setdefault(
+        route = _routed(server, lambda: answers.setdefault(
             "result", client.segment(case.image.astype(np.int16), case.spacing, mirroring=False)))
     assert route == {io_names.ENDPOINT_MODEL: 1}
     with NnunetClient(server.http_url) as client:
-        native = _routed(server.http_url, lambda: client.segment(case.image.astype(np.int16), case.spacing,
+        native = _routed(server, lambda: client.segment(case.image.astype(np.int16), case.spacing,
                                                                   mirroring=False))
         expected = client.segment(case.image, case.spacing, mirroring=False)
     assert native == {io_names.typed_endpoint("INT16"): 1}  # the default route, for contrast
@@ -124,7 +124,7 @@ def test_an_unknown_typed_endpoint_falls_back_to_fp32(server):
     answers = {}
     with NnunetClient(server.http_url) as client:
         client._typed_ready[io_names.typed_endpoint("INT16")] = False  # as on an older repository
-        route = _routed(server.http_url, lambda: answers.setdefault(
+        route = _routed(server, lambda: answers.setdefault(
             "fallback", client.segment(case.image.astype(np.int16), case.spacing, mirroring=False)))
         direct = client.segment(case.image, case.spacing, mirroring=False)
     assert route == {io_names.ENDPOINT_MODEL: 1}

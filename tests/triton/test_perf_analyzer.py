@@ -73,6 +73,8 @@ def test_perf_analyzer_reports_each_concurrency_when_run_against_identity(
         "-f",
         str(csv_path),
         *(arg for shape in IDENTITY_SHAPES for arg in ("--shape", shape)),
+        # its server-side statistics need the launcher's token (model_control.RESTRICTED_APIS)
+        *(arg for header in identity_server.control_headers.items() for arg in ("-H", ":".join(header))),
     ]
 
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)

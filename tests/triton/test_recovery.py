@@ -33,8 +33,8 @@ from recovery_support import (
 )
 
 from nnunet_triton.client.client import NnunetClient
-from nnunet_triton.errors import ClientError
 from nnunet_triton.server import health
+from nnunet_triton.server.handle import ServerHandle
 
 
 @pytest.fixture(scope="module")
@@ -175,16 +175,22 @@ def test_container_entry_point_forks_a_watchdog_that_reloads_a_killed_model(tmp_
     wait_until(lambda: _parent(watchdog) is None, "the watchdog exits with the server", 30)
 
 
-def test_killed_tritonserver_is_reported_not_running_its_leftovers_removed_and_a_new_start_serves(
+def test_killed_detached_tritonserver_is_restarted_its_leftovers_removed_and_status_counts_the_restart(
         identity_model_repository, tmp_path, capsys):
-    """``make serve`` / ``make deploy`` (embedded, detached): nothing restarts a SIGKILLed tritonserver on a
-    workstation; the watchdog removes what it leaves behind, ``status`` says so, a new start serves."""
+    """``make serve`` / ``make deploy`` (embedded, detached): the watchdog removes what a SIGKILLed
+    tritonserver leaves behind, starts it again on the same ports and repository, and ``status`` reports
+    the restart."""
     import json
 
     from nnunet_triton.cli import serve as embedded_cli
 
     args = ["--home", str(tmp_path / "home")]
     start = [*args, "start", "--model-repository", str(identity_model_repository)]
+
+    def status() -> dict:
+        embedded_cli.main([*args, "status"])
+        return json.loads(capsys.readouterr().out)
+
     try:
         assert embedded_cli.main(start) == 0
         started = json.loads(capsys.readouterr().out)
@@ -192,26 +198,21 @@ def test_killed_tritonserver_is_reported_not_running_its_leftovers_removed_and_a
         assert stubs and all((SHM / s.shm_region).exists() for s in stubs)
         os.kill(started["pid"], signal.SIGKILL)  # the OOM killer's choice
 
-        assert embedded_cli.main([*args, "status"]) == 3
-        status = json.loads(capsys.readouterr().out)
-        assert (status["running"], status["healthy"], status["problems"]) == (
-            False, False, ["tritonserver is not running"])
-        with NnunetClient(f"127.0.0.1:{started['http_port']}", timeout_s=10) as client, \
-                pytest.raises(ClientError, match="is not reachable"):
-            client.check_ready()
-        # the watchdog waits for the orphaned stubs to exit, removes their shm regions, and exits
-        wait_until(lambda: _parent(started["watchdog_pid"]) is None, "the watchdog exits", 120)
+        wait_until(lambda: status()["healthy"] and status()["pid"] != started["pid"], "restarted and healthy",
+                   RECOVERY_LIMIT_S)
+        after = status()
+        assert (after["restarts"], after["http_port"], after["watchdog_pid"]) == (
+            1, started["http_port"], started["watchdog_pid"])
         assert not any(_parent(s.pid) is not None for s in stubs), "a stub process outlived the server"
         assert not any((SHM / s.shm_region).exists() for s in stubs), "a shm region outlived the server"
         log = Path(started["log_file"]).with_name("tritonserver.watchdog.log").read_text()
-        assert f"tritonserver pid {started['pid']} died without being stopped" in log
-
-        assert embedded_cli.main(start) == 0
-        again = json.loads(capsys.readouterr().out)
-        assert embedded_cli.main([*args, "status"]) == 0
-        assert json.loads(capsys.readouterr().out)["pid"] == again["pid"] != started["pid"]
+        assert f"tritonserver pid {started['pid']} exited without being stopped" in log
+        assert f"tritonserver restarted as pid {after['pid']}: ready" in log
+        handle = ServerHandle.from_state_file(tmp_path / "home" / "run" / "server.json")
+        assert handle.is_ready() and handle.health().healthy
     finally:
         embedded_cli.main([*args, "stop"])
+    assert not health.pid_alive(after["pid"])
 
 
 def test_watchdog_retries_a_failing_reload_with_backoff_until_the_model_loads(triton_server, tmp_path):
@@ -244,3 +245,36 @@ def test_watchdog_retries_a_failing_reload_with_backoff_until_the_model_loads(tr
         wait_until(lambda: server.health().healthy, "identity reloaded after the failures", 60)
         last = json.loads(events.read_text().splitlines()[-1])
         assert (last["ok"], last["attempt"] >= 3, last["error"]) == (True, True, None)
+
+
+def test_killed_tritonserver_is_restarted_by_the_watchdog_and_the_same_repository_answers_within_30_s(
+        triton_server, identity_model_repository):
+    import json
+
+    import tritonclient.http as http
+    from conftest import IDENTITY_MODEL
+
+    def answers(handle) -> bool:
+        client = http.InferenceServerClient(handle.http_url)
+        try:
+            inputs = [http.InferInput("INPUT_FP32", [1, 1, 2], "FP32"),
+                      http.InferInput("INPUT_INT16", [1, 1, 1], "INT16")]
+            inputs[0].set_data_from_numpy(np.array([[[1.5, 2.5]]], np.float32))
+            inputs[1].set_data_from_numpy(np.zeros((1, 1, 1), np.int16))
+            result = client.infer(IDENTITY_MODEL, inputs)
+            return result.as_numpy("OUTPUT_FP32").tolist() == [[[1.5, 2.5]]]
+        finally:
+            client.close()
+
+    with triton_server(identity_model_repository) as handle:
+        first = handle.pid
+        os.kill(first, signal.SIGKILL)
+        seconds = wait_until(lambda: handle.is_ready() and handle.pid != first, "tritonserver restarted", 30)
+        print(f"restart: ready {seconds:.1f} s after SIGKILL")
+        assert handle.restarts == 1 and handle.model_repository == str(identity_model_repository)
+        assert answers(handle)
+        assert handle.watchdog_running()
+        events = [json.loads(line) for line in Path(handle.events_file).read_text().splitlines()]
+        restarts = [(e["event"], e["pid"], e["ok"]) for e in events if e.get("event")]
+        assert restarts == [("restart", handle.pid, True)]
+    assert not health.pid_alive(handle.pid)

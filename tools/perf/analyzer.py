@@ -70,6 +70,9 @@ class AnalyzerSettings:
         output_shared_memory_size: bytes per output region when ``shared_memory`` is ``system``.
         tls: CA and client certificate of a TLS server (HTTPS proxy or gRPC SSL); default: from
             ``$NNUNET_TRITON_CA``/``_CERT``/``_KEY`` when set (``nnunet_triton.client.tls``).
+        headers: ``(name, value)`` sent with every call (``-H``): the statistics and shared-memory APIs
+            perf_analyzer uses need the launcher's token (``ServerHandle.control_headers``). The value is on
+            perf_analyzer's command line for the run's duration.
     """
 
     model: str
@@ -90,6 +93,7 @@ class AnalyzerSettings:
     model_version: str = "1"
     measurement_mode: str = "count_windows"
     tls: ClientTls | None = None
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -182,6 +186,8 @@ def command(settings: AnalyzerSettings, csv_path: Path, *, binary: Path | None =
         args += ["--bls-composing-models", ",".join(s.bls_composing_models)]
     if tls is not None:
         args += tls.perf_analyzer_args(s.protocol)
+    for name, value in s.headers:
+        args += ["-H", f"{name}:{value}"]
     return args
 
 

@@ -358,6 +358,7 @@ def _measure_level(ctx: _Context, handle: Any, system: str, scenario: Scenario, 
     tiles = ctx.tile_plans[(scenario.volume, mirroring)]
     settings = analyzer.AnalyzerSettings(
         model=model, url=handle.grpc_url if protocol == "grpc" else handle.http_url, protocol=protocol,
+        headers=tuple(handle.control_headers.items()),
         input_data=ctx.input_files[scenario.volume], concurrency=concurrency,
         request_parameters=scenario.request.parameters() if protocol == "grpc" else (),
         # explicit versions: without one, perf_analyzer 2.48 fails ("failed to find the requested model
@@ -370,10 +371,10 @@ def _measure_level(ctx: _Context, handle: Any, system: str, scenario: Scenario, 
     )
     label = _file_label(f"{ctx.variant}-{system}-{scenario.name}-{protocol}-c{concurrency}"
                         + ("" if round_index is None else f"-r{round_index}"))
-    before = server_stats.snapshot(handle.http_url)
+    before = server_stats.snapshot(handle.http_url, headers=handle.control_headers)
     with ProcessTreeSampler(handle.pid, include=_includes(system)) as sampler:
         result = analyzer.run(settings, ctx.raw_dir, label, timeout_s=ctx.args.pa_timeout)
-    stats = server_stats.diff(before, server_stats.snapshot(handle.http_url))
+    stats = server_stats.diff(before, server_stats.snapshot(handle.http_url, headers=handle.control_headers))
     metrics = result.metrics
     requests = int(metrics.get("requests", 0))
     measurement = Measurement(

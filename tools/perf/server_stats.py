@@ -50,10 +50,13 @@ class ModelStats:
         )
 
 
-def snapshot(http_url: str, *, timeout_s: float = 30.0) -> dict[str, ModelStats]:
-    """Statistics of every loaded model from the HTTP endpoint ``host:port``."""
+def snapshot(http_url: str, *, headers: dict[str, str] | None = None,
+             timeout_s: float = 30.0) -> dict[str, ModelStats]:
+    """Statistics of every loaded model from the HTTP endpoint ``host:port``; the statistics API needs the
+    launcher's token (``ServerHandle.control_headers``)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"http://{http_url}/v2/models/stats", timeout=timeout_s) as response:
+    request = urllib.request.Request(f"http://{http_url}/v2/models/stats", headers=headers or {})
+    with opener.open(request, timeout=timeout_s) as response:
         document = json.loads(response.read())
     return {entry["name"]: ModelStats.from_json(entry) for entry in document.get("model_stats", [])}
 

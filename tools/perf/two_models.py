@@ -375,10 +375,11 @@ def _warm_up(url: str, triton_model: str, cases: Sequence[Case], mirroring: bool
             LOGGER.info("warm-up %s %s: %.2f s", triton_model, case.name, time.perf_counter() - start)
 
 
-def _settings(url: str, triton_model: str, input_file: Path,
+def _settings(handle: Any, triton_model: str, input_file: Path,
               args: argparse.Namespace) -> analyzer.AnalyzerSettings:
     return analyzer.AnalyzerSettings(
-        model=triton_model, url=url, protocol="grpc", input_data=input_file, concurrency=args.concurrency,
+        model=triton_model, url=handle.grpc_url, protocol="grpc", input_data=input_file,
+        concurrency=args.concurrency, headers=tuple(handle.control_headers.items()),
         measurement_mode="time_windows", measurement_interval_ms=int(args.window_s * 1000),
         measurement_request_count=1,  # unused in time_windows mode
         max_trials=WINDOWS, request_parameters=() if args.mirroring else (("mirroring", "false", "bool"),))
@@ -392,7 +393,7 @@ def _step(round_index: int, situation: str, models: Sequence[str], handles: Mapp
         server = f"two-{model}" if situation == "two-servers" else "one"
         triton_model = io_names.ENDPOINT_MODEL if situation == "two-servers" else model
         jobs.append((model, server, triton_model,
-                     _settings(handles[server].grpc_url, triton_model, input_files[model], args)))
+                     _settings(handles[server], triton_model, input_files[model], args)))
     load_start = list(os.getloadavg())
     begin = time.perf_counter()
 

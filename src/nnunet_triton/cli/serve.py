@@ -22,7 +22,7 @@ from typing import Any
 from nnunet_triton.cli import build
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server.embedded import DEFAULT_HOST, start
-from nnunet_triton.server.handle import EXIT_TIMEOUT_S, recorded_server
+from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
 from nnunet_triton.server.proxy import TlsSettings, running_pid
 from nnunet_triton.server.triton_install import (
     DEFAULT_HOME,
@@ -177,7 +177,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         proxy_port=args.proxy_port,
         allow_statistics=args.proxy_allow_statistics,
     )
-    sys.stdout.write(handle.to_json() + "\n")
+    sys.stdout.write(json.dumps(_public_state(handle), indent=2) + "\n")
     sys.stdout.flush()
     if not args.foreground:
         return 0
@@ -200,13 +200,20 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _public_state(handle: ServerHandle) -> dict[str, Any]:
+    """The recorded state without the control token: where it is (the state file, mode 0600), not what."""
+    state = json.loads(handle.to_json())
+    if state.pop("control_token", None):
+        state["control_token_file"] = handle.state_file
+    return state
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     handle = recorded_server(args.home)
     if handle is None:
         sys.stdout.write(json.dumps({"running": False, "ready": False}) + "\n")
         return 3
-    state = json.loads(handle.to_json())
-    state.pop("control_token", None)
+    state = _public_state(handle)
     running = handle.is_running()
     health = handle.health() if running else None
     state |= {"running": running, "ready": handle.is_ready(), "watchdog_running": handle.watchdog_running(),

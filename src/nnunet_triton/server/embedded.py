@@ -19,13 +19,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from nnunet_triton.errors import DeployError, RepositoryError, ServerError
 from nnunet_triton.registry import read_registry
-from nnunet_triton.server import backends, proxy, watchdog
+from nnunet_triton.server import backends, preload, proxy, watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, _http_ok, _tail
+from nnunet_triton.server.restart import LaunchSpec
 from nnunet_triton.server.thread_budget import ThreadBudget, decide_budget, repository_folds
 from nnunet_triton.server.triton_install import (
     DEFAULT_HOME,
@@ -60,6 +62,9 @@ DEFAULT_BACKEND_CONFIG: Mapping[str, Mapping[str, str]] = {
     }
 }
 _PR_SET_PDEATHSIG = 1
+# tritonserver, its stubs (they inherit it) and the watchdog create files and /dev/shm regions holding
+# images and logs: readable by the server's user only
+PRIVATE_UMASK = 0o077
 
 
 def _free_port(host: str) -> int:
@@ -100,11 +105,23 @@ class _Launch:
     exit_timeout_s: int
     detach: bool
     thread_budget: ThreadBudget
-    control_token: str | None  # None: no model-control API restriction (model control mode "none")
+    control_token: str | None  # the restricted APIs (model_control.RESTRICTED_APIS) need it
     memory_args: tuple[str, ...] = ()  # the CUDA and pinned pools of a GPU repository (_memory_plan)
     memory_plan: dict[str, object] | None = None
     grpc_host: str | None = None  # default: host; with TLS the public address (HTTP stays on loopback)
     grpc_tls_args: tuple[str, ...] = ()  # Triton's own gRPC SSL flags (_grpc_tls_args)
+    # server.preload's library: the token reaches tritonserver through its environment, not its command line
+    preload_library: Path | None = None
+
+    def _flag_token(self) -> str | None:
+        return preload.PLACEHOLDER if self.preload_library and self.control_token else self.control_token
+
+    def environment(self) -> dict[str, str]:
+        env = {**server_env(self.installation), **self.thread_budget.environment()}
+        if self.preload_library is not None and self.control_token:
+            env["LD_PRELOAD"] = " ".join(p for p in (str(self.preload_library), env.get("LD_PRELOAD")) if p)
+            env[watchdog.TOKEN_ENV] = self.control_token
+        return env
 
     def command(self) -> list[str]:
         return [
@@ -127,7 +144,7 @@ class _Launch:
             *self.thread_budget.server_args(),
             *self.memory_args,
             *self.grpc_tls_args,
-            *(watchdog.restricted_api_args(self.control_token) if self.control_token else ()),
+            *(watchdog.restricted_api_args(token) if (token := self._flag_token()) else ()),
             *self.extra_args,
         ]
 
@@ -144,15 +161,16 @@ def _spawn(launch: _Launch) -> ServerHandle:
     LOGGER.info("starting %s", " ".join(c if launch.control_token is None else
                                         c.replace(launch.control_token, "***") for c in command))
     LOGGER.info("thread budget: %s (exact: %s)", launch.thread_budget.reason, launch.thread_budget.exact)
-    with open(launch.log_file, "wb") as log:
+    with _private_log(launch.log_file, truncate=True) as log:
         process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**server_env(launch.installation), **launch.thread_budget.environment()},
+            env=launch.environment(),
             start_new_session=True,  # own process group: stop() can kill the server and its stubs together
             preexec_fn=None if launch.detach else _die_with_parent,
+            umask=PRIVATE_UMASK,
         )
     try:
         handle = ServerHandle(
@@ -182,6 +200,16 @@ def _spawn(launch: _Launch) -> ServerHandle:
     return handle
 
 
+def _private_log(path: Path, *, truncate: bool) -> BinaryIO:
+    """``path`` opened for writing (truncated or appended to), readable by its owner only: the logs name
+    the cases' shapes and the errors of requests."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else os.O_APPEND)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)  # a log left by an older launcher may be 0644
+    os.lseek(fd, 0, os.SEEK_END)  # tell() is where this run's lines start
+    return os.fdopen(fd, "wb")
+
+
 def _write_state(path: Path, handle: ServerHandle) -> None:
     # holds the model-control token: readable by the owner only
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -194,16 +222,22 @@ def _start_watchdog(handle: ServerHandle, launch: _Launch) -> None:
     assert handle.control_token is not None
     events = launch.state_file.with_name("recoveries.jsonl")
     log_path = launch.log_file.with_name(launch.log_file.stem + ".watchdog.log")
+    watchdog_env = {**os.environ, watchdog.TOKEN_ENV: handle.control_token}
+    launch_file = launch.state_file.with_name("launch.json")  # how the watchdog restarts a dead server
+    LaunchSpec.for_server(launch.command(), launch.environment(), watchdog_env, log_file=launch.log_file,
+                          pid_file=launch.pid_file, state_file=launch.state_file,
+                          secret_keys=(watchdog.TOKEN_ENV,)).write(launch_file)
     command = [sys.executable, "-m", "nnunet_triton.server.watchdog", "--url", handle.http_url,
                "--server-pid", str(handle.pid), "--model-repository", str(launch.model_repository),
-               "--events-file", str(events),
+               "--events-file", str(events), "--launch-file", str(launch_file),
                *(["--proxy-config", handle.proxy_config] if handle.proxy_config else [])]
-    with open(log_path, "ab") as log:
+    with _private_log(log_path, truncate=False) as log:
         offset = log.tell()  # the log is appended to across restarts: only this watchdog's lines count
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, watchdog.TOKEN_ENV: handle.control_token},
+            env=watchdog_env,
             start_new_session=True, preexec_fn=None if launch.detach else _die_with_parent,
+            umask=PRIVATE_UMASK,
         )
     handle.watchdog_pid, handle.events_file, handle._watchdog = process.pid, str(events), process
     _write_state(launch.state_file, handle)
@@ -385,7 +419,8 @@ def start(
         "exit_timeout_s": exit_timeout_s,
         "detach": detach,
         "thread_budget": decide_budget(repository_folds(repo)),
-        "control_token": watchdog.new_token() if model_control_mode == "explicit" else None,
+        "control_token": watchdog.new_token(),  # the restricted APIs need it in every model control mode
+        "preload_library": preload.library(resolve_home(home) / "preload"),
     }
     launch_args["memory_args"], launch_args["memory_plan"] = _memory_plan(repo, volume or VolumeSpec(),
                                                                           visible_gpus())

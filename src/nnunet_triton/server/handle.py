@@ -80,7 +80,8 @@ class ServerHandle:
     memory_plan: dict[str, object] | None = None  # a GPU repository's CUDA/pinned pools
     watchdog_pid: int | None = None  # nnunet_triton.server.watchdog: reloads models whose process died
     events_file: str | None = None  # the watchdog's recoveries (JSON lines)
-    control_token: str | None = None  # the model-repository API needs it (watchdog.CONTROL_HEADER)
+    control_token: str | None = None  # the restricted APIs need it (model_control.CONTROL_HEADER)
+    restarts: int = 0  # times the watchdog started the server again after it died (server.restart)
     grpc_host: str | None = None  # gRPC's bind address when not ``host`` (TLS: gRPC public, HTTP loopback)
     proxy_pid: int | None = None  # server.proxy: the TLS proxy (nginx) in front of the HTTP endpoint
     proxy_url: str | None = None  # host:port clients use over HTTPS
@@ -107,7 +108,22 @@ class ServerHandle:
     def metrics_url(self) -> str:
         return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
+    def follow_restart(self) -> None:
+        """Take the pid the watchdog recorded in the state file after restarting the server."""
+        if not self.state_file:
+            return
+        try:
+            state = json.loads(Path(self.state_file).read_text())
+        except (OSError, ValueError):
+            return
+        pid = state.get("pid")
+        if isinstance(pid, int) and pid != self.pid:
+            if self._process is not None:
+                self._process.poll()  # reap the dead server
+            self.pid, self.restarts, self._process = pid, int(state.get("restarts", self.restarts)), None
+
     def is_running(self) -> bool:
+        self.follow_restart()
         if self._process is not None:
             return self._process.poll() is None
         if not pid_alive(self.pid):
@@ -145,8 +161,9 @@ class ServerHandle:
         keep-alive connections: close clients before stopping to shut down in well under a second.
         """
         timeout_s = self.exit_timeout_s + 10.0 if timeout_s is None else timeout_s
-        self._stop_watchdog()  # first: a stopping server's models must not be "recovered"
-        if self.proxy_pid is not None and self.proxy_config is not None:  # first: no new requests
+        self._stop_watchdog()  # first: a stopping server's models must not be "recovered" nor restarted
+        self.follow_restart()
+        if self.proxy_pid is not None and self.proxy_config is not None:  # then: no new requests
             # the watchdog may have started the proxy again (server.proxy_keeper): its pid file says which
             pid = running_pid(self.proxy_config) or self.proxy_pid
             stop_proxy(pid, self.proxy_config, process=self._proxy if pid == self.proxy_pid else None)
@@ -204,6 +221,8 @@ class ServerHandle:
             os.killpg(self.pid, signal.SIGKILL)
 
     def _remove_run_files(self) -> None:
+        if self.state_file:  # the watchdog's restart spec (embedded._start_watchdog)
+            Path(self.state_file).with_name("launch.json").unlink(missing_ok=True)
         for name in (self.pid_file, self.state_file):
             path = Path(name) if name else None
             if path is not None and path.is_file() and _state_pid(path) == self.pid:

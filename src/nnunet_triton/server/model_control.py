@@ -19,10 +19,26 @@ from typing import Any
 
 from nnunet_triton.errors import ServerError
 
-__all__ = ["CONTROL_HEADER", "TOKEN_ENV", "ModelControl"]
+__all__ = ["CONTROL_HEADER", "RESTRICTED_APIS", "TOKEN_ENV", "ModelControl", "restricted_api_args"]
 
-CONTROL_HEADER = "x-nnunet-triton-control"
+# Triton's gRPC frontend expects a restricted protocol's key with the prefix "triton-grpc-protocol-" added
+# (the flag names the key without it); HTTP takes the key as given. The HTTP key carries the prefix, so one
+# header works on both protocols.
+_GRPC_PREFIX = "triton-grpc-protocol-"
+CONTROL_HEADER = f"{_GRPC_PREFIX}nnunet-control"
 TOKEN_ENV = "NNUNET_TRITON_CONTROL_TOKEN"
+# Triton's API groups that need the token: loading code (model-repository), reading or writing other
+# processes' memory (shared-memory, system and CUDA), switching logs off or traces on (logging, trace) and
+# the per-model counters (statistics). Health, metadata, model-config (clients read the endpoint's inputs
+# from it) and inference stay open.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "statistics", "trace", "logging")
+
+
+def restricted_api_args(token: str, apis: tuple[str, ...] = RESTRICTED_APIS) -> list[str]:
+    """tritonserver flags that allow ``apis`` on HTTP and gRPC only with ``CONTROL_HEADER: token``."""
+    groups = ",".join(apis)
+    return [f"--http-restricted-api={groups}:{CONTROL_HEADER}={token}",
+            f"--grpc-restricted-protocol={groups}:{CONTROL_HEADER.removeprefix(_GRPC_PREFIX)}={token}"]
 
 
 @dataclass(frozen=True)
@@ -43,11 +59,25 @@ class ModelControl:
         except (urllib.error.URLError, OSError) as exc:
             raise ServerError(f"the server at {self.url} is not reachable: {exc}.") from None
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The header every restricted API (``RESTRICTED_APIS``) needs; empty without a token."""
+        return {CONTROL_HEADER: self.token} if self.token else {}
+
     def _post(self, path: str) -> tuple[int, bytes]:
         """POST ``{}`` to the model-repository API with the token."""
-        headers = {"Content-Type": "application/json", **({CONTROL_HEADER: self.token} if self.token else {})}
+        headers = {"Content-Type": "application/json", **self.headers}
         return self._open(urllib.request.Request(f"http://{self.url}{path}", data=b"{}", method="POST",
                                                  headers=headers))
+
+    def statistics(self, model: str | None = None) -> dict[str, Any]:
+        """Triton's statistics (``GET /v2/models[/<model>]/stats``) of every model or of ``model``."""
+        path = "/v2/models/stats" if model is None else f"/v2/models/{urllib.parse.quote(model)}/stats"
+        status, body = self._open(urllib.request.Request(f"http://{self.url}{path}", headers=self.headers))
+        if status != 200:
+            raise ServerError(f"the statistics of {self.url} answered {status}: "
+                              f"{body.decode(errors='replace').strip()}")
+        return dict(json.loads(body))
 
     def _control(self, model: str, action: str) -> None:
         status, body = self._post(f"/v2/repository/models/{urllib.parse.quote(model)}/{action}")

@@ -14,15 +14,20 @@ every launcher starts the server with ``--model-control-mode=explicit``:
 A model somebody unloaded on purpose has no stubs *and* is not ready: the watchdog leaves it alone. The
 repository's model folders are listed again every ``RESCAN_S`` seconds, so an endpoint version built and
 loaded while the server runs (``server.rollout``) is watched too.
-It exits when the server process is gone (``make stop`` stops it first). When the server died on its
-own (``kill -9``, the OOM killer) nothing restarts it here; the watchdog then ends the orphaned stubs
-(some linger for minutes) and removes the ``/dev/shm`` regions they leave behind (Triton removes them
-only on a clean exit), and logs what happened. In a container, tritonserver is PID 1: its death ends the
-container and the restart policy (``docker run --restart``, the kubelet) starts a new one.
+``make stop`` stops the watchdog first. When the server died on its own (``kill -9``, the OOM killer, an
+abort) the watchdog ends the orphaned stubs (some linger for minutes), removes the ``/dev/shm`` regions
+they leave behind (Triton removes them only on a clean exit), logs what happened and, when the launcher
+gave it a ``--launch-file`` (the embedded server), starts tritonserver again with the same command line,
+ports and repository (``server.restart``: backoff 0, 1, 2, 4 ... 30 s; a sixth restart within 10 minutes
+is a crash loop: it gives up, logs and records why). The new pid goes into the launcher's pid and state
+files; restarts are appended to ``events_file`` and counted in the state (``nnunet-triton status``). In a
+container, tritonserver is PID 1: its death ends the container and the restart policy (``docker run
+--restart``, the kubelet) starts a new one.
 
-The model-repository API is restricted to requests carrying the header ``CONTROL_HEADER`` with a
-token only the launcher and the watchdog know (``restricted_api_args``): explicit model control does
-not let every client that can reach the port unload models.
+The model-repository, shared-memory, statistics, trace and logging APIs are restricted to requests
+carrying the header ``CONTROL_HEADER`` with a token only the launcher and the watchdog know
+(``model_control.restricted_api_args``): explicit model control does not let every client that can reach
+the port load code or unload models, nor register a stub's own shared-memory region.
 
 Launchers: ``server.embedded.start`` runs ``python -m nnunet_triton.server.watchdog`` as a sibling process;
 containers run ``python3 -m nnunet_triton.server.thread_budget exec --watchdog ... -- tritonserver ...``,
@@ -37,8 +42,11 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -56,8 +64,9 @@ from nnunet_triton.server.health import (
     stub_processes,
     unmapped_shm_regions,
 )
-from nnunet_triton.server.model_control import CONTROL_HEADER, TOKEN_ENV, ModelControl
+from nnunet_triton.server.model_control import CONTROL_HEADER, TOKEN_ENV, ModelControl, restricted_api_args
 from nnunet_triton.server.proxy_keeper import ProxyKeeper
+from nnunet_triton.server.restart import LaunchSpec, RestartPolicy
 
 __all__ = [
     "CONTROL_HEADER",
@@ -75,16 +84,12 @@ DEFAULT_INTERVAL_S = 1.0
 WATCHING = "watching"  # first word of the log line written after the first check
 MAX_BACKOFF_S = 30.0
 RESCAN_S = 10.0  # how often the repository's model folders are listed again
+RESTART_READY_TIMEOUT_S = 300.0
+PRIVATE_UMASK = 0o077
 
 
 def new_token() -> str:
     return secrets.token_urlsafe(24)
-
-
-def restricted_api_args(token: str) -> list[str]:
-    """tritonserver flags that allow the model-repository API (index, load, unload) only with the token."""
-    return [f"--http-restricted-api=model-repository:{CONTROL_HEADER}={token}",
-            f"--grpc-restricted-protocol=model-repository:{CONTROL_HEADER}={token}"]
 
 
 @dataclass(frozen=True)
@@ -126,11 +131,16 @@ class Watchdog:
     def __init__(self, url: str, server_pid: int, models: Sequence[str], token: str, *,
                  events_file: str | Path | None = None, interval_s: float = DEFAULT_INTERVAL_S,
                  load_timeout_s: float = 900.0, shm: str | Path = "/dev/shm",
-                 model_repository: str | Path | None = None, proxy_config: str | Path | None = None) -> None:
+                 model_repository: str | Path | None = None, proxy_config: str | Path | None = None,
+                 launch: LaunchSpec | None = None, policy: RestartPolicy | None = None) -> None:
         self.url = url
         # the TLS proxy in front of the server (server.proxy): started again when its nginx died
         self._proxy = ProxyKeeper(proxy_config) if proxy_config is not None else None
         self.server_pid = server_pid
+        self.launch = launch  # None: a server that dies stays down (containers: their restart policy)
+        self.policy = policy or RestartPolicy()
+        self.restarts = 0
+        self._server: subprocess.Popen[bytes] | None = None  # a server this watchdog restarted (its child)
         self.models = list(models)
         self.model_repository = Path(model_repository) if model_repository is not None else None
         self._listed_at = time.monotonic()
@@ -148,25 +158,99 @@ class Watchdog:
     def stop(self, *_: object) -> None:
         self._stop = True
 
+    def server_alive(self) -> bool:
+        if self._server is not None:  # our child: poll() also reaps it
+            return self._server.poll() is None
+        return pid_alive(self.server_pid)
+
     def run(self) -> int:
-        """Loop until the server process is gone or ``stop`` is called; 0 always."""
+        """Loop until ``stop`` is called or the server is gone for good (0), or a crash loop (1).
+
+        A server that exits without being stopped is restarted with its ``launch`` spec (``server.restart``
+        policy); without one it stays down."""
         announced = False
-        while not self._stop and pid_alive(self.server_pid):
-            self.tick()
-            if self._proxy is not None:
-                self._proxy.check()
-            if not announced:  # after the first check: the launcher waits for this line
-                LOGGER.info("%s tritonserver pid %d at %s (%d models, %d processes, every %.1f s)", WATCHING,
-                            self.server_pid, self.url, len(self.models), len(self._stubs), self.interval_s)
-                announced = True
-            time.sleep(self.interval_s)
+        while True:
+            while not self._stop and self.server_alive():
+                self.tick()
+                if self._proxy is not None:
+                    self._proxy.check()
+                if not announced:  # after the first check: the launcher waits for this line
+                    LOGGER.info("%s tritonserver pid %d at %s (%d models, %d processes, every %.1f s)",
+                                WATCHING, self.server_pid, self.url, len(self.models), len(self._stubs),
+                                self.interval_s)
+                    announced = True
+                time.sleep(self.interval_s)
+            if self._stop:
+                LOGGER.info("watchdog stops (asked to)")
+                return 0
+            code = self._server.returncode if self._server is not None else None
+            LOGGER.error("tritonserver pid %d exited without being stopped (%s)", self.server_pid,
+                         "exit status unknown" if code is None else
+                         f"killed by signal {-code}" if code < 0 else f"exit code {code}")
+            self.clean_up_after_server()
+            if self.launch is None:
+                LOGGER.error("nothing restarts it here (start it again: `nnunet-triton serve` / "
+                             "`nnunet-triton deploy`)")
+                return 0
+            if not self.restart():
+                return 0 if self._stop else 1
+
+    def restart(self) -> bool:
+        """Start the server again after the policy's delay and wait until it is ready; False when the policy
+        gives up (logged and recorded) or the watchdog is stopped meanwhile."""
+        assert self.launch is not None
+        delay = self.policy.next_delay(time.monotonic())
+        if delay is None:
+            LOGGER.error("tritonserver keeps dying: %s", self.policy.describe_give_up())
+            self._record_event({"event": "gave_up", "at": time.time(), "restarts": self.restarts,
+                                "reason": self.policy.describe_give_up()})
+            return False
+        LOGGER.warning("restarting tritonserver in %.0f s (restart %d within %.0f s)", delay,
+                       self.policy.recent(time.monotonic()), self.policy.window_s)
+        deadline = time.monotonic() + delay
+        while not self._stop and time.monotonic() < deadline:
+            time.sleep(0.1)
         if self._stop:
-            LOGGER.info("watchdog stops (asked to)")
-            return 0
-        LOGGER.error("tritonserver pid %d died without being stopped; nothing restarts it here (start it "
-                     "again: `nnunet-triton serve` / `nnunet-triton deploy`)", self.server_pid)
-        self.clean_up_after_server()
-        return 0
+            return False
+        detected = time.time()
+        self._server = _spawn_server(self.launch)
+        self.server_pid, self.restarts = self._server.pid, self.restarts + 1
+        self._stubs, self._needed, self._pending, self._configs = {}, {}, {}, {}
+        self._record_restart()
+        ready = self._wait_ready()
+        LOGGER.warning("tritonserver restarted as pid %d: %s %.1f s after the restart began", self.server_pid,
+                       "ready" if ready else "NOT ready", time.time() - detected)
+        self._record_event({"event": "restart", "at": detected, "pid": self.server_pid, "ok": ready,
+                            "restarts": self.restarts, "seconds": round(time.time() - detected, 3)})
+        return True
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + RESTART_READY_TIMEOUT_S
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        while not self._stop and self.server_alive() and time.monotonic() < deadline:
+            try:
+                with opener.open(f"http://{self.url}/v2/health/ready", timeout=2.0) as response:
+                    if response.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        return False
+
+    def _record_restart(self) -> None:
+        """The new pid (and the restart count) in the launcher's pid and state files, for ``stop``/``status``
+        and the launcher's ``ServerHandle``."""
+        assert self.launch is not None
+        if self.launch.pid_file:
+            Path(self.launch.pid_file).write_text(f"{self.server_pid}\n")
+        if self.launch.state_file and Path(self.launch.state_file).is_file():
+            path = Path(self.launch.state_file)
+            state = json.loads(path.read_text()) | {"pid": self.server_pid, "restarts": self.restarts}
+            partial = path.with_name(path.name + ".tmp")
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(json.dumps(state, indent=2) + "\n")
+            os.replace(partial, path)
 
     def clean_up_after_server(self, grace_s: float = 5.0) -> list[str]:
         """After the server died: end its orphaned stubs (they serve nothing; some linger for minutes) once
@@ -270,11 +354,24 @@ class Watchdog:
                            "released when tritonserver exits)", kept, model)
 
     def _record(self, recovery: Recovery) -> None:
+        self._record_event(asdict(recovery))
+
+    def _record_event(self, event: dict[str, Any]) -> None:
         if self.events_file is None:
             return
         self.events_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.events_file, "a") as events:
-            events.write(json.dumps(asdict(recovery)) + "\n")
+            events.write(json.dumps(event) + "\n")
+
+
+def _spawn_server(launch: LaunchSpec) -> subprocess.Popen[bytes]:
+    """tritonserver as the launcher started it (own session, private umask, appending to its log); the
+    token reaches it through this process's environment (``server.preload``)."""
+    fd = os.open(launch.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as log:
+        return subprocess.Popen(list(launch.command), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, **launch.environment},
+                                start_new_session=True, umask=PRIVATE_UMASK)
 
 
 def _http_port(server_args: Sequence[str]) -> int:
@@ -321,6 +418,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="seconds between checks")
     parser.add_argument("--proxy-config", type=Path, default=None,
                         help="nginx.conf of the server's TLS proxy: started again when it died")
+    parser.add_argument("--launch-file", type=Path, default=None,
+                        help="server.restart.LaunchSpec JSON: restart a server that exits unexpectedly")
     return parser
 
 
@@ -334,7 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     watchdog = Watchdog(args.url, args.server_pid, repository_models(args.model_repository), token,
                         events_file=args.events_file, interval_s=args.interval,
-                        model_repository=args.model_repository, proxy_config=args.proxy_config)
+                        model_repository=args.model_repository, proxy_config=args.proxy_config,
+                        launch=LaunchSpec.read(args.launch_file) if args.launch_file else None)
     signal.signal(signal.SIGTERM, watchdog.stop)
     return watchdog.run()
 

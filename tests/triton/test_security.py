@@ -1,0 +1,179 @@
+"""Attacks on the embedded server's own APIs, over loopback, as any client on the network would send them.
+
+The server is the session's identity server (the default launcher: explicit model control, the watchdog,
+the restricted APIs of ``server.model_control``). Each test is a reproduction that once succeeded: without the
+launcher's token a client could register a Python stub's own shared-memory region (which let a later request
+abort tritonserver), switch the server's logs off, turn tracing on and read every model's statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import IDENTITY_MODEL
+
+from nnunet_triton.server import health, preload
+from nnunet_triton.server.model_control import CONTROL_HEADER
+
+RESTRICTED = "This (API|protocol) is restricted"
+
+
+def _identity_answers(url: str) -> bool:
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(url)
+    try:
+        tensor = http.InferInput("INPUT_FP32", [1, 2, 3], "FP32")
+        data = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+        tensor.set_data_from_numpy(data)
+        int16 = http.InferInput("INPUT_INT16", [1, 1, 1], "INT16")
+        int16.set_data_from_numpy(np.zeros((1, 1, 1), np.int16))
+        result = client.infer(IDENTITY_MODEL, [tensor, int16])
+        return bool(np.array_equal(result.as_numpy("OUTPUT_FP32"), data))
+    finally:
+        client.close()
+
+
+def _http(url: str, path: str, *, body: dict | None = None, headers: dict[str, str] | None = None) -> int:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{url}{path}", data=data, headers=headers or {},
+                                     method="GET" if body is None else "POST")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_registering_a_stubs_shared_memory_region_is_refused_without_the_token_and_the_server_keeps_answering(
+        identity_server):
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+    from tritonclient.utils import InferenceServerException
+
+    stubs = health.stub_processes(identity_server.pid)
+    assert stubs, "the identity models' stubs are running"
+    region = stubs[0].shm_region  # on the stub's argv and in /dev/shm: any local user can read the name
+    for client in (http.InferenceServerClient(identity_server.http_url),
+                   grpc.InferenceServerClient(identity_server.grpc_url)):
+        try:
+            with pytest.raises(InferenceServerException, match=RESTRICTED):
+                client.register_system_shared_memory("stolen", f"/{region}", 4096)
+            with pytest.raises(InferenceServerException, match=RESTRICTED):
+                client.get_system_shared_memory_status()
+            with pytest.raises(InferenceServerException, match=RESTRICTED):
+                client.unregister_system_shared_memory()
+        finally:
+            client.close()
+    assert identity_server.is_ready()
+    assert _identity_answers(identity_server.http_url)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v2/logging", {"log_info": False, "log_verbose_level": 1}),
+    ("/v2/logging", None),
+    ("/v2/trace/setting", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"}),
+    ("/v2/trace/setting", None),
+    ("/v2/models/stats", None),
+    (f"/v2/models/{IDENTITY_MODEL}/stats", None),
+])
+def test_logging_trace_and_statistics_over_http_need_the_token(identity_server, path, body):
+    assert _http(identity_server.http_url, path, body=body) == 403
+    if body is None:  # reading with the token works (changing settings is not repeated here)
+        assert _http(identity_server.http_url, path, headers=identity_server.control_headers) == 200
+
+
+def test_logging_trace_and_statistics_over_grpc_need_the_token(identity_server):
+    import tritonclient.grpc as grpc
+    from tritonclient.utils import InferenceServerException
+
+    client = grpc.InferenceServerClient(identity_server.grpc_url)
+    calls = {
+        "log settings": lambda **kw: client.get_log_settings(**kw),
+        "trace settings": lambda **kw: client.get_trace_settings(**kw),
+        "statistics": lambda **kw: client.get_inference_statistics(IDENTITY_MODEL, **kw),
+        "repository index": lambda **kw: client.get_model_repository_index(**kw),
+    }
+    try:
+        with pytest.raises(InferenceServerException, match=RESTRICTED):
+            client.update_log_settings({"log_info": False})
+        for name, call in calls.items():
+            with pytest.raises(InferenceServerException, match=RESTRICTED):
+                call()
+            assert call(headers=identity_server.control_headers) is not None, name
+    finally:
+        client.close()
+
+
+def test_model_config_metadata_and_health_stay_open_for_clients(identity_server):
+    url = identity_server.http_url
+    model = f"/v2/models/{IDENTITY_MODEL}"
+    for path in ("/v2/health/ready", "/v2", model, f"{model}/ready", f"{model}/config"):
+        assert _http(url, path) == 200, path
+
+
+def test_serve_prints_where_the_token_is_and_no_log_holds_it(identity_server):
+    from nnunet_triton.cli.serve import _public_state
+
+    token = identity_server.control_token
+    printed = json.dumps(_public_state(identity_server))
+    assert token not in printed
+    assert json.loads(printed)["control_token_file"] == identity_server.state_file
+    server_log = Path(identity_server.log_file)
+    watchdog_log = server_log.with_name(server_log.stem + ".watchdog.log")
+    for log in (server_log, watchdog_log):
+        assert token.encode() not in log.read_bytes(), log
+
+
+def _as_nobody(*command: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["runuser", "-u", "nobody", "--", *command], capture_output=True, timeout=60,
+                          check=False)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
+                                reason="runs commands as user nobody (needs root and runuser)")
+
+_LOAD_AS_NOBODY = """
+import sys, urllib.error, urllib.request
+request = urllib.request.Request(f"http://{sys.argv[1]}/v2/repository/models/identity/load", data=b"{}",
+                                 method="POST", headers={sys.argv[2]: sys.argv[3]})
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+try:
+    print(opener.open(request, timeout=30).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+"""
+
+
+@needs_root
+def test_another_local_user_cannot_read_the_token_nor_load_a_model(identity_server):
+    pids = [identity_server.pid, identity_server.watchdog_pid,
+            *(s.pid for s in health.stub_processes(identity_server.pid))]
+    readable = b"".join(_as_nobody("cat", f"/proc/{pid}/{part}").stdout
+                        for pid in pids for part in ("cmdline", "environ"))
+    readable += _as_nobody("cat", str(identity_server.state_file)).stdout
+    assert identity_server.control_token.encode() not in readable
+    assert preload.PLACEHOLDER.encode() in readable  # what the command line shows instead is no token:
+    load = _as_nobody("/usr/bin/python3", "-c", _LOAD_AS_NOBODY, identity_server.http_url, CONTROL_HEADER,
+                      preload.PLACEHOLDER)
+    assert load.stdout.decode().strip() == "403", load
+
+
+@needs_root
+def test_another_local_user_cannot_read_a_python_stubs_shared_memory_region(identity_server):
+    regions = [s.shm_region for s in health.stub_processes(identity_server.pid)]
+    assert regions
+    for region in regions:
+        path = Path("/dev/shm", region)
+        assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
+        attempt = _as_nobody("head", "-c", "16", str(path))
+        assert attempt.returncode != 0 and b"Permission denied" in attempt.stderr, attempt
