@@ -27,7 +27,8 @@ in the file's ``models``.
 
 ``listen`` exits 0 on SIGTERM/Ctrl-C and 3 when the node cannot go on (its spool gone, its worker dead);
 ``node-status`` prints the node's status as JSON and exits 0 when it is healthy (``ok``, or ``degraded``
-without ``--strict``), 1 otherwise: a probe for systemd or Kubernetes (``exec: nnunet-triton
+without ``--strict``), 1 otherwise (also when its worker has been on one series for longer than
+``--max-busy``): a probe for systemd or Kubernetes (``exec: nnunet-triton
 node-status --spool /var/spool/nnunet``). See docs/clients.md, "Security of the DICOM node".
 """
 
@@ -92,6 +93,9 @@ def add_parsers(sub: Any) -> None:
     who.add_argument("--max-associations", type=int, default=10, help="associations at once (10)")
     who.add_argument("--max-associations-per-host", type=int, default=4,
                      help="connections from one host, counted from accept (4)")
+    who.add_argument("--max-busy", type=parse_duration, default=900.0,
+                     help="seconds one series may be in progress (inference and sending) before the node "
+                          "reports itself degraded, node-status exits 1 and new series are refused (900)")
     who.add_argument("--association-request-timeout", type=parse_duration, default=10.0,
                      help="seconds from accept to a complete A-ASSOCIATE-RQ, TLS handshake included (10)")
     who.add_argument("--accept-all-storage", action="store_true",
@@ -300,7 +304,7 @@ def listen(args: argparse.Namespace, server_url: str) -> int:
             ae_title=args.ae_title, port=args.port, host=args.host, spool=args.spool, destination=destination,
             routes=routes, models=models, idle_timeout_s=args.idle_timeout, retries=args.retries,
             retry_delay_s=args.retry_delay, max_retry_delay_s=args.max_retry_delay,
-            retry_window_s=args.retry_window, access=access, limits=limits))
+            retry_window_s=args.retry_window, access=access, limits=limits, max_busy_s=args.max_busy))
     except BaseException:
         for client in clients:
             client.close()

@@ -41,7 +41,9 @@ A PACS routes studies to the node's AE title. What happens, in order:
 7. **Health.** A monitor thread writes ``status.json`` every ``heartbeat_s`` (:func:`read_status`,
    ``nnunet-triton node-status``). Every error of a series is caught and recorded; if the node cannot go
    on (its spool gone, its worker dead), it refuses new associations, says so in the status and
-   :attr:`DicomNode.fatal`, and ``listen`` exits non-zero.
+   :attr:`DicomNode.fatal`, and ``listen`` exits non-zero. A series in progress for longer than
+   ``max_busy_s`` (a hung endpoint) makes the node degraded with ``worker_stuck`` (``node-status`` exits
+   1) and instances of new series are answered 0xA700 until it ends.
 
 Logs and error files name series by UID only; exception texts of other libraries are redacted
 (:mod:`.phi`). The spool is locked: one node per spool.
@@ -130,6 +132,7 @@ class NodeConfig:
     modalities: ModalityRule = field(default_factory=lambda: ModalityRule(None))
     dicom_options: DicomOptions = field(default_factory=DicomOptions)
     network_timeout_s: float = 60.0
+    max_busy_s: float = 900.0
     poll_s: float = 0.2
     heartbeat_s: float = 2.0
     rescan_s: float = 5.0
@@ -145,7 +148,8 @@ class NodeConfig:
             raise PacsError("idle timeout must be > 0, retries and retry delay >= 0, got "
                             f"{self.idle_timeout_s}, {self.retries}, {self.retry_delay_s}.")
         if min(self.retry_window_s, self.max_retry_delay_s, self.max_open_wait_s) < 0 or min(
-                self.network_timeout_s, self.poll_s, self.heartbeat_s, self.rescan_s, self.sweep_s) <= 0:
+                self.network_timeout_s, self.poll_s, self.heartbeat_s, self.rescan_s, self.sweep_s,
+                self.max_busy_s) <= 0:
             raise PacsError("retry window, delays and waits must be >= 0 and the node's intervals > 0.")
         self.access.check_listening(self.host)
         self._check_models()
@@ -773,12 +777,29 @@ class DicomNode(Receiving):
             else:
                 self._degraded[key] = reason
 
-    def status(self) -> dict[str, Any]:
-        """What ``status.json`` holds: state ``ok`` | ``degraded`` | ``unhealthy``, the reasons, counts."""
+    def _stuck(self) -> str | None:
+        """Why the worker counts as stuck (one series in progress for longer than ``max_busy_s``), or None."""
         busy = self._busy
+        if busy is None:
+            return None
+        elapsed = time.time() - busy[1]
+        if elapsed <= self.config.max_busy_s:
+            return None
+        return (f"the worker has been busy with series {busy[0]} for {elapsed:.0f} s, more than "
+                f"max_busy_s={self.config.max_busy_s:g} (endpoint or destination hung?)")
+
+    def _refuses_new_series(self) -> str | None:
+        return self._stuck()
+
+    def status(self) -> dict[str, Any]:
+        """What ``status.json`` holds: state ``ok`` | ``degraded`` | ``unhealthy``, the reasons, counts;
+        ``worker_stuck`` when a series has been in progress for longer than ``max_busy_s`` (degraded, and
+        :func:`read_status` says unhealthy)."""
+        busy = self._busy
+        stuck = self._stuck()
         with self._lock:
             pending = len(self._pending)
-            degraded = sorted(self._degraded.values())
+            degraded = sorted(self._degraded.values()) + ([stuck] if stuck else [])
             by_model = collections.Counter(e.model or "(no route yet)" for e in self._pending.values())
             busy_entry = self._pending.get(busy[0]) if busy else None
             recent = list(self._recent)
@@ -786,6 +807,7 @@ class DicomNode(Receiving):
         return {"state": state, "reason": self._fatal or "; ".join(degraded), "pid": os.getpid(),
                 "updated": time.time(), "heartbeat_s": self.config.heartbeat_s, "pending_series": pending,
                 "busy_series": busy[0] if busy else None, "busy_since": busy[1] if busy else None,
+                "worker_stuck": stuck is not None, "max_busy_s": self.config.max_busy_s,
                 "busy_model": busy_entry.model if busy_entry else None,
                 "spool_bytes": self.spool.used, "max_spool_bytes": self.config.limits.max_spool_bytes,
                 "listening": f"{self.config.ae_title}@{self.config.host}:{self.config.port}",

@@ -16,8 +16,9 @@ __all__ = ["read_status", "requeue"]
 
 
 def read_status(spool: Path, *, max_age_s: float | None = None) -> tuple[bool, dict[str, Any]]:
-    """(healthy, status) of the node on ``spool``: unhealthy when it says so, when its process is gone, or
-    when the status is older than ``max_age_s`` (default: 3 heartbeats plus 10 s), i.e. the node hangs."""
+    """(healthy, status) of the node on ``spool``: unhealthy when it says so, when its worker is stuck (one
+    series in progress for longer than its ``max_busy_s``), when its process is gone, or when the status is
+    older than ``max_age_s`` (default: 3 heartbeats plus 10 s), i.e. the node hangs."""
     status = read_json(Path(spool) / "status.json")
     if not status:
         return False, {"state": "unhealthy", "reason": f"no node status in {spool} (not started?)"}
@@ -25,7 +26,7 @@ def read_status(spool: Path, *, max_age_s: float | None = None) -> tuple[bool, d
     limit = max_age_s if max_age_s is not None else 3 * float(status.get("heartbeat_s", 2.0)) + 10.0
     pid = int(status.get("pid", 0))
     alive = pid > 0 and _pid_alive(pid)
-    if status.get("state") == "unhealthy":
+    if status.get("state") == "unhealthy" or status.get("worker_stuck"):
         return False, status
     if not alive:
         return False, {**status, "state": "unhealthy", "reason": f"the node (pid {pid}) is not running"}

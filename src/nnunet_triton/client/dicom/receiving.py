@@ -5,6 +5,7 @@ series bookkeeping; see :mod:`.node` for the whole story)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -33,6 +34,41 @@ RX_SLACK = 1 << 20  # command set and PDU headers on top of an instance's bytes
 _RECEIVE_DIR: list[Path] = []  # the spools' tmp/ folders of the nodes running in this process, newest last
 
 
+_FAILED_RECEIVES: set[str] = set()  # receive files a write failed for (a full disk): answered 0xA700
+
+
+class _ReceiveFile:
+    """pynetdicom's temporary file, whose writes never raise: a write that fails (a full disk) marks the
+    file incomplete (:data:`_FAILED_RECEIVES`) instead of aborting the association, so the C-STORE is
+    answered "out of resources" and the sender keeps the instance."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.name = handle.name
+        self.file = self
+
+    def write(self, data: bytes) -> int:
+        if self.name in _FAILED_RECEIVES:
+            return len(data)
+        try:
+            return int(self._handle.write(data))
+        except OSError:
+            _FAILED_RECEIVES.add(self.name)
+            return len(data)
+
+    def flush(self) -> None:
+        try:
+            self._handle.flush()
+        except OSError:
+            _FAILED_RECEIVES.add(self.name)
+
+    def close(self) -> None:
+        try:
+            self._handle.close()
+        except OSError:
+            _FAILED_RECEIVES.add(self.name)
+
+
 def _spool_temporary_file(*args: Any, **kwargs: Any) -> Any:
     """pynetdicom's NamedTemporaryFile for a dataset being received, in the spool's ``tmp/`` (counted by
     the quota, removed at the next start after a crash) instead of the machine's TMPDIR."""
@@ -42,7 +78,7 @@ def _spool_temporary_file(*args: Any, **kwargs: Any) -> Any:
     if folders:
         kwargs.setdefault("dir", folders[0])
         kwargs.setdefault("prefix", "pynetdicom-")
-    return NamedTemporaryFile(*args, **kwargs)
+    return _ReceiveFile(NamedTemporaryFile(*args, **kwargs))
 
 
 def receive_into(folder: Path | None, *, previous: Path | None = None) -> None:
@@ -76,6 +112,10 @@ class Receiving:
         """The AE title an association must call to reach this node (a node that answers to several titles,
         one per routed model, accepts ``called`` when it is one of them)."""
         return self.config.ae_title
+
+    def _refuses_new_series(self) -> str | None:
+        """Why the node takes no new series now (its worker is stuck), or None."""
+        return None
 
     def _accepted(self, assoc: Any, called: str) -> None:
         """An association was accepted; ``called`` is the AE title it called (kept by a routing node)."""
@@ -123,6 +163,7 @@ class Receiving:
         message = getattr(getattr(event.assoc, "dimse", None), "message", None)
         partial = getattr(message, "_data_set_file", None)
         if partial is not None:  # pynetdicom keeps a half-received dataset in a temporary file
+            _FAILED_RECEIVES.discard(partial.name)
             with contextlib.suppress(OSError):
                 partial.close()
                 os.unlink(partial.name)
@@ -140,6 +181,10 @@ class Receiving:
         if self._fatal is not None:
             return STATUS_OUT_OF_RESOURCES
         source = Path(event.dataset_path)  # STORE_RECV_CHUNKED_DATASET: the dataset as it arrived
+        if str(source) in _FAILED_RECEIVES:
+            _FAILED_RECEIVES.discard(str(source))
+            return self._spool_error("receiving an instance into the spool's tmp/",
+                                     OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         limits = self.spool.limits
         if source.stat().st_size > limits.max_instance_bytes + RX_SLACK:
             LOGGER.warning("refused an instance of %d bytes: more than max_instance_bytes=%d",
@@ -209,6 +254,10 @@ class Receiving:
                 LOGGER.info("series %s: instance %s is spooled already; not stored again", series, sop)
                 return STATUS_SUCCESS
             pending = self._pending.get(series)
+            stuck = self._refuses_new_series() if pending is None else None
+            if stuck:  # a series it could not process for a long time: the sender keeps it and retries
+                LOGGER.warning("refused instance %s of new series %s: %s", sop, series, stuck)
+                return STATUS_OUT_OF_RESOURCES
             count = pending.count if pending is not None else self.spool.count(series)
             if count >= limits.max_instances_per_series:
                 LOGGER.warning("refused instance %s of series %s: the series has %d instances, the limit "
