@@ -130,9 +130,16 @@ class PipelineParameters:
         return cls(**_pipeline_fields(params))
 
 
+def _limit_fields(params: Mapping[str, str]) -> dict[str, int]:
+    """The :class:`LimitedParameters` fields (absent: the defaults, so older repositories stay bounded)."""
+    return {"max_voxels": _int(params, MAX_VOXELS_PARAMETER, DEFAULT_MAX_VOXELS, 0),
+            "max_request_bytes": _int(params, MAX_REQUEST_BYTES_PARAMETER, DEFAULT_MAX_REQUEST_BYTES, 0)}
+
+
 @dataclass(frozen=True)
-class PreprocessParameters(PipelineParameters):
-    """``preprocess_model``: the request limits (``numerics.limits``; 0 = no limit)."""
+class LimitedParameters(PipelineParameters):
+    """A pipeline model that bounds what it accepts and makes (``numerics.limits``; 0 = no limit): the
+    builder's ``--max-voxels`` / ``--max-request-bytes``, the same for every step of an endpoint."""
 
     max_voxels: int = DEFAULT_MAX_VOXELS
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -141,15 +148,18 @@ class PreprocessParameters(PipelineParameters):
         return {**super().to_config(), MAX_VOXELS_PARAMETER: str(self.max_voxels),
                 MAX_REQUEST_BYTES_PARAMETER: str(self.max_request_bytes)}
 
+
+@dataclass(frozen=True)
+class PreprocessParameters(LimitedParameters):
+    """``preprocess_model``: the request limits only."""
+
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> PreprocessParameters:
-        return cls(**_pipeline_fields(params),
-                   max_voxels=_int(params, MAX_VOXELS_PARAMETER, DEFAULT_MAX_VOXELS, 0),
-                   max_request_bytes=_int(params, MAX_REQUEST_BYTES_PARAMETER, DEFAULT_MAX_REQUEST_BYTES, 0))
+        return cls(**_pipeline_fields(params), **_limit_fields(params))
 
 
 @dataclass(frozen=True)
-class OrchestratorParameters(PipelineParameters):
+class OrchestratorParameters(LimitedParameters):
     """``orchestrator_model``: the fold models in fold order, tiles per fold request, batches in flight."""
 
     fold_models: tuple[str, ...] = field(default_factory=tuple)
@@ -163,13 +173,13 @@ class OrchestratorParameters(PipelineParameters):
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> OrchestratorParameters:
         names = tuple(n.strip() for n in params.get(PARAM_FOLD_MODELS, "").split(",") if n.strip())
-        return cls(**_pipeline_fields(params), fold_models=names,
+        return cls(**_pipeline_fields(params), **_limit_fields(params), fold_models=names,
                    tile_batch_size=_int(params, PARAM_TILE_BATCH_SIZE, None, 1),
                    max_inflight=_int(params, PARAM_MAX_INFLIGHT, None, 1))
 
 
 @dataclass(frozen=True)
-class StitchParameters(PipelineParameters):
+class StitchParameters(LimitedParameters):
     """``stitch_model``: when PROBABILITIES are returned (``ProbabilitiesOutput``).
 
     ``request`` (default: the ``probabilities`` request option decides); ``always`` (an ensemble member,
@@ -196,8 +206,7 @@ class StitchParameters(PipelineParameters):
                 f"config parameter {PARAM_PROBABILITIES_OUTPUT!r} must be one of "
                 f"{tuple(m.value for m in ProbabilitiesOutput)}, got {raw!r}."
             ) from None
-        return cls(**_pipeline_fields(params),
-                   probabilities_output=mode)
+        return cls(**_pipeline_fields(params), **_limit_fields(params), probabilities_output=mode)
 
 
 @dataclass(frozen=True)

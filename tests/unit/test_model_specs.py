@@ -235,7 +235,15 @@ def test_orchestrator_parameters_list_fold_models_in_config_order() -> None:
         "fold_models": "fold_3,fold_0,fold_all",
         "tile_batch_size": "8",
         "max_inflight": "6",
+        "max_voxels": str(2**28),
+        "max_request_bytes": str(8 * 2**30),
     }
+
+
+@pytest.mark.parametrize("spec", [preprocess_spec, orchestrator_spec, stitch_spec])
+def test_every_pipeline_step_carries_the_builders_request_limits(spec) -> None:
+    params = _params(_parse(spec(_config(), BuildOptions(max_voxels=1000, max_request_bytes=4096))))
+    assert (params["max_voxels"], params["max_request_bytes"]) == ("1000", "4096")
 
 
 @pytest.mark.parametrize(("options", "expected", "budget"), [

@@ -112,10 +112,11 @@ class BuildOptions:
             (:attr:`libtorch_per_sample`). ``False`` runs each dynamic batch as one forward (faster,
             not exact). Default (None): True on target cpu, False on gpu.
         max_inflight: orchestrator's in-flight BLS batches per instance (< python thread-pool-size 32).
-        max_voxels: preprocess_model's ``max_voxels`` parameter: the most voxels an IMAGE, and the
-            volume it resamples to, may have (``nnunet_triton.numerics.limits``); 0 = no limit.
-        max_request_bytes: preprocess_model's ``max_request_bytes`` parameter: the most bytes a request's
-            float32 logits or probabilities may take (``numerics.limits.check_request_memory``); 0 = none.
+        max_voxels: the ``max_voxels`` parameter of preprocess, orchestrator and stitch: the most voxels an
+            IMAGE, the volume it resamples to, and every volume a step's input declares may have
+            (``nnunet_triton.numerics.limits``); 0 = no limit.
+        max_request_bytes: their ``max_request_bytes`` parameter: the most bytes a request's float32
+            logits or probabilities may take (``numerics.limits.check_request_memory``); 0 = none.
         metrics: the Python pipeline models export the custom ``nnunet_*`` metrics (``serving.metrics``);
             False writes their ``metrics`` parameter as "false".
         serving_torch: major.minor of the torch that loads the fold models where they are served
@@ -235,6 +236,11 @@ class BuildOptions:
         """The :class:`~nnunet_triton.parameters.PipelineParameters` fields these options set."""
         return {"force_cpu_inputs": self.force_cpu_inputs, "metrics": self.metrics}
 
+    @property
+    def limit_fields(self) -> dict[str, int]:
+        """The :class:`~nnunet_triton.parameters.LimitedParameters` fields these options set."""
+        return {"max_voxels": self.max_voxels, "max_request_bytes": self.max_request_bytes}
+
 
 def segmentation_dtype(config: InferenceConfig) -> str:
     """The SEGMENTATION wire dtype: nnU-Net's rule (``prediction_export.segmentation_dtype``: UINT8 for
@@ -284,9 +290,7 @@ def preprocess_spec(config: InferenceConfig, options: BuildOptions) -> ModelSpec
             TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.network.num_input_channels)),
             TensorSpec(io_names.CASE_PROPERTIES, "FP64", (_VARIABLE,)),
         ),
-        parameters=PreprocessParameters(**options.pipeline_fields,
-                                        max_voxels=options.max_voxels,
-                                        max_request_bytes=options.max_request_bytes),
+        parameters=PreprocessParameters(**options.pipeline_fields, **options.limit_fields),
     )
 
 
@@ -298,7 +302,7 @@ def orchestrator_spec(config: InferenceConfig, options: BuildOptions, *, prefix:
         inputs=(TensorSpec(io_names.PREPROCESSED, "FP32", _image_dims(config.network.num_input_channels)),),
         outputs=(TensorSpec(io_names.LOGITS, "FP16", _image_dims(config.labels.num_segmentation_heads)),),
         parameters=OrchestratorParameters(
-            **options.pipeline_fields,
+            **options.pipeline_fields, **options.limit_fields,
             fold_models=tuple(prefix + io_names.fold_model_name(f) for f in config.folds),
             tile_batch_size=options.fold_request_tiles, max_inflight=options.max_inflight),
     )
@@ -318,7 +322,7 @@ def stitch_spec(config: InferenceConfig, options: BuildOptions, *,
             TensorSpec(io_names.SEGMENTATION, segmentation_dtype(config), _spatial_dims()),
             TensorSpec(io_names.PROBABILITIES, "FP32", _image_dims(heads)),
         ),
-        parameters=StitchParameters(**options.pipeline_fields,
+        parameters=StitchParameters(**options.pipeline_fields, **options.limit_fields,
                                     probabilities_output=probabilities),
     )
 

@@ -99,8 +99,9 @@ def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> N
                         "requests share forwards")
     p.add_argument("--max-inflight", type=int, default=BuildOptions.max_inflight)
     p.add_argument("--max-voxels", type=int, default=BuildOptions.max_voxels,
-                   help="most voxels an IMAGE, and the volume it resamples to, may have; larger requests get "
-                        "INVALID_ARG (0: no limit; default 2**28 = 512x512x1024)")
+                   help="most voxels an IMAGE, the volume it resamples to, and any volume a direct request "
+                        "to orchestrator_model or stitch_model carries or declares may have; larger requests "
+                        "get INVALID_ARG (0: no limit; default 2**28 = 512x512x1024)")
     p.add_argument("--max-request-bytes", type=int, default=BuildOptions.max_request_bytes,
                    help="most bytes a request's float32 logits (preprocessed geometry) or probabilities "
                         "(original geometry) may take; larger requests get INVALID_ARG before anything is "

@@ -15,6 +15,11 @@ Where they are called (see ``docs/reliability.md``):
 * the limit comes from the model config parameter ``max_voxels`` (``parameters.PreprocessParameters``),
   which ``repository/build.py --max-voxels`` writes (``BuildOptions.max_voxels``, default
   :data:`DEFAULT_MAX_VOXELS`); ``0`` disables the check.
+* ``serving.steps.orchestrator`` checks PREPROCESSED with :func:`check_preprocessed` and
+  ``serving.steps.stitch`` checks LOGITS and the volume CASE_PROPERTIES declares with
+  :func:`check_stitch_request` before computing anything: these internal models answer any client that
+  reaches the port, and stitch's output shape comes from CASE_PROPERTIES alone (a 421-byte request could
+  declare a 700^3 volume). Both read the same ``max_voxels``/``max_request_bytes`` parameters.
 * the memory budget: the same place checks :func:`check_request_memory`, the float32 logits (K x the
   resampled shape: stitch_model converts the fp16 logits to float32 to resample them) and the float32
   probabilities in the original geometry (K x the image's shape: resampled logits, softmax, the
@@ -42,6 +47,9 @@ __all__ = [
     "FoldMemoryPlan",
     "plan_fold_memory",
     "padded_voxels",
+    "check_channels",
+    "check_preprocessed",
+    "check_stitch_request",
 ]
 
 # 2**28 = 512 x 512 x 1024 voxels (a long CT at full in-plane resolution), 1 GiB per float32 copy. By the
@@ -198,3 +206,66 @@ def plan_fold_memory(*, num_heads: int, voxels: int, channels: int, folds: int, 
             "retry when other requests have finished, or run fewer orchestrator instances per device."
         )
     return plan
+
+
+def check_channels(name: str, shape: Sequence[int], expected: int) -> None:
+    """Raise unless ``shape`` is ``(expected, ...)``.
+
+    Raises:
+        InputValidationError: (INVALID_ARG) naming ``name``, the expected channels and the shape.
+    """
+    dims = tuple(int(s) for s in shape)
+    if not dims or dims[0] != expected:
+        raise InputValidationError(f"{name}: expected {expected} channel(s) on axis 0 (the model's), got "
+                                   f"shape {dims}.")
+
+
+def _check_spatial(name: str, shape: tuple[int, ...], ndim: int) -> None:
+    if len(shape) != ndim + 1 or any(s < 1 for s in shape[1:]):
+        raise InputValidationError(f"{name}: expected shape (channels, {ndim} spatial dims >= 1), got "
+                                   f"{shape}.")
+
+
+def check_preprocessed(name: str, shape: Sequence[int], *, channels: int, num_heads: int, max_voxels: int,
+                       max_request_bytes: int, ndim: int = 3) -> None:
+    """Bounds of the orchestrator's input (``channels`` x a volume; it makes ``num_heads`` logits of that
+    volume): its rank, channels, voxels and the bytes of the logits it will make.
+
+    Raises:
+        InputValidationError: (INVALID_ARG) naming the input, the rule and the values.
+    """
+    dims = tuple(int(s) for s in shape)
+    _check_spatial(name, dims, ndim)
+    check_channels(name, dims, channels)
+    check_voxel_limit(name, dims, max_voxels)
+    check_request_memory(num_heads, dims[1:], dims[1:], max_request_bytes)
+
+
+def check_stitch_request(logits_shape: Sequence[int], *, shape_before_cropping: Sequence[int],
+                         bbox: Sequence[Sequence[int]], shape_after_cropping: Sequence[int], num_heads: int,
+                         max_voxels: int, max_request_bytes: int) -> None:
+    """Bounds of a stitch request before anything is allocated: the LOGITS it got and the volume its
+    CASE_PROPERTIES declare (the output's shape comes from them alone, whatever LOGITS' size).
+
+    Args:
+        logits_shape: ``(num_heads, *resampled)``.
+        shape_before_cropping, bbox, shape_after_cropping: ``CaseProperties``' fields (transposed order);
+            ``bbox`` holds half-open ``(lo, hi)`` per axis.
+
+    Raises:
+        InputValidationError: (INVALID_ARG) naming the limit and the numbers.
+    """
+    before = tuple(int(s) for s in shape_before_cropping)
+    logits = tuple(int(s) for s in logits_shape)
+    _check_spatial("input 'LOGITS'", logits, len(before))
+    check_channels("input 'LOGITS'", logits, num_heads)
+    check_voxel_limit("input 'LOGITS'", logits, max_voxels)
+    check_voxel_limit("the volume CASE_PROPERTIES declares (shape before cropping)", before, max_voxels)
+    check_voxel_limit("the cropped volume CASE_PROPERTIES declares", shape_after_cropping, max_voxels)
+    inside = len(bbox) == len(before) and all(0 <= int(lo) <= int(hi) <= size
+                                              for (lo, hi), size in zip(bbox, before, strict=False))
+    if not inside:
+        raise InputValidationError(f"CASE_PROPERTIES: the bbox {[tuple(b) for b in bbox]} must lie within "
+                                   f"the shape before cropping {before} on every axis (0 <= lo <= hi <= "
+                                   f"size).")
+    check_request_memory(num_heads, logits[1:], before, max_request_bytes)

@@ -47,7 +47,7 @@ from typing import Any
 from nnunet_triton import io_names
 from nnunet_triton.errors import PlansError, RequestCancelledError
 from nnunet_triton.numerics.gaussian import compute_gaussian
-from nnunet_triton.numerics.limits import padded_voxels, plan_fold_memory
+from nnunet_triton.numerics.limits import check_preprocessed, padded_voxels, plan_fold_memory
 from nnunet_triton.numerics.sliding_window import mirror_combinations
 from nnunet_triton.options import RequestOptions
 from nnunet_triton.parameters import PARAM_FOLD_MODELS, OrchestratorParameters
@@ -82,11 +82,17 @@ class OrchestratorStep(AsyncStep):
         self.fold_models = dict(zip(self.config.folds, names, strict=True))
         self.tile_batch_size = params.tile_batch_size
         self.max_inflight = params.max_inflight
+        self.limits = params
         self.gaussian = self.device.tensor(compute_gaussian(self.config.patch_size))
         self.instances = self.device.instances(json.loads(self.args.get("model_config") or "{}"))
 
     def inputs(self, request: Any, record: RequestRecord) -> dict[str, Any]:
         data = input_array(request, io_names.PREPROCESSED, xp=self.torch, on_host=self.device.watch(record))
+        check_preprocessed(f"input {io_names.PREPROCESSED!r}", tuple(data.shape),
+                           channels=self.config.network.num_input_channels,
+                           num_heads=self.config.labels.num_segmentation_heads,
+                           ndim=len(self.config.patch_size), max_voxels=self.limits.max_voxels,
+                           max_request_bytes=self.limits.max_request_bytes)
         return {io_names.PREPROCESSED: self.device.tensor(data), "request": request}
 
     async def run(self, arrays: Mapping[str, Any], options: RequestOptions,  # type: ignore[override]

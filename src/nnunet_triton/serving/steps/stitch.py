@@ -36,6 +36,7 @@ import numpy as np
 from nnunet_triton import io_names
 from nnunet_triton.errors import PlansError
 from nnunet_triton.numerics._xp import to_numpy
+from nnunet_triton.numerics.limits import check_stitch_request
 from nnunet_triton.numerics.postprocessing import apply_postprocessing, load_deployed_postprocessing
 from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
 from nnunet_triton.numerics.preprocess import CaseProperties
@@ -64,11 +65,17 @@ class StitchStep(Step):
         # config parameter probabilities_output (request / always / never: parameters.StitchParameters)
         self.probabilities_output = StitchParameters.from_parameters(self.parameters).probabilities_output
         self.postprocessing = load_deployed_postprocessing(self.model_dir)
+        self.limits = StitchParameters.from_parameters(self.parameters)
 
     def inputs(self, request: Any, record: RequestRecord) -> dict[str, Any]:
         logits = input_array(request, io_names.LOGITS, on_host=self.device.watch(record))
         props = CaseProperties.from_array(  # a few numbers: read on the host wherever they arrive
             to_numpy(input_array(request, io_names.CASE_PROPERTIES)))
+        check_stitch_request(logits.shape, shape_before_cropping=props.shape_before_cropping, bbox=props.bbox,
+                             shape_after_cropping=props.shape_after_cropping_and_before_resampling,
+                             num_heads=self.config.labels.num_segmentation_heads,
+                             max_voxels=self.limits.max_voxels,
+                             max_request_bytes=self.limits.max_request_bytes)
         return {io_names.LOGITS: self.device.array(logits), io_names.CASE_PROPERTIES: props}
 
     def run(self, arrays: Mapping[str, Any], options: RequestOptions,
