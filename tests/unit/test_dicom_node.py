@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -177,6 +178,33 @@ def test_node_on_a_full_disk_answers_out_of_resources_and_recovers_when_space_re
     assert {s.ReferencedSeriesSequence[0].SeriesInstanceUID for s in segs} == {first.series_uid,
                                                                                second.series_uid}
     assert node.fatal is None
+
+
+def test_a_full_spool_disk_costs_no_inference_and_the_seg_follows_when_space_returns(
+        small_disk, dest, model, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="nnunet_triton")
+    series = _series(tmp_path, n=4)
+    node = peers.running(peers.node_config(small_disk / "spool", dest, model, idle_timeout_s=1.0))
+    try:
+        assert peers.send(node.config.port, series.files) == [0] * 4
+        filler = small_disk / "filler"
+        try:  # fill the disk, then leave three pages: the state fits, the SEG (about 5 pages) does not
+            with filler.open("wb") as handle:
+                while True:
+                    handle.write(b"\0" * 4096)
+                    handle.flush()
+        except OSError:
+            pass
+        os.truncate(filler, max(0, filler.stat().st_size - 3 * 4096))
+        peers.wait_for(lambda: "attempt 3 failed" in caplog.text, what="three failed attempts")
+        runs_while_full = len(model.calls)
+        filler.unlink()
+        (seg,) = dest.wait(1)
+    finally:
+        node.stop()
+    assert runs_while_full == 0  # the old node ran the model on every attempt
+    assert model.calls == [series.series_uid]
+    assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == series.series_uid
 
 
 # --- 3. one series, one SEG (completeness, late instances) ------------------------------------------

@@ -57,6 +57,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -65,6 +66,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import pydicom
 
 from nnunet_triton.client.dicom.access import VERIFICATION, AccessPolicy
@@ -87,6 +89,7 @@ __all__ = ["StoreDestination", "DicomWebDestination", "parse_destination", "Node
            "DicomNode", "Routes", "read_status", "requeue"]
 
 LOGGER = logging.getLogger(__name__)
+SEG_HEADER_BYTES = 64 * 1024  # a SEG's attributes and per-frame groups, on top of its pixels
 PROCESSED_KEPT = 1000  # outcomes kept in memory (DicomNode.processed)
 RECENT_SHOWN = 20  # outcomes shown in status.json, with their model
 ROUTE_KEYS = ("called_ae", "model", "route")  # a series' route in its state and its record
@@ -236,6 +239,7 @@ class DicomNode(Receiving):
         self._dead = threading.Event()  # set once a fatal error is handled: status written, server closed
         self._degraded: dict[str, str] = {}  # what is wrong now but may pass: disk full, destination down
         self._busy: tuple[str, float] | None = None
+        self._kept: dict[str, tuple[list[str], Any]] = {}  # series -> (instances, label map) not yet written
 
     @staticmethod
     def _new_series(study: str, now: float, count: int) -> _Series:
@@ -629,13 +633,33 @@ class DicomNode(Receiving):
                    "instance_number": int(record.get("instance_number", 0)) + 1, "covers": names}
         state.update(seg=seg, seg_series_uid=seg["series_uid"], study=entry.study)
         self.spool.write_state(uid, state)  # the UIDs exist before the file does
-        segmentation = model.segment(volume)
+        kept = self._kept.get(uid)
+        if kept is not None and kept[0] == names:
+            LOGGER.info("series %s: writing the label map kept from the attempt before (no inference)", uid)
+            segmentation = kept[1]
+        else:
+            self._check_seg_space(uid, volume, model)  # a full disk costs no inference
+            segmentation = model.segment(volume)
+            self._kept[uid] = (names, segmentation)
         labels = model.labels or generic_segment_labels(segmentation)
         path = write_dicom_seg(segmentation, volume, labels, self.spool.seg_file(uid),
                                series_instance_uid=seg["series_uid"], sop_instance_uid=seg["sop_uid"],
                                instance_number=int(seg["instance_number"]), durable=True)
+        self._kept.pop(uid, None)
         self.spool.add(path.stat().st_size)
         return seg
+
+    def _check_seg_space(self, uid: str, volume: Any, model: NodeModel) -> None:
+        """Raise ENOSPC before inference when the SEG would not fit: on the spool's disk or in its quota
+        (a binary SEG: one bit per voxel and segment, plus its header)."""
+        segments = max(1, len(model.labels or ()))
+        needed = int(np.prod(np.shape(volume.data))) // 8 * segments + SEG_HEADER_BYTES
+        free = shutil.disk_usage(self.spool.outgoing).free
+        quota_left = self.config.limits.max_spool_bytes - self.spool.used
+        if min(free, quota_left) < needed:
+            where = "free on the spool's disk" if free < needed else "left in max_spool_bytes"
+            raise OSError(errno.ENOSPC, f"series {uid}: its DICOM-SEG needs about {needed} bytes, "
+                                        f"{min(free, quota_left)} {where}; not segmented until there is room")
 
     def _model_of(self, uid: str, entry: _Series, state: dict[str, Any],
                   header: Any) -> tuple[str, NodeModel]:
@@ -759,6 +783,7 @@ class DicomNode(Receiving):
             return
         with self._lock:
             self._pending.pop(uid, None)
+        self._kept.pop(uid, None)
         self._outcome(uid, f"failed: {message}", model)
         LOGGER.error("series %s: moved to %s: %s", uid, target, message)
 
