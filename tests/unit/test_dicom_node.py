@@ -244,6 +244,26 @@ def test_late_instances_resegment_the_whole_series_as_the_next_instance_of_the_s
     assert len(dest.received) == 2 and len(model.calls) == 2
 
 
+def test_a_late_localizer_of_a_segmented_series_gives_no_new_inference_and_no_new_seg(
+        node_factory, dest, model, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="nnunet_triton")
+    series = _series(tmp_path, n=4)
+    scout = support.write_ct_series(tmp_path / "scout", n_slices=1, orientation=(0, 1, 0, 0, 0, -1), seed=2)
+    localizer = pydicom.dcmread(scout.files[0])  # a sagittal slice of the same series: not in the volume
+    localizer.SeriesInstanceUID = series.series_uid
+    localizer.StudyInstanceUID = pydicom.dcmread(series.files[0]).StudyInstanceUID
+    localizer.save_as(scout.files[0], enforce_file_format=True)
+    node = node_factory()
+
+    peers.send(node.config.port, series.files)
+    dest.wait(1)
+    assert peers.send(node.config.port, scout.files) == [0]
+    peers.wait_for(lambda: "do not change the volume" in caplog.text, what="the late round")
+
+    assert len(dest.received) == 1 and model.calls == [series.series_uid]
+    assert "1 of its 5 instance(s) are not part of the volume" in caplog.text
+
+
 def test_the_same_series_sent_again_after_its_instances_were_deleted_gives_no_second_seg(
         node_factory, dest, model, tmp_path):
     series = _series(tmp_path, n=3)

@@ -37,7 +37,9 @@ A PACS routes studies to the node's AE title. What happens, in order:
 6. **Late instances.** A sent series' instances are kept in ``done/`` for ``done_retention_s``. An instance
    that arrives later brings them back: the whole series is segmented again and the new SEG is a new
    instance (next InstanceNumber) of the same SEG series, which replaces the earlier one for a viewer
-   that shows a series' latest instance. Sending the same instances again changes nothing.
+   that shows a series' latest instance. Sending the same instances again changes nothing, and late
+   instances that leave the volume as it is (a localizer, another SOP class the reader skips) give no
+   inference and no new SEG (logged).
 7. **Health.** A monitor thread writes ``status.json`` every ``heartbeat_s`` (:func:`read_status`,
    ``nnunet-triton node-status``). Every error of a series is caught and recorded; if the node cannot go
    on (its spool gone, its worker dead), it refuses new associations, says so in the status and
@@ -597,7 +599,8 @@ class DicomNode(Receiving):
                 "send the whole series again.")
         seg = state.get("seg") if isinstance(state.get("seg"), dict) else None
         sent = {"series_uid": record.get("seg_series_uid"), "sop_uid": record.get("sop_uid"),
-                "instance_number": record.get("instance_number"), "covers": record.get("covers")}
+                "instance_number": record.get("instance_number"), "covers": record.get("covers"),
+                "volume": record.get("volume")}
         if record.get("sop_uid") and record.get("covers") == names and (
                 seg is None or seg.get("sop_uid") == record.get("sop_uid")):
             # sent already (a crash before the cleanup), or the very instances of the SEG sent before
@@ -609,7 +612,8 @@ class DicomNode(Receiving):
                 LOGGER.info("series %s: sending the DICOM-SEG written before (no inference)", uid)
             else:
                 seg = self._segment(uid, entry, folder, state, record, names, seg)
-            self._send(uid, seg_path)
+            if not seg.get("unchanged"):
+                self._send(uid, seg_path)
         self._finish(uid, seg, names)
 
     def _segment(self, uid: str, entry: _Series, folder: Path, state: dict[str, Any], record: dict[str, Any],
@@ -625,12 +629,24 @@ class DicomNode(Receiving):
         refusal = model.modalities.refusal(str(eligible[0].first.get("Modality", "")))
         if refusal:
             raise InputValidationError(f"series {uid}: {refusal} (model {name}); it is not segmented.")
-        LOGGER.info("series %s: segmenting %d instance(s) with model %s", uid, len(names), name)
         volume = read_series(eligible[0], self.config.dicom_options)
+        used = sorted(f"{ds.get('SOPInstanceUID')}.dcm" for ds in volume.datasets)
+        if len(used) < len(names):
+            reasons = sorted({reason for _, reason in scan.skipped}) or ["not slices of the volume"]
+            LOGGER.info("series %s: %d of its %d instance(s) are not part of the volume and cannot change "
+                        "the segmentation (%s)", uid, len(names) - len(used), len(names), "; ".join(reasons))
+        if record.get("sop_uid") and record.get("volume") == used:
+            LOGGER.info("series %s: its late instance(s) do not change the volume; the DICOM-SEG sent before "
+                        "stands (no inference, no new SEG)", uid)
+            return {"series_uid": record.get("seg_series_uid"), "sop_uid": record.get("sop_uid"),
+                    "instance_number": record.get("instance_number"), "covers": names, "volume": used,
+                    "unchanged": True}
+        LOGGER.info("series %s: segmenting %d instance(s) with model %s", uid, len(used), name)
         if seg is None or seg.get("covers") != names:  # a new round: new SOP instance, same SEG series
             series_uid = state.get("seg_series_uid") or record.get("seg_series_uid") or generate_uid()
             seg = {"series_uid": series_uid, "sop_uid": generate_uid(),
                    "instance_number": int(record.get("instance_number", 0)) + 1, "covers": names}
+        seg["volume"] = used
         state.update(seg=seg, seg_series_uid=seg["series_uid"], study=entry.study)
         self.spool.write_state(uid, state)  # the UIDs exist before the file does
         kept = self._kept.get(uid)
@@ -696,6 +712,8 @@ class DicomNode(Receiving):
         route = {k: v for k, v in self.spool.state(uid).items() if k in ROUTE_KEYS}
         record = {"seg_series_uid": seg["series_uid"], "sop_uid": seg["sop_uid"],
                   "instance_number": seg["instance_number"], "covers": names, "sent_at": time.time(), **route}
+        if seg.get("volume"):  # the volume's instances: late ones that leave it as it is give no new SEG
+            record["volume"] = seg["volume"]
         durable_json(self.spool.record_file(uid), record)
         folder = self.spool.series_dir(uid)
         self.spool.merge_into(folder, self.spool.done_dir(uid), names=set(names))
