@@ -254,8 +254,12 @@ def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tupl
                              name)
             client = NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, model=name,
                                   version=settings.version)  # one per model; the node has one worker
-            clients.append(client)
-            models[name] = NodeModel(_segmenter(client, options), labels or None, rule)
+            # the monitor's own client: it asks for readiness while the worker's may be inside a request
+            probe = NnunetClient(server_url, protocol=args.protocol, timeout_s=min(args.timeout, 10.0),
+                                 model=name, version=settings.version)
+            clients.extend((client, probe))
+            models[name] = NodeModel(_segmenter(client, options), labels or None, rule,
+                                     ready=probe.check_ready)
     except BaseException:
         for client in clients:
             client.close()

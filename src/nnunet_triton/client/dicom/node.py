@@ -101,11 +101,13 @@ ROUTE_KEYS = ("called_ae", "model", "route")  # a series' route in its state and
 class NodeModel:
     """A model (endpoint) the node segments with: ``segment(volume)`` returns the label map of a
     :class:`~.volume.DicomVolume`; ``labels`` name the DICOM-SEG segments (None: ``label_<v>`` for the values
-    present); ``modalities`` says which series fit it."""
+    present); ``modalities`` says which series fit it; ``ready()`` raises when the endpoint is not ready (the
+    monitor calls it every ``endpoint_check_s``; None: not checked)."""
 
     segment: Callable[[Any], Any]
     labels: Sequence[SegmentLabel] | None = None
     modalities: ModalityRule = field(default_factory=lambda: ModalityRule(None))
+    ready: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class NodeConfig:
     dicom_options: DicomOptions = field(default_factory=DicomOptions)
     network_timeout_s: float = 60.0
     max_busy_s: float = 900.0
+    endpoint_check_s: float = 30.0
     poll_s: float = 0.2
     heartbeat_s: float = 2.0
     rescan_s: float = 5.0
@@ -154,7 +157,7 @@ class NodeConfig:
                             f"{self.idle_timeout_s}, {self.retries}, {self.retry_delay_s}.")
         if min(self.retry_window_s, self.max_retry_delay_s, self.max_open_wait_s) < 0 or min(
                 self.network_timeout_s, self.poll_s, self.heartbeat_s, self.rescan_s, self.sweep_s,
-                self.max_busy_s) <= 0:
+                self.max_busy_s, self.endpoint_check_s) <= 0:
             raise PacsError("retry window, delays and waits must be >= 0 and the node's intervals > 0.")
         self.access.check_listening(self.host)
         self._check_models()
@@ -241,6 +244,7 @@ class DicomNode(Receiving):
         self._dead = threading.Event()  # set once a fatal error is handled: status written, server closed
         self._degraded: dict[str, str] = {}  # what is wrong now but may pass: disk full, destination down
         self._busy: tuple[str, float] | None = None
+        self._endpoints: dict[str, str] = {}  # model -> "ready" | "not ready: why" (the monitor's last check)
         self._kept: dict[str, tuple[list[str], Any]] = {}  # series -> (instances, label map) not yet written
 
     @staticmethod
@@ -807,11 +811,30 @@ class DicomNode(Receiving):
 
     # --- health ------------------------------------------------------------------------------------
     def _monitor(self) -> None:
+        checked = None
         while not self._stop.wait(self.config.heartbeat_s):
             worker = self._threads[0] if self._threads else None
             if worker is not None and not worker.is_alive() and not self._stop.is_set():
                 self._die("the worker thread ended")
+            if checked is None or time.monotonic() - checked >= self.config.endpoint_check_s:
+                self._check_endpoints()
+                checked = time.monotonic()
             self._write_status()
+
+    def _check_endpoints(self) -> None:
+        """Ask every served model's endpoint whether it is ready; one that is not makes the node degraded."""
+        for name in self.config.served:
+            model = self.config.model_for(name)
+            if model is None or model.ready is None:
+                continue
+            try:
+                model.ready()
+            except Exception as exc:  # noqa: BLE001 - any failure means not ready
+                self._endpoints[name] = f"not ready: {describe(exc)}"
+                self._set_degraded(f"endpoint {name}", f"endpoint {name} is not ready ({describe(exc)})")
+            else:
+                self._endpoints[name] = "ready"
+                self._set_degraded(f"endpoint {name}", None)
 
     def _set_degraded(self, key: str, reason: str | None) -> None:
         with self._lock:
@@ -851,6 +874,7 @@ class DicomNode(Receiving):
                 "updated": time.time(), "heartbeat_s": self.config.heartbeat_s, "pending_series": pending,
                 "busy_series": busy[0] if busy else None, "busy_since": busy[1] if busy else None,
                 "worker_stuck": stuck is not None, "max_busy_s": self.config.max_busy_s,
+                "endpoints": dict(self._endpoints),
                 "busy_model": busy_entry.model if busy_entry else None,
                 "spool_bytes": self.spool.used, "max_spool_bytes": self.config.limits.max_spool_bytes,
                 "listening": f"{self.config.ae_title}@{self.config.host}:{self.config.port}",
