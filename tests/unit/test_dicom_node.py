@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -163,7 +164,7 @@ def test_node_on_a_full_disk_answers_out_of_resources_and_recovers_when_space_re
         except OSError:
             pass
         statuses = peers.send(node.config.port, second.files)
-        time.sleep(2.0)  # the worker meets the full disk while writing the SEG and its state
+        peers.wait_for(lambda: node.status()["state"] == "degraded", what="degraded by the full disk")
         degraded = node.status()
         filler.unlink()
 
@@ -179,6 +180,33 @@ def test_node_on_a_full_disk_answers_out_of_resources_and_recovers_when_space_re
     assert node.fatal is None
 
 
+def test_a_full_spool_disk_costs_no_inference_and_the_seg_follows_when_space_returns(
+        small_disk, dest, model, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="nnunet_triton")
+    series = _series(tmp_path, n=4)
+    node = peers.running(peers.node_config(small_disk / "spool", dest, model, idle_timeout_s=1.0))
+    try:
+        assert peers.send(node.config.port, series.files) == [0] * 4
+        filler = small_disk / "filler"
+        try:  # fill the disk, then leave three pages: the state fits, the SEG (about 5 pages) does not
+            with filler.open("wb") as handle:
+                while True:
+                    handle.write(b"\0" * 4096)
+                    handle.flush()
+        except OSError:
+            pass
+        os.truncate(filler, max(0, filler.stat().st_size - 3 * 4096))
+        peers.wait_for(lambda: "attempt 3 failed" in caplog.text, what="three failed attempts")
+        runs_while_full = len(model.calls)
+        filler.unlink()
+        (seg,) = dest.wait(1)
+    finally:
+        node.stop()
+    assert runs_while_full == 0  # the old node ran the model on every attempt
+    assert model.calls == [series.series_uid]
+    assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == series.series_uid
+
+
 # --- 3. one series, one SEG (completeness, late instances) ------------------------------------------
 def test_node_waits_for_an_open_association_that_pauses_mid_series(node_factory, dest, tmp_path):
     series = _series(tmp_path)
@@ -192,9 +220,8 @@ def test_node_waits_for_an_open_association_that_pauses_mid_series(node_factory,
         assert assoc.send_c_store(ds).Status == 0
     assoc.release()
 
-    segs = dest.wait(1)
-    time.sleep(1.0)
-    assert [_frames(s) for s in segs] == [6]
+    peers.wait_for(lambda: node.processed, what="the series finished")
+    assert [_frames(s) for s in dest.received] == [6]
 
 
 def test_late_instances_resegment_the_whole_series_as_the_next_instance_of_the_same_seg_series(
@@ -206,14 +233,34 @@ def test_late_instances_resegment_the_whole_series_as_the_next_instance_of_the_s
     dest.wait(1)
     peers.send(node.config.port, series.files[3:])  # 2 s later, in another association
     first, second = dest.wait(2)
-    peers.send(node.config.port, series.files)  # the whole series once more: nothing new
-    time.sleep(1.5)
+    assert peers.send(node.config.port, series.files) == [0] * 6  # the whole series once more: nothing new
+    assert node.status()["pending_series"] == 0  # acknowledged, not stored: no round to wait for
 
     assert [_frames(first), _frames(second)] == [3, 6]
     assert second.SeriesInstanceUID == first.SeriesInstanceUID
     assert (int(first.InstanceNumber), int(second.InstanceNumber)) == (1, 2)
     assert second.SOPInstanceUID != first.SOPInstanceUID
     assert len(dest.received) == 2 and len(model.calls) == 2
+
+
+def test_a_late_localizer_of_a_segmented_series_gives_no_new_inference_and_no_new_seg(
+        node_factory, dest, model, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="nnunet_triton")
+    series = _series(tmp_path, n=4)
+    scout = support.write_ct_series(tmp_path / "scout", n_slices=1, orientation=(0, 1, 0, 0, 0, -1), seed=2)
+    localizer = pydicom.dcmread(scout.files[0])  # a sagittal slice of the same series: not in the volume
+    localizer.SeriesInstanceUID = series.series_uid
+    localizer.StudyInstanceUID = pydicom.dcmread(series.files[0]).StudyInstanceUID
+    localizer.save_as(scout.files[0], enforce_file_format=True)
+    node = node_factory()
+
+    peers.send(node.config.port, series.files)
+    dest.wait(1)
+    assert peers.send(node.config.port, scout.files) == [0]
+    peers.wait_for(lambda: "do not change the volume" in caplog.text, what="the late round")
+
+    assert len(dest.received) == 1 and model.calls == [series.series_uid]
+    assert "1 of its 5 instance(s) are not part of the volume" in caplog.text
 
 
 def test_the_same_series_sent_again_after_its_instances_were_deleted_gives_no_second_seg(
@@ -354,9 +401,10 @@ def test_node_aborts_an_association_whose_instance_grows_past_the_limit_and_keep
     statuses = peers.send(node.config.port, [big])
 
     assert statuses == [-1] or statuses == [0xA700]
-    time.sleep(0.5)
+    peers.wait_for(lambda: not any((tmp_path / "spool" / "tmp").iterdir()),
+                   what="pynetdicom's half-received file removed from the spool's tmp/")
     assert not any((tmp_path / "spool" / "incoming").iterdir())
-    assert set(temp.glob("tmp*.dcm")) <= before  # pynetdicom's half-received file is gone too
+    assert set(temp.glob("tmp*.dcm")) <= before  # nothing in the machine's TMPDIR either
 
 
 def test_retention_deletes_failed_series_and_the_instances_of_sent_series(node_factory, dest, tmp_path):
@@ -383,8 +431,9 @@ def test_a_retry_sends_the_same_seg_without_running_inference_again(node_factory
     dest.status = 0xA700  # the PACS is out of resources for a while
     node = node_factory()
     peers.send(node.config.port, series.files)
-    time.sleep(2.0)
-    unsent = pydicom.dcmread(tmp_path / "spool" / "outgoing" / f"{series.series_uid}.dcm")
+    outgoing = tmp_path / "spool" / "outgoing" / f"{series.series_uid}.dcm"
+    peers.wait_for(outgoing.exists, what="the SEG written")  # written whole (renamed into place)
+    unsent = pydicom.dcmread(outgoing)
     dest.status = 0x0000
 
     (seg,) = dest.wait(1)
@@ -393,13 +442,15 @@ def test_a_retry_sends_the_same_seg_without_running_inference_again(node_factory
     assert model.calls == [series.series_uid]
 
 
-def test_node_outlasts_a_destination_outage_far_longer_than_its_retry_delays(tmp_path, model):
+def test_node_outlasts_a_destination_outage_far_longer_than_its_retry_delays(tmp_path, model, caplog):
+    caplog.set_level(logging.WARNING, logger="nnunet_triton")
     dest = peers.Destination()  # not started: the PACS is down
     series = _series(tmp_path, n=3)
     node = peers.running(peers.node_config(tmp_path / "spool", dest, model))
     try:
         peers.send(node.config.port, series.files)
-        time.sleep(4.0)  # 10x the longest retry delay (0.4 s); the old node had given up after 0.7 s
+        # the old node had given up after 3 attempts (0.7 s)
+        peers.wait_for(lambda: "attempt 6 failed" in caplog.text, what="six failed attempts")
         dest.start()
         (seg,) = dest.wait(1)
     finally:

@@ -64,3 +64,29 @@ def test_a_worker_stuck_past_max_busy_makes_the_node_degraded_and_refuses_new_se
     assert f"busy with series {first.series_uid}" in status["reason"] and "max_busy_s=1" in status["reason"]
     assert exit_code == 1
     assert refused == [0xA700, 0xA700] and accepted == [0, 0]
+
+
+def test_an_endpoint_that_accepts_and_never_answers_is_not_ready_in_the_nodes_status(tmp_path, dest):
+    import socket
+
+    from nnunet_triton.client.client import NnunetClient
+    from nnunet_triton.client.dicom.node import NodeModel
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # the kernel completes the connections; nobody ever reads or answers
+    probe = NnunetClient(f"127.0.0.1:{hung.getsockname()[1]}", "http", timeout_s=1.0)
+    models = {"nnunet": NodeModel(peers.Threshold(), ready=probe.check_ready)}
+    node = peers.running(peers.node_config(tmp_path / "spool", dest, None, models=models,
+                                           endpoint_check_s=0.5))
+    try:
+        peers.wait_for(lambda: node.status()["endpoints"].get("nnunet", "").startswith("not ready"),
+                       what="the endpoint reported not ready")
+        status = node.status()
+    finally:
+        node.stop()
+        probe.close()
+        hung.close()
+
+    assert status["state"] == "degraded"
+    assert "endpoint nnunet is not ready (ClientError: Triton server at http://127.0.0.1:" in status["reason"]

@@ -361,7 +361,9 @@ def test_listen_gives_each_routed_model_its_own_endpoint_modality_rule_and_label
         names = {name: [s.name for s in m.labels] for name, m in models.items()}
         assert names == {"nnunet": ["spleen"], "liver": ["liver", "tumour"], "lung": ["lung", "nodule"],
                          "prostate": ["prostate"]}
-        assert [c.model_name for c in clients] == ["nnunet", "liver__v2", "lung", "prostate"]
+        # per model, the worker's client and the monitor's readiness probe
+        assert [c.model_name for c in clients] == [m for m in ("nnunet", "liver__v2", "lung", "prostate")
+                                                   for _ in range(2)]
         assert server.asked.count("liver") == 0  # the pinned version was described, not the promoted one
     finally:
         for client in clients:
@@ -378,7 +380,7 @@ def test_listen_without_routes_sends_everything_to_model(tmp_path):
     for client in clients:
         client.close()
     assert routes.route("ANY", PORTAL) == "spleen" and list(models) == ["spleen"]
-    assert [c.model_name for c in clients] == ["spleen"]
+    assert [c.model_name for c in clients] == ["spleen", "spleen"]  # the worker's client and the probe
 
 
 def test_listen_refuses_a_bad_model_name_and_default_model_settings_without_a_default(tmp_path, capsys):

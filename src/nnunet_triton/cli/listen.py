@@ -255,8 +255,12 @@ def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tupl
             client = NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, endpoint=name,
                                   version=settings.version,  # one per model; the node has one worker
                                   tls=connection_tls(args))
-            clients.append(client)
-            models[name] = NodeModel(_segmenter(client, options), labels or None, rule)
+            # the monitor's own client: it asks for readiness while the worker's may be inside a request
+            probe = NnunetClient(server_url, protocol=args.protocol, timeout_s=min(args.timeout, 10.0),
+                                 endpoint=name, version=settings.version, tls=connection_tls(args))
+            clients.extend((client, probe))
+            models[name] = NodeModel(_segmenter(client, options), labels or None, rule,
+                                     ready=probe.check_ready)
     except BaseException:
         for client in clients:
             client.close()

@@ -37,7 +37,9 @@ A PACS routes studies to the node's AE title. What happens, in order:
 6. **Late instances.** A sent series' instances are kept in ``done/`` for ``done_retention_s``. An instance
    that arrives later brings them back: the whole series is segmented again and the new SEG is a new
    instance (next InstanceNumber) of the same SEG series, which replaces the earlier one for a viewer
-   that shows a series' latest instance. Sending the same instances again changes nothing.
+   that shows a series' latest instance. Sending the same instances again changes nothing, and late
+   instances that leave the volume as it is (a localizer, another SOP class the reader skips) give no
+   inference and no new SEG (logged).
 7. **Health.** A monitor thread writes ``status.json`` every ``heartbeat_s`` (:func:`read_status`,
    ``nnunet-triton node-status``). Every error of a series is caught and recorded; if the node cannot go
    on (its spool gone, its worker dead), it refuses new associations, says so in the status and
@@ -57,6 +59,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -65,6 +68,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import pydicom
 
 from nnunet_triton.client.dicom.access import VERIFICATION, AccessPolicy
@@ -87,6 +91,7 @@ __all__ = ["StoreDestination", "DicomWebDestination", "parse_destination", "Node
            "DicomNode", "Routes", "read_status", "requeue"]
 
 LOGGER = logging.getLogger(__name__)
+SEG_HEADER_BYTES = 64 * 1024  # a SEG's attributes and per-frame groups, on top of its pixels
 PROCESSED_KEPT = 1000  # outcomes kept in memory (DicomNode.processed)
 RECENT_SHOWN = 20  # outcomes shown in status.json, with their model
 ROUTE_KEYS = ("called_ae", "model", "route")  # a series' route in its state and its record
@@ -96,11 +101,13 @@ ROUTE_KEYS = ("called_ae", "model", "route")  # a series' route in its state and
 class NodeModel:
     """A model (endpoint) the node segments with: ``segment(volume)`` returns the label map of a
     :class:`~.volume.DicomVolume`; ``labels`` name the DICOM-SEG segments (None: ``label_<v>`` for the values
-    present); ``modalities`` says which series fit it."""
+    present); ``modalities`` says which series fit it; ``ready()`` raises when the endpoint is not ready (the
+    monitor calls it every ``endpoint_check_s``; None: not checked)."""
 
     segment: Callable[[Any], Any]
     labels: Sequence[SegmentLabel] | None = None
     modalities: ModalityRule = field(default_factory=lambda: ModalityRule(None))
+    ready: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,7 @@ class NodeConfig:
     dicom_options: DicomOptions = field(default_factory=DicomOptions)
     network_timeout_s: float = 60.0
     max_busy_s: float = 900.0
+    endpoint_check_s: float = 30.0
     poll_s: float = 0.2
     heartbeat_s: float = 2.0
     rescan_s: float = 5.0
@@ -149,7 +157,7 @@ class NodeConfig:
                             f"{self.idle_timeout_s}, {self.retries}, {self.retry_delay_s}.")
         if min(self.retry_window_s, self.max_retry_delay_s, self.max_open_wait_s) < 0 or min(
                 self.network_timeout_s, self.poll_s, self.heartbeat_s, self.rescan_s, self.sweep_s,
-                self.max_busy_s) <= 0:
+                self.max_busy_s, self.endpoint_check_s) <= 0:
             raise PacsError("retry window, delays and waits must be >= 0 and the node's intervals > 0.")
         self.access.check_listening(self.host)
         self._check_models()
@@ -236,6 +244,8 @@ class DicomNode(Receiving):
         self._dead = threading.Event()  # set once a fatal error is handled: status written, server closed
         self._degraded: dict[str, str] = {}  # what is wrong now but may pass: disk full, destination down
         self._busy: tuple[str, float] | None = None
+        self._endpoints: dict[str, str] = {}  # model -> "ready" | "not ready: why" (the monitor's last check)
+        self._kept: dict[str, tuple[list[str], Any]] = {}  # series -> (instances, label map) not yet written
 
     @staticmethod
     def _new_series(study: str, now: float, count: int) -> _Series:
@@ -593,7 +603,8 @@ class DicomNode(Receiving):
                 "send the whole series again.")
         seg = state.get("seg") if isinstance(state.get("seg"), dict) else None
         sent = {"series_uid": record.get("seg_series_uid"), "sop_uid": record.get("sop_uid"),
-                "instance_number": record.get("instance_number"), "covers": record.get("covers")}
+                "instance_number": record.get("instance_number"), "covers": record.get("covers"),
+                "volume": record.get("volume")}
         if record.get("sop_uid") and record.get("covers") == names and (
                 seg is None or seg.get("sop_uid") == record.get("sop_uid")):
             # sent already (a crash before the cleanup), or the very instances of the SEG sent before
@@ -605,7 +616,8 @@ class DicomNode(Receiving):
                 LOGGER.info("series %s: sending the DICOM-SEG written before (no inference)", uid)
             else:
                 seg = self._segment(uid, entry, folder, state, record, names, seg)
-            self._send(uid, seg_path)
+            if not seg.get("unchanged"):
+                self._send(uid, seg_path)
         self._finish(uid, seg, names)
 
     def _segment(self, uid: str, entry: _Series, folder: Path, state: dict[str, Any], record: dict[str, Any],
@@ -621,21 +633,53 @@ class DicomNode(Receiving):
         refusal = model.modalities.refusal(str(eligible[0].first.get("Modality", "")))
         if refusal:
             raise InputValidationError(f"series {uid}: {refusal} (model {name}); it is not segmented.")
-        LOGGER.info("series %s: segmenting %d instance(s) with model %s", uid, len(names), name)
         volume = read_series(eligible[0], self.config.dicom_options)
+        used = sorted(f"{ds.get('SOPInstanceUID')}.dcm" for ds in volume.datasets)
+        if len(used) < len(names):
+            reasons = sorted({reason for _, reason in scan.skipped}) or ["not slices of the volume"]
+            LOGGER.info("series %s: %d of its %d instance(s) are not part of the volume and cannot change "
+                        "the segmentation (%s)", uid, len(names) - len(used), len(names), "; ".join(reasons))
+        if record.get("sop_uid") and record.get("volume") == used:
+            LOGGER.info("series %s: its late instance(s) do not change the volume; the DICOM-SEG sent before "
+                        "stands (no inference, no new SEG)", uid)
+            return {"series_uid": record.get("seg_series_uid"), "sop_uid": record.get("sop_uid"),
+                    "instance_number": record.get("instance_number"), "covers": names, "volume": used,
+                    "unchanged": True}
+        LOGGER.info("series %s: segmenting %d instance(s) with model %s", uid, len(used), name)
         if seg is None or seg.get("covers") != names:  # a new round: new SOP instance, same SEG series
             series_uid = state.get("seg_series_uid") or record.get("seg_series_uid") or generate_uid()
             seg = {"series_uid": series_uid, "sop_uid": generate_uid(),
                    "instance_number": int(record.get("instance_number", 0)) + 1, "covers": names}
+        seg["volume"] = used
         state.update(seg=seg, seg_series_uid=seg["series_uid"], study=entry.study)
         self.spool.write_state(uid, state)  # the UIDs exist before the file does
-        segmentation = model.segment(volume)
+        kept = self._kept.get(uid)
+        if kept is not None and kept[0] == names:
+            LOGGER.info("series %s: writing the label map kept from the attempt before (no inference)", uid)
+            segmentation = kept[1]
+        else:
+            self._check_seg_space(uid, volume, model)  # a full disk costs no inference
+            segmentation = model.segment(volume)
+            self._kept[uid] = (names, segmentation)
         labels = model.labels or generic_segment_labels(segmentation)
         path = write_dicom_seg(segmentation, volume, labels, self.spool.seg_file(uid),
                                series_instance_uid=seg["series_uid"], sop_instance_uid=seg["sop_uid"],
                                instance_number=int(seg["instance_number"]), durable=True)
+        self._kept.pop(uid, None)
         self.spool.add(path.stat().st_size)
         return seg
+
+    def _check_seg_space(self, uid: str, volume: Any, model: NodeModel) -> None:
+        """Raise ENOSPC before inference when the SEG would not fit: on the spool's disk or in its quota
+        (a binary SEG: one bit per voxel and segment, plus its header)."""
+        segments = max(1, len(model.labels or ()))
+        needed = int(np.prod(np.shape(volume.data))) // 8 * segments + SEG_HEADER_BYTES
+        free = shutil.disk_usage(self.spool.outgoing).free
+        quota_left = self.config.limits.max_spool_bytes - self.spool.used
+        if min(free, quota_left) < needed:
+            where = "free on the spool's disk" if free < needed else "left in max_spool_bytes"
+            raise OSError(errno.ENOSPC, f"series {uid}: its DICOM-SEG needs about {needed} bytes, "
+                                        f"{min(free, quota_left)} {where}; not segmented until there is room")
 
     def _model_of(self, uid: str, entry: _Series, state: dict[str, Any],
                   header: Any) -> tuple[str, NodeModel]:
@@ -672,6 +716,8 @@ class DicomNode(Receiving):
         route = {k: v for k, v in self.spool.state(uid).items() if k in ROUTE_KEYS}
         record = {"seg_series_uid": seg["series_uid"], "sop_uid": seg["sop_uid"],
                   "instance_number": seg["instance_number"], "covers": names, "sent_at": time.time(), **route}
+        if seg.get("volume"):  # the volume's instances: late ones that leave it as it is give no new SEG
+            record["volume"] = seg["volume"]
         durable_json(self.spool.record_file(uid), record)
         folder = self.spool.series_dir(uid)
         self.spool.merge_into(folder, self.spool.done_dir(uid), names=set(names))
@@ -759,16 +805,36 @@ class DicomNode(Receiving):
             return
         with self._lock:
             self._pending.pop(uid, None)
+        self._kept.pop(uid, None)
         self._outcome(uid, f"failed: {message}", model)
         LOGGER.error("series %s: moved to %s: %s", uid, target, message)
 
     # --- health ------------------------------------------------------------------------------------
     def _monitor(self) -> None:
+        checked = None
         while not self._stop.wait(self.config.heartbeat_s):
             worker = self._threads[0] if self._threads else None
             if worker is not None and not worker.is_alive() and not self._stop.is_set():
                 self._die("the worker thread ended")
+            if checked is None or time.monotonic() - checked >= self.config.endpoint_check_s:
+                self._check_endpoints()
+                checked = time.monotonic()
             self._write_status()
+
+    def _check_endpoints(self) -> None:
+        """Ask every served model's endpoint whether it is ready; one that is not makes the node degraded."""
+        for name in self.config.served:
+            model = self.config.model_for(name)
+            if model is None or model.ready is None:
+                continue
+            try:
+                model.ready()
+            except Exception as exc:  # noqa: BLE001 - any failure means not ready
+                self._endpoints[name] = f"not ready: {describe(exc)}"
+                self._set_degraded(f"endpoint {name}", f"endpoint {name} is not ready ({describe(exc)})")
+            else:
+                self._endpoints[name] = "ready"
+                self._set_degraded(f"endpoint {name}", None)
 
     def _set_degraded(self, key: str, reason: str | None) -> None:
         with self._lock:
@@ -808,6 +874,7 @@ class DicomNode(Receiving):
                 "updated": time.time(), "heartbeat_s": self.config.heartbeat_s, "pending_series": pending,
                 "busy_series": busy[0] if busy else None, "busy_since": busy[1] if busy else None,
                 "worker_stuck": stuck is not None, "max_busy_s": self.config.max_busy_s,
+                "endpoints": dict(self._endpoints),
                 "busy_model": busy_entry.model if busy_entry else None,
                 "spool_bytes": self.spool.used, "max_spool_bytes": self.config.limits.max_spool_bytes,
                 "listening": f"{self.config.ae_title}@{self.config.host}:{self.config.port}",
