@@ -2,21 +2,23 @@
 
 Usage::
 
-    # the GPU test machine (docs/deploy.md, "GPU check"): two commands, each with its report folder
-    python3 -m tools.gpu_check --bundle build/gpu-bundle/nnunet-gpu-bundle.tar.xz --stages parity,endpoint \
-        --out $OUT/endpoint
-    python3 -m tools.gpu_check --bundle build/gpu-bundle/nnunet-gpu-bundle.tar.xz --stages timings \\
-        --out $OUT/timings
+    # the GPU test machine (docs/deploy.md, "GPU check"): one command, every stage in order of value, its
+    # report under $OUT as each stage finishes, stopped by itself before its budget (tools.gpu_budget)
+    set -o pipefail; PYTHONUNBUFFERED=1 python3 -m tools.gpu_check \
+        --bundle build/gpu-bundle/nnunet-gpu-bundle.tar.xz --budget-s 450 --out $OUT 2>&1 \
+        | tee $OUT/gpu-check.log
     # the dry run (tests/triton/test_gpu_check_dry_run.py): the same stages on CPU tensors, from the bundle
-    python -m tools.gpu_check --device cpu --bundle build/gpu-bundle/nnunet-gpu-bundle.tar.xz --emulate-device
+    python -m tools.gpu_check --device cpu --bundle build/gpu-bundle/nnunet-gpu-bundle.tar.xz \
+        --emulate-device --budget-s 2400
 
 Needs torch (a CUDA build on cuda), CuPy on cuda, and either this venv (``make setup``) or the bundle
 (``make gpu-bundle``, ``tools.gpu_bundle``): with ``--bundle`` the file is unpacked into a temporary folder,
 its packages go first on ``sys.path`` and the stubs' ``PYTHONPATH``, and tritonserver, its libraries and the
 Python-backend stub come from it (never from an installed pytriton); its fixture cases are ``.npy``, so no
 SimpleITK is needed (``tools.gpu_env.guard_simpleitk``). No Docker, no network. The report is rewritten
-after every stage, so a command stopped at its time limit still leaves the stages it finished. The exit
-status is 1 when a stage fails or a goal is missed on cuda (``tools.gpu_goals``), 0 otherwise.
+after every stage, and a stage the budget cuts short is written as ``stopped (budget)``. Exit status
+(``tools.gpu_budget.exit_status``): 1 when a stage fails or a goal is missed on cuda (``tools.gpu_goals``),
+else 3 when the budget stopped or skipped a stage, else 0.
 
 Stages:
 
@@ -59,13 +61,14 @@ from typing import Any
 
 import numpy as np
 
-from tools.gpu_goals import DICE_GOAL
+from tools.gpu_goals import DICE_GOAL, NEAR_TIE_FP16_STEPS, NEAR_TIE_LOGIT_GAP, compare_confident
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 LOGGER = logging.getLogger("gpu_check")
 UNPACKED_ENV = "NNUNET_TRITON_GPU_BUNDLE_UNPACKED"  # the temporary folder the bundle was unpacked into
 LIBPYTHON_ENV = "NNUNET_TRITON_GPU_BUNDLE_LIBPYTHON"  # the stub's libpython plan, for the report
+START_ENV = "NNUNET_TRITON_GPU_CHECK_START"  # time.monotonic() when the command started (the budget's start)
 
 
 @dataclass
@@ -77,6 +80,8 @@ class Stage:
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    finished: bool = False  # False while it runs: the budget's watchdog marks it stopped
+    started: float = 0.0  # time.perf_counter() at its start
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,9 @@ class Setup:
 
 @contextlib.contextmanager
 def _stage(stages: list[Stage], name: str) -> Iterator[Stage]:
-    stage = Stage(name)
+    stage = Stage(name, started=time.perf_counter())
     stages.append(stage)
-    start = time.perf_counter()
+    start = stage.started
     try:
         yield stage
     except _Skip as skip:
@@ -108,6 +113,7 @@ def _stage(stages: list[Stage], name: str) -> Iterator[Stage]:
         LOGGER.error("stage %s failed:\n%s", name, traceback.format_exc())
     finally:
         stage.seconds = time.perf_counter() - start
+        stage.finished = True
         LOGGER.info("stage %s: %s (%.1f s)", name, stage.status, stage.seconds)
 
 
@@ -174,18 +180,21 @@ def _repository(setup: Setup, model_dir: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _server(repository: Path, out: Path, name: str) -> Iterator[Any]:
+def _server(repository: Path, out: Path, name: str, live: list[Any]) -> Iterator[Any]:
     """The embedded server on ``repository``: its logs in ``out`` (few files: the GPU machine returns at
-    most 8), pid and state files in a temporary folder."""
+    most 8), pid and state files in a temporary folder; listed in ``live`` while it runs (the budget's
+    watchdog kills what is listed there)."""
     from nnunet_triton.server import embedded
 
     with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as run:
         handle = embedded.start(repository, log_file=out / f"tritonserver-{name}.log",
                                 pid_file=Path(run) / "tritonserver.pid", state_file=Path(run) / "server.json",
                                 ready_timeout_s=900.0, exit_timeout_s=5)
+        live.append(handle)
         try:
             yield handle
         finally:
+            live.remove(handle)
             handle.stop()
 
 
@@ -197,6 +206,9 @@ def stage_endpoint(stage: Stage, setup: Setup, model_dir: Path, case: Any, handl
 
     config = read_model_folder(model_dir)
     labels = segmentation_labels(config.labels.label_names, config.labels.regions_class_order)
+    regions = bool(config.labels.regions_class_order)
+    stage.notes.append(f"near-tie: the reference's top two logits within {NEAR_TIE_FP16_STEPS} fp16 steps "
+                       f"({NEAR_TIE_LOGIT_GAP:g}); the Dice goal counts the other voxels")
     predictor = nnunet_predictor(model_dir, device=setup.device)
     with NnunetClient(handle.grpc_url, protocol="grpc", timeout_s=3600) as client:
         for mirroring in (True, False):
@@ -207,13 +219,19 @@ def stage_endpoint(stage: Stage, setup: Setup, model_dir: Path, case: Any, handl
             comparison = compare_case(case.name, ref_seg, result.segmentation, labels, case.spacing,
                                       reference_probabilities=np.asarray(ref_probs, np.float32),
                                       endpoint_probabilities=result.probabilities)
-            ok = comparison.min_dice >= DICE_GOAL if setup.gpu else comparison.differing_voxels == 0
+            split = compare_confident(case.name, ref_seg, result.segmentation, ref_probs, labels,
+                                      case.spacing, regions=regions)
+            dice = split.confident.min_dice
+            ok = dice >= DICE_GOAL if setup.gpu else comparison.differing_voxels == 0
             stage.rows.append({
-                "mirroring": mirroring, "min_dice": comparison.min_dice,
-                "dice": {label.value: round(label.dice, 6) for label in comparison.labels},
-                "agreement": comparison.agreement, "differing_voxels": comparison.differing_voxels,
+                "mirroring": mirroring, "min_dice_confident": dice,
+                "dice_confident": {label.value: round(label.dice, 6) for label in split.confident.labels},
+                "min_dice_all_voxels": comparison.min_dice, "agreement": comparison.agreement,
+                "differing_voxels": comparison.differing_voxels, "near_tie_voxels": split.near_tie_voxels,
+                "differing_near_ties": split.differing_near_tie_voxels,
                 "max_probability_difference": comparison.max_probability_difference,
-                "goal": f"Dice >= {DICE_GOAL}" if setup.gpu else "identical labels", "ok": ok})
+                "goal": f"Dice >= {DICE_GOAL} outside near-ties" if setup.gpu else "identical labels",
+                "ok": ok})
     if not all(r["ok"] for r in stage.rows):
         stage.status = "failed"
 
@@ -251,6 +269,8 @@ def stage_provenance(stage: Stage, setup: Setup, handle: Any) -> None:
 
 
 def _fmt(value: Any) -> str:
+    if value is None:  # a parity row that compared nothing (NumPy with NumPy)
+        return "skipped"
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, dict):
@@ -291,7 +311,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per measure")
     p.add_argument("--waves", type=int, default=3,
                    help="waves of 4 concurrent requests in the throughput run")
-    p.add_argument("--stages", default="parity,endpoint,timings", help="comma list of stages to run")
+    p.add_argument("--stages", default="parity,endpoint,timings",
+                   help="comma list of stages to run (always in the order parity, endpoint, timings)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop by this many seconds after the start: a stage starts only when the time left "
+                        "covers its minimum (tools.gpu_budget), a running one is stopped with its section "
+                        "written; exit 3 when the budget cut a stage short")
     p.add_argument("--bundle", type=Path, default=None,
                    help="run from this bundle (make gpu-bundle): server, stubs, packages, cases, plans")
     p.add_argument("--unpack-dir", type=Path, default=None, help="where the bundle's temporary folder goes")
@@ -312,7 +337,8 @@ def _run_from_bundle(args: argparse.Namespace, argv: list[str]) -> None:
     dest = Path(tempfile.mkdtemp(prefix="nnunet-gpu-bundle-", dir=args.unpack_dir))
     root = gpu_bundle.unpack(args.bundle, dest)
     activation = gpu_bundle.activation_env(root, libpython=args.libpython)
-    env = {**activation.env, UNPACKED_ENV: str(dest), LIBPYTHON_ENV: json.dumps(asdict(activation.libpython))}
+    env = {**activation.env, UNPACKED_ENV: str(dest), LIBPYTHON_ENV: json.dumps(asdict(activation.libpython)),
+           START_ENV: os.environ.get(START_ENV, repr(args.started))}
     os.execve(sys.executable, [sys.executable, "-m", "tools.gpu_check", *argv], env)
 
 
@@ -338,10 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tools import gpu_budget
     from tools.gpu_bundle import ACTIVE_ENV
 
+    wanted = gpu_budget.ordered_stages(args.stages.split(","))
+    # the budget counts from this command's start, the bundle's unpacking before the re-exec included
+    args.started = float(os.environ.get(START_ENV, time.monotonic()))
     if args.bundle is not None and ACTIVE_ENV not in os.environ:
         _run_from_bundle(args, argv)
+    budget = gpu_budget.Budget(args.budget_s, start=args.started)
     with contextlib.ExitStack() as stack:
         extra: dict[str, str] = {}
         root = _bundle_in_use(args, stack, extra) if args.bundle is not None else None
@@ -358,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
         setup = Setup(device=args.device, workload=args.workload or ("realistic" if args.device == "cuda"
                                                                       else "fixture"),
                       out=args.out, reps=max(1, args.reps), waves=args.waves, bundle_root=root)
-        env = {**environment(setup), **extra}
+        env = {**environment(setup), **extra,
+               "budget": "none" if args.budget_s is None else f"{args.budget_s:g} s "
+                         f"(stages stop {budget.reserve_s:g} s before its end)"}
         stages: list[Stage] = []
+        live: list[Any] = []
 
         def report() -> Path:
             if emulation is not None:
@@ -367,39 +401,76 @@ def main(argv: list[str] | None = None) -> int:
                 env["imports refused (not on the GPU machine)"] = refused
             return write_report(setup, env, stages)
 
-        _run_stages(setup, set(args.stages.split(",")), stages, report)
+        stack.callback(_cancel, budget.watchdog(lambda: _stop_on_budget(stages, report, live)))
+        _run_stages(setup, wanted, stages, report, budget, live)
         report_file = report()
     print(report_file.read_text())
     print(f"report: {report_file}")
-    return 0 if all(stage.status != "failed" for stage in stages) else 1
+    return gpu_budget.exit_status(stage.status for stage in stages)
 
 
-def _run_stages(setup: Setup, wanted: set[str], stages: list[Stage], report: Any) -> None:
+def _cancel(timer: Any) -> None:
+    if timer is not None:
+        timer.cancel()
+
+
+def _stop_on_budget(stages: list[Stage], report: Any, live: list[Any]) -> None:
+    """The budget's watchdog (its own thread): mark the running stage stopped, write the report, kill the
+    servers (their process groups: tritonserver and its stubs) and exit with ``EXIT_BUDGET``."""
+    import signal
+
+    from tools.gpu_budget import BUDGET_STOPPED, EXIT_BUDGET
+
+    for stage in stages:
+        if not stage.finished:
+            stage.status, stage.seconds = BUDGET_STOPPED, time.perf_counter() - stage.started
+            stage.notes.append("the budget ran out while this stage ran; its rows so far are above")
+    try:
+        report_file = report()
+        print(report_file.read_text(), flush=True)
+    finally:
+        for handle in list(live):
+            with contextlib.suppress(OSError):
+                os.killpg(handle.pid, signal.SIGKILL)
+        LOGGER.error("budget spent: stopped (exit %d)", EXIT_BUDGET)
+        logging.shutdown()
+        os._exit(EXIT_BUDGET)  # the main thread may be blocked in a request: no orderly unwinding
+
+
+STAGE_TITLES = {"parity": "(a) parity: NumPy vs device backend",
+                "endpoint": "(b) endpoint vs nnUNetPredictor", "timings": "(c) timings"}
+
+
+def _run_stages(setup: Setup, wanted: list[str], stages: list[Stage], report: Any, budget: Any,
+                live: list[Any]) -> None:
+    """Run ``wanted`` (in ``gpu_budget.STAGE_ORDER``), each only if the budget allows it, and rewrite the
+    report after each, so that its section is under ``--out`` as soon as it finished."""
     from nnunet_triton import io_names
     from nnunet_triton.numerics.model_folder import read_model_folder
-    from tools import gpu_bundle, gpu_parity, gpu_timings
+    from tools import gpu_budget, gpu_bundle, gpu_parity, gpu_timings
     from tools.perf import workloads
 
     fixture_dir = workloads.fixture_model_dir()
     fixture = (gpu_bundle.fixture_cases(setup.bundle_root)[0] if setup.bundle_root is not None
                else workloads.fixture_case(fixture_dir))  # the latter reads NIfTI with SimpleITK
-    if "parity" in wanted:
-        with _stage(stages, "(a) parity: NumPy vs device backend") as stage:
+
+    def parity() -> None:
+        with _stage(stages, STAGE_TITLES["parity"]) as stage:
             fold = io_names.fold_model_name(read_model_folder(fixture_dir).folds[0])  # what (b) serves
             version_dir = _repository(setup, fixture_dir) / fold / io_names.VERSION_DIR
             torchscript = version_dir / io_names.TORCHSCRIPT_FILE
             gpu_parity.stage_parity(stage, setup, fixture_dir, fixture, _device_xp(setup), torchscript)
-        report()
-    if "endpoint" in wanted:
-        with _stage(stages, "(b) endpoint vs nnUNetPredictor") as stage:
+
+    def endpoint() -> None:
+        with _stage(stages, STAGE_TITLES["endpoint"]) as stage:
             _needs("pytriton", "it ships the embedded tritonserver")
-            with _server(_repository(setup, fixture_dir), setup.out, "endpoint") as handle:
+            with _server(_repository(setup, fixture_dir), setup.out, "endpoint", live) as handle:
                 stage_endpoint(stage, setup, fixture_dir, fixture, handle)
                 with _stage(stages, "(b) provenance: tritonserver and its stubs") as inner:
                     stage_provenance(inner, setup, handle)
-        report()
-    if "timings" in wanted:
-        with _stage(stages, "(c) timings") as stage:
+
+    def timings() -> None:
+        with _stage(stages, STAGE_TITLES["timings"]) as stage:
             _needs("pytriton", "it ships the embedded tritonserver")
             if setup.workload == "realistic":
                 model_dir = (gpu_bundle.materialize_realistic_model(setup.bundle_root)
@@ -408,8 +479,18 @@ def _run_stages(setup: Setup, wanted: set[str], stages: list[Stage], report: Any
                 model_dir = fixture_dir
             case = gpu_timings.cube_case(model_dir)
             repository = _repository(setup, model_dir)
-            with _server(repository, setup.out, "timings") as handle:
+            with _server(repository, setup.out, "timings", live) as handle:
                 gpu_timings.stage_timings(stage, setup, model_dir, repository, case, handle)
+
+    runners = {"parity": parity, "endpoint": endpoint, "timings": timings}
+    for name in wanted:
+        if budget.allows(name):
+            runners[name]()
+        else:
+            why = (f"{max(0.0, budget.left_s()):.0f} s of the budget left, the stage needs at least "
+                   f"{gpu_budget.MIN_STAGE_SECONDS[name]:g} s: rerun it with --stages {name}")
+            stages.append(Stage(STAGE_TITLES[name], status=gpu_budget.BUDGET_NOT_STARTED, notes=[why],
+                                finished=True))
         report()
 
 

@@ -13,7 +13,10 @@ What it does, in order, on the running server:
    statistics snapshots of the fold models around each phase and metrics scrapes around the whole;
 4. times nnUNetPredictor back to back on the same case and device, and the batched floor: every network
    input of one request (tiles x mirror variants, per fold) through the same TorchScript files in forwards
-   of the fold models' ``max_batch_size``, synchronised, nothing else.
+   of the fold models' ``max_batch_size``, synchronised, nothing else;
+5. sends a case of an unseen shape (:data:`UNSEEN_EXTRA_VOXELS`) twice: the first request pays every
+   per-shape cost (CuPy's zoom kernels are compiled per output shape, in preprocess and stitch), the
+   second does not; their difference is reported against the latency of step 3.
 
 The case is a synthetic CT of at least 2x2x2 tiles for the model's own patch and spacing
 (:func:`cube_case`); its tile count is measured after nnU-Net's preprocessing, not assumed.
@@ -40,12 +43,17 @@ from tools import gpu_goals
 
 # preprocessed extent = floor(1.5 * patch) - 2 voxels per axis: 2 tiles per axis at tile_step_size 0.5
 CUBE_SCALE = 1.5
+# the unseen case: this many more voxels per axis (on the realistic model's patch still 2 tiles per axis;
+# its tile count is reported), so every resampling of the request has shapes the server has not seen: CuPy
+# compiles its zoom kernels per output shape (NVRTC)
+UNSEEN_EXTRA_VOXELS = 6
 CONCURRENCY = 4
 
 
-def cube_case(model_dir: Path, *, seed: int = 0) -> Any:
-    """A synthetic CT-like case of ``CUBE_SCALE`` x patch - 2 voxels per axis at the target spacing once
-    resampled; its spacing is coarser than the target (``workloads.CASE_SPACING_FACTOR``), as with scans."""
+def cube_case(model_dir: Path, *, seed: int = 0, extra_voxels: int = 0) -> Any:
+    """A synthetic CT-like case of ``CUBE_SCALE`` x patch - 2 (+ ``extra_voxels``) voxels per axis at the
+    target spacing once resampled; its spacing is coarser than the target
+    (``workloads.CASE_SPACING_FACTOR``), as with scans."""
     from nnunet_triton.numerics.model_folder import read_model_folder
     from tools.make_fixture_model import CaseGeometry, synthesize_case
     from tools.perf.workloads import CASE_SPACING_FACTOR, Case
@@ -55,7 +63,7 @@ def cube_case(model_dir: Path, *, seed: int = 0) -> Any:
     patch = [config.patch_size[a] for a in back]
     target = [config.spacing[a] for a in back]
     spacing = tuple(round(t * f, 4) for t, f in zip(target, CASE_SPACING_FACTOR, strict=True))
-    extent = [int(CUBE_SCALE * p) - 2 for p in patch]
+    extent = [int(CUBE_SCALE * p) - 2 + extra_voxels for p in patch]
     shape = tuple(round(e / f) for e, f in zip(extent, CASE_SPACING_FACTOR, strict=True))
     image, _ = synthesize_case(np.random.default_rng(seed), CaseGeometry(shape=shape, spacing=spacing,
                                                                          slice_axis=0))
@@ -292,6 +300,13 @@ def stage_timings(stage: Any, setup: Any, model_dir: Path, repository: Path, cas
         floor.run(inputs)  # warm-up: cuDNN autotunes the batch size of the floor's forwards
     floor_s = [floor.run(inputs) for _ in range(setup.reps)]
     del floor, inputs
+    unseen = cube_case(model_dir, seed=1, extra_voxels=UNSEEN_EXTRA_VOXELS)
+
+    def one_unseen() -> Any:
+        with NnunetClient(handle.grpc_url, protocol="grpc", timeout_s=3600) as client:
+            return client.segment(unseen.image, unseen.spacing, mirroring=mirroring)
+
+    cold, warm = _timed(one_unseen, 2)
 
     endpoint, nnunet, net = statistics.median(c1), statistics.median(predictor_s), statistics.median(floor_s)
     throughput_c4 = c4_requests / c4_s
@@ -308,6 +323,12 @@ def stage_timings(stage: Any, setup: Any, model_dir: Path, repository: Path, cas
          "detail": f"mean batch; largest {one_at_a_time.largest}; sizes {one_at_a_time.batches}"},
         {"measure": f"fold batches, concurrency {CONCURRENCY}", "value": concurrent.mean,
          "detail": f"mean batch; largest {concurrent.largest}; sizes {concurrent.batches}"},
+        {"measure": "unseen case shape, first request (s)", "value": cold,
+         "detail": f"{unseen.name}: tiles {tiles_of(unseen, model_dir)}; pays the per-shape compiles"},
+        {"measure": "unseen case shape, second request (s)", "value": warm,
+         "detail": f"first - second = {cold - warm:.3f} s = {100 * (cold - warm) / endpoint:.1f} % of the "
+                   "latency at concurrency 1 (above 10 %: warm up over the expected shapes, "
+                   "tools/gpu_warmup.py)"},
         {"measure": "host fallbacks (nnunet_host_fallbacks_total, during the measured traffic)",
          "value": "not measured" if fallbacks is None else fallbacks,
          "detail": "counter family absent from the metrics endpoint" if fallbacks is None

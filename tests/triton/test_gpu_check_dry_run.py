@@ -21,6 +21,11 @@ from tools import gpu_bundle
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
+# the device command's budget is 450 s (docs/deploy.md); on CPU tensors, on a loaded 2-core machine, the
+# same stages take far longer (the network on the CPU, 4 orchestrator instances sharing 2 cores): with
+# 1200 s, parity (421 s) and the endpoint (426 s) finished and the budget stopped the timings (2026-12-03,
+# load average 15-18). The dry run gets a budget sized for this machine: the same script and stages
+DRY_RUN_BUDGET_S = 2400
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +45,10 @@ def dry_run(bundle, tmp_path_factory):
     out, unpack_dir = tmp_path_factory.mktemp("gpu-check"), tmp_path_factory.mktemp("unpack")
     argv = [sys.executable, "-m", "tools.gpu_check", "--device", "cpu", "--workload", "fixture",
             "--reps", "1", "--bundle", str(bundle), "--unpack-dir", str(unpack_dir), "--emulate-device",
-            "--out", str(out)]
+            "--budget-s", str(DRY_RUN_BUDGET_S), "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "NNUNET_TRITON_HOME"}
-    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500, env=env)
+    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=DRY_RUN_BUDGET_S + 300,
+                          env=env)
     stages = {s["name"]: s for s in json.loads((out / "gpu-check.json").read_text())["stages"]} \
         if (out / "gpu-check.json").is_file() else {}
     return proc, out, unpack_dir, stages
@@ -126,9 +132,13 @@ def test_dry_run_finds_the_cpu_paths_exact_and_the_answer_equal_to_nnunet(dry_ru
         "predict_sliding_window", "convert_logits_to_segmentation:"}
     sliding = next(r for r in parity if r["function"].startswith("predict_sliding_window"))
     assert sliding["backend"] == "torch on cpu" and sliding["value"] == 0.0  # the device loop, bit for bit
+    assert sliding["ok"] is True
+    # NumPy against NumPy compares nothing: those rows are skipped, never passed
+    assert all(r["ok"] is None for r in parity if r is not sliding)
     endpoint = _stage(stages, "(b) endpoint")["rows"]
     assert [r["mirroring"] for r in endpoint] == [True, False]
-    assert all(r["differing_voxels"] == 0 and r["min_dice"] == 1.0 for r in endpoint)
+    assert all(r["differing_voxels"] == 0 and r["differing_near_ties"] == 0 for r in endpoint)
+    assert all(r["min_dice_all_voxels"] == 1.0 and r["min_dice_confident"] == 1.0 for r in endpoint)
 
 
 def test_dry_run_measures_every_timing_on_a_volume_of_2x2x2_tiles_and_reports_every_goal(dry_run):
@@ -137,7 +147,8 @@ def test_dry_run_measures_every_timing_on_a_volume_of_2x2x2_tiles_and_reports_ev
     rows = {r["measure"]: r for r in timings["rows"]}
     for measure in ("endpoint latency, concurrency 1 (median s)", "endpoint throughput, concurrency 4 "
                     "(requests/s)", "nnUNetPredictor latency, back to back (median s)",
-                    "batched network floor (median s)"):
+                    "batched network floor (median s)", "unseen case shape, first request (s)",
+                    "unseen case shape, second request (s)"):
         assert rows[measure]["value"] > 0
     assert rows["fold batches, concurrency 4"]["value"] >= 1.0
     goals = {name[len("goal "):]: r for name, r in rows.items() if name.startswith("goal ")}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from tools import gpu_goals
@@ -77,3 +78,38 @@ def test_no_execution_in_between_has_no_mean_and_no_largest_batch():
     delta = gpu_goals.batch_delta(same, same)
     assert delta.largest == 0 and math.isnan(delta.mean)
     assert gpu_goals.check("largest_fold_batch_vs_tile_batch", delta.largest / 4).met is False
+
+
+def _softmax(logits):
+    e = np.exp(logits - logits.max(axis=0))
+    return e / e.sum(axis=0)
+
+
+def test_near_ties_marks_voxels_whose_top_two_logits_are_within_a_few_fp16_steps():
+    gap = gpu_goals.NEAR_TIE_LOGIT_GAP
+    # three labels, four voxels: exact tie, just inside the gap, just outside, clear winner
+    logits = np.array([[5.0, 5.0, 5.0, 9.0], [5.0, 5.0 - gap / 2, 5.0 - 2 * gap, 1.0],
+                       [-3.0, -3.0, 5.0 - 3 * gap, 0.0]])
+    assert gpu_goals.near_ties(_softmax(logits), regions=False).tolist() == [True, True, False, False]
+
+
+def test_near_ties_of_a_region_model_are_voxels_whose_region_logit_is_near_its_threshold():
+    gap = gpu_goals.NEAR_TIE_LOGIT_GAP
+    logits = np.array([[0.0, gap / 2, 2 * gap, -4.0], [3.0, 3.0, 3.0, -3.0]])
+    assert gpu_goals.near_ties(1 / (1 + np.exp(-logits)), regions=True).tolist() == [True, True, False, False]
+
+
+def test_dice_goal_ignores_a_flipped_near_tie_voxel_and_reports_it_apart():
+    reference = np.zeros((4, 4, 4), np.uint8)
+    reference[1:3, 1:3, 1:3] = 1  # an 8-voxel lesion
+    logits = np.where(reference[None] == 1, [[[[0.0]]], [[[6.0]]]], [[[[6.0]]], [[[0.0]]]]).astype(np.float64)
+    logits[:, 1, 1, 1] = [3.0, 3.0 + gpu_goals.NEAR_TIE_LOGIT_GAP / 4]  # nnU-Net's label 1 by a hair
+    endpoint = reference.copy()
+    endpoint[1, 1, 1] = 0  # the endpoint's fp16 sums tip it the other way
+    split = gpu_goals.compare_confident("c", reference, endpoint, _softmax(logits), [(1, "lesion")],
+                                        (1.0, 1.0, 1.0), regions=False)
+    assert (split.confident.min_dice, split.near_tie_voxels, split.differing_near_tie_voxels) == (1.0, 1, 1)
+    endpoint[2, 2, 2] = 0  # a confident voxel flipped: a real difference, counted
+    split = gpu_goals.compare_confident("c", reference, endpoint, _softmax(logits), [(1, "lesion")],
+                                        (1.0, 1.0, 1.0), regions=False)
+    assert split.confident.min_dice == pytest.approx(2 * 6 / (7 + 6))
