@@ -96,9 +96,12 @@ def test_libtorch_folds_equal_nnunet_bitwise_at_the_default(exact_server):
     logits = _orchestrator_logits(server.http_url, ref.preprocessed)
     published = describe_endpoint(server.http_url).published
     fold_config = (repository / "fold_0" / "config.pbtxt").read_text()
+    recorded = json.loads((repository / "repository_metadata.json").read_text())["endpoints"]["nnunet"]
+    version = recorded["versions"][str(recorded["promoted"])]
 
     assert 'platform: "pytorch_libtorch"' in fold_config and "max_batch_size: 1\n" in fold_config
     assert published["fold_forward"].startswith("exact")
+    assert (version["per_sample_forward"], version["fold_request_tiles"]) == (True, 1)
     np.testing.assert_array_equal(result.segmentation, ref.segmentation)
     assert float(np.abs(result.probabilities - ref.probabilities).max()) <= PROBABILITY_TOLERANCE
     np.testing.assert_array_equal(logits, ref.logits)

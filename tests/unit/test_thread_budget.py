@@ -211,13 +211,20 @@ def test_libtorch_cpu_folds_are_in_the_budget_with_slots_threads_and_the_check(t
         write_config(libtorch_fold_spec(_config(), k, options), tmp_path / f"fold_{k}")
         save(Elementwise(3), tmp_path / f"fold_{k}" / "1" / "model.pt")
     folds = tb.repository_folds(tmp_path)
-    budget = tb.decide_budget(folds, env={}, quota=_quota(2))
+    seen: list[dict] = []
+
+    def reference(networks, *, env):  # the real run, recording the environment nnU-Net's count is read in
+        seen.append(dict(env))
+        return tb.reference_run(networks, env=env)
+
+    budget = tb.decide_budget(folds, env={}, quota=_quota(2), run_reference=reference)
 
     assert (folds.instances, folds.largest_input, folds.libtorch) == (4, 2 * 16 * 24 * 32, True)
     assert [(n.model, n.per_sample_forward) for n in folds.networks] == [("fold_0", True), ("fold_1", True)]
     assert (budget.fold_threads, budget.exact, budget.server_args()) == (
         1, True, ["--rate-limit=execution_count", "--rate-limit-resource=nnunet_fold_slot:2"])
     assert budget.environment()["OMP_NUM_THREADS"] == "1"  # the server process's libtorch pool
+    assert "OMP_NUM_THREADS" not in seen[0]  # nnU-Net's count is torch's default, not the budget's T
     gpu = render_config(libtorch_fold_spec(_config(), 0, BuildOptions(target="gpu")))
     assert "rate_limiter" not in gpu
     assert 'rate_limiter {\n    resources {\n      name: "nnunet_fold_slot"\n      count: 1' in render_config(

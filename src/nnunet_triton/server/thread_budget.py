@@ -330,6 +330,16 @@ def _at_threads(budget: ThreadBudget, threads: int, reference: int, env: Mapping
                    exact=exact, exactness=exactness)
 
 
+def _child_env(budget: ThreadBudget, env: Mapping[str, str]) -> dict[str, str]:
+    """The check's environment: the server's, without the budget's thread count (the reference run reads
+    nnU-Net's count from torch's default; the budget's OMP_NUM_THREADS for libtorch folds would make it T)."""
+    child_env = {**env, **budget.environment()}
+    child_env.pop(FOLD_THREADS_ENV, None)
+    if _OMP_THREADS_ENV not in env:
+        child_env.pop(_OMP_THREADS_ENV, None)
+    return child_env
+
+
 def decide_budget(folds: FoldModels, *, env: Mapping[str, str] | None = None, quota: CpuQuota | None = None,
                   run_reference: Callable[..., Reference] = reference_run,
                   check: Callable[..., ThreadCheck] = check_threads) -> ThreadBudget:
@@ -349,8 +359,7 @@ def decide_budget(folds: FoldModels, *, env: Mapping[str, str] | None = None, qu
     if not folds.networks:
         return replace(budget, exactness="no CPU fold network in the repository")
     explicit = FOLD_THREADS_ENV in env or (budget.policy is ThreadPolicy.SPLIT and POLICY_ENV in env)
-    child_env = {**env, **budget.environment()}
-    child_env.pop(FOLD_THREADS_ENV, None)
+    child_env = _child_env(budget, env)
     try:
         ran = run_reference(folds.networks, env=child_env)
     except (RuntimeError, OSError, ValueError) as exc:
