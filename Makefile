@@ -154,12 +154,12 @@ soak: $(SETUP_STAMP) ## Bounded soak: mixed valid/invalid requests, answers chec
 	$(PY) tools/soak.py --duration $(SOAK_DURATION) --concurrency $(SOAK_CONCURRENCY) --out build/soak
 
 repository: $(SETUP_STAMP) ## Build MODEL=<results folder> into a model repository as endpoint NAME (default nnunet; other names stay): [CONFIG=3d_fullres] [FOLDS="0 1"] [OUT=build/model_repository] [BUILD_TARGET=cpu|gpu] [BUILD_ARGS=--new-version]
-	$(PY) -m repository.build --model $(or $(MODEL),$(FIXTURE_MODEL)) --out "$(OUT)" --target $(BUILD_TARGET) \
+	$(PY) -m repository.build --model-dir $(or $(MODEL),$(FIXTURE_MODEL)) --out "$(OUT)" --target $(BUILD_TARGET) \
 		$(if $(NAME),--endpoint $(NAME)) $(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS)) \
 		$(BUILD_ARGS)
 
 export: $(SETUP_STAMP) ## Export each fold of MODEL="<results folder> ..." to TorchScript under EXPORT_OUT=build/export (checked against the eager network)
-	$(PY) -m network_models.export --model $(or $(MODEL),$(FIXTURE_MODEL)) --out "$(EXPORT_OUT)" \
+	$(PY) -m network_models.export --model-dir $(or $(MODEL),$(FIXTURE_MODEL)) --out "$(EXPORT_OUT)" \
 		$(if $(FOLDS),--folds $(FOLDS))
 
 fixtures: $(SETUP_STAMP) ## Regenerate the committed nnU-Net fixture models under tests/fixtures (trains with nnU-Net; slow)
@@ -168,7 +168,7 @@ fixtures: $(SETUP_STAMP) ## Regenerate the committed nnU-Net fixture models unde
 	$(PY) -m tools.make_cascade_fixture --out tests/fixtures
 
 deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (MODEL="A B" NAME="liver lung": one endpoint per folder, one server; TARGET=embedded|docker|k8s; docker: runs with docker or podman, cpu image without a GPU; DEPLOY_ARGS=--dry-run prints, --kube-play runs k8s here)
-	$(PY) -m nnunet_triton.cli deploy --model $(or $(MODEL),$(FIXTURE_MODEL)) $(if $(NAME),--endpoint $(NAME)) \
+	$(PY) -m nnunet_triton.cli deploy --model-dir $(or $(MODEL),$(FIXTURE_MODEL)) $(if $(NAME),--endpoint $(NAME)) \
 		--target $(TARGET) \
 		$(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS)) \
 		--host $(TRITON_HOST) --http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         with embedded_server.start(built.out, log_file=run["tritonserver.log"],
                                    pid_file=run["tritonserver.pid"], state_file=run["server.json"],
                                    ready_timeout_s=900) as server:
-            return cli.main(["validate", "--url", server.http_url, "--model", str(args.model), "-i",
+            return cli.main(["validate", "--url", server.http_url, "--model-dir", str(args.model), "-i",
                              str(args.input), "--report", str(args.out / "report"),
                              *(["-f", *map(str, args.folds)] if args.folds else []), *extra])
     except NnunetTritonError as exc:

@@ -169,7 +169,7 @@ def test_build_raises_when_configuration_differs_from_checkpoint(tmp_path: Path)
 
 def test_build_cli_returns_1_and_logs_when_model_folder_is_missing(tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
-    assert repository_cli.main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "repo")]) == 1
+    assert repository_cli.main(["--model-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "repo")]) == 1
     assert "has no dataset.json" in caplog.text
 
 
@@ -328,7 +328,8 @@ def test_names_that_would_clash_with_other_models_are_refused_before_anything_is
         with pytest.raises(ValueError, match=rule):
             build.VersionChoice(name=bad)
     with pytest.raises(SystemExit) as exit_info:
-        repository_cli.main(["--model", str(MODEL_DIR), "--out", str(tmp_path / "r"), "--endpoint", "x__v1"])
+        repository_cli.main(["--model-dir", str(MODEL_DIR), "--out", str(tmp_path / "r"),
+                             "--endpoint", "x__v1"])
     assert exit_info.value.code == 2 and not (tmp_path / "r").exists()
 
 

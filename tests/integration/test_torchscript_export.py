@@ -166,7 +166,7 @@ def test_export_options_raise_when_invalid(kwargs: dict, match: str) -> None:
 
 
 def test_export_cli_writes_model_files_and_metadata_when_given_folds(tmp_path: Path) -> None:
-    assert torchscript_cli.main(["--model", str(MODEL_DIR), "--folds", "0", "--out", str(tmp_path)]) == 0
+    assert torchscript_cli.main(["--model-dir", str(MODEL_DIR), "--folds", "0", "--out", str(tmp_path)]) == 0
     metadata = json.loads((tmp_path / "export_metadata.json").read_text())
     assert [(m["fold"], Path(m["path"]).name, m["max_abs_diff"]) for m in metadata] == [
         (0, "fold_0.pt", [[2, 0.0], [1, 0.0], [3, 0.0]])

@@ -84,7 +84,7 @@ def test_validate_refuses_to_compare_an_ensemble_of_configurations_with_one_memb
     from nnunet_triton import cli
 
     member = FIXTURES / MEMBERS[0]
-    code = cli.main(["validate", "--url", ensemble_server.http_url, "--model", str(member),
+    code = cli.main(["validate", "--url", ensemble_server.http_url, "--model-dir", str(member),
                      "-i", str(member.parent / "imagesTs"), "--report", str(tmp_path / "r")])
     assert code == 2
     assert "the endpoint is an ensemble of configurations or a cascade" in capsys.readouterr().err

@@ -115,7 +115,8 @@ def _deploy(argv: list[str], what: str) -> float:
 @pytest.fixture(scope="module")
 def cpu_container(engine, tmp_path_factory):
     ports = _free_ports(3)
-    argv = ["--target", "docker", "--model", str(model_dir(SYNTHCT)), "--variant", "cpu", "--engine", engine,
+    argv = ["--target", "docker", "--model-dir", str(model_dir(SYNTHCT)), "--variant", "cpu",
+            "--engine", engine,
             "--container-name", CONTAINER,
             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
             "--max-volume", "64", "128", "128", "--execute"]
@@ -213,7 +214,7 @@ def test_kube_play_runs_the_deployment_with_truthful_probes_a_healed_kill_and_a_
         engine, cpu_container, tmp_path, record_property):
     ports = _free_ports(3)
     out = tmp_path / "k8s"
-    argv = ["--target", "k8s", "--model", str(model_dir(SYNTHCT)), "--kube-play", "--out", str(out),
+    argv = ["--target", "k8s", "--model-dir", str(model_dir(SYNTHCT)), "--kube-play", "--out", str(out),
             "--container-name", POD,
             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
             "--max-volume", "64", "128", "128"]

@@ -45,7 +45,7 @@ def test_deploy_serves_the_model_and_redeploy_is_a_no_op_until_undeploy(
     from nnunet_triton.server.handle import ServerHandle
 
     monkeypatch.setenv("NNUNET_TRITON_HOME", str(tmp_path / "home"))
-    argv = ["--model", str(model), "--out", str(tmp_path / "repo"), "--ready-timeout", "600"]
+    argv = ["--model-dir", str(model), "--out", str(tmp_path / "repo"), "--ready-timeout", "600"]
     handle = None
     try:
         assert tool.main(argv) == 0
@@ -87,7 +87,7 @@ def test_deploy_with_two_names_serves_both_endpoints_from_one_server(
 
     monkeypatch.setenv("NNUNET_TRITON_HOME", str(tmp_path / "home"))
     repo = tmp_path / "repo"
-    argv = ["--model", str(model), str(model), "--endpoint", "liver", "lung", "--out", str(repo),
+    argv = ["--model-dir", str(model), str(model), "--endpoint", "liver", "lung", "--out", str(repo),
             "--ready-timeout", "600"]
     handle = None
     try:

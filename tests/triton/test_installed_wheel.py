@@ -65,7 +65,8 @@ def test_build_serve_predict_stop_from_any_directory_answer_as_nnunet(installed,
     command = str(venv / "bin" / "nnunet-triton")
     work = tmp_path / "elsewhere"
     work.mkdir()
-    built = _run([command, "build", "--model", str(model_dir(SYNTHCT)), "--out", "repo"], cwd=work, env=env)
+    built = _run([command, "build", "--model-dir", str(model_dir(SYNTHCT)), "--out", "repo"], cwd=work,
+                 env=env)
     assert built.returncode == 0, built.stderr[-3000:]
     assert (work / "repo" / "preprocess_model" / "1" / "model.py").read_text().startswith('"""Triton model')
     home = ["--home", str(work / "home")]

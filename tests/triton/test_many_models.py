@@ -177,7 +177,7 @@ def test_a_version_built_while_serving_is_loaded_validated_against_v1_and_remove
     common = ["--url", server.http_url, "-i", str(cases_dir), "--no-mirroring",
               "--report", str(tmp_path / "r")]
     record = tmp_path / "v1-answers"
-    assert cli.main(["validate", "--model", str(model_dir(SYNTHCT)), "--folds", "0", "1",
+    assert cli.main(["validate", "--model-dir", str(model_dir(SYNTHCT)), "--folds", "0", "1",
                      "--record", str(record), "--endpoint", "nnunet", "--endpoint-version", "1", "--exact",
                      *common]) == 0
     third = _build(SYNTHCT, folds=(1,), new_version=True)

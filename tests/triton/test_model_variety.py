@@ -206,7 +206,7 @@ def test_cli_writes_postprocessed_segmentations_unless_disable_postprocessing(
 
     assert (raw != expected_pp).any()
     report = tmp_path / "report"
-    assert cli.main(["validate", "--model", key, "-i", str(tmp_path / "in"), "--url", server.http_url,
+    assert cli.main(["validate", "--model-dir", key, "-i", str(tmp_path / "in"), "--url", server.http_url,
                      "--no-mirroring", "--exact", "--report", str(report)]) == 0
-    assert cli.main(["validate", "--model", key, "-i", str(tmp_path / "in"), "--url", server.http_url,
+    assert cli.main(["validate", "--model-dir", key, "-i", str(tmp_path / "in"), "--url", server.http_url,
                      "--no-mirroring", "--exact", "--no-postprocessing", "--report", str(report)]) == 0

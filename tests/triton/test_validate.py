@@ -33,7 +33,7 @@ def _validate(server, tmp_path: Path, *args: str, report: str = "report") -> tup
 
 
 def test_validate_passes_exactly_when_the_endpoint_is_nnunet_and_records_a_reference_set(server, tmp_path):
-    code, report = _validate(server, tmp_path, "--model", str(model_dir(SYNTHCT)), "--exact", *FAST,
+    code, report = _validate(server, tmp_path, "--model-dir", str(model_dir(SYNTHCT)), "--exact", *FAST,
                              "--record", str(tmp_path / "set"))
     assert code == 0 and report["passed"] and report["total"] == 3
     for case in report["cases"]:
@@ -70,7 +70,7 @@ def test_validate_passes_exactly_when_the_endpoint_is_nnunet_and_records_a_refer
 
 
 def test_validate_refuses_a_model_folder_the_server_does_not_serve(server, tmp_path, capsys):
-    code, report = _validate(server, tmp_path, "--model", str(model_dir(ANISO)), *FAST)
+    code, report = _validate(server, tmp_path, "--model-dir", str(model_dir(ANISO)), *FAST)
     assert (code, report) == (2, {})
     err = capsys.readouterr().err
     assert "serves another model than --model" in err and "dataset_name: served 'Dataset901_SynthCT'" in err
@@ -78,7 +78,7 @@ def test_validate_refuses_a_model_folder_the_server_does_not_serve(server, tmp_p
 
 def test_validate_refuses_an_input_folder_without_cases(server, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    code = cli.main(["validate", "--url", server.http_url, "-i", str(tmp_path / "empty"), "--model",
+    code = cli.main(["validate", "--url", server.http_url, "-i", str(tmp_path / "empty"), "--model-dir",
                      str(model_dir(SYNTHCT))])
     assert code == 2 and "empty: no images" in capsys.readouterr().err
 

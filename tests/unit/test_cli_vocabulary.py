@@ -1,6 +1,6 @@
-"""One spelling per concept on the command line: ``--endpoint``/``--endpoint-version`` name the endpoint of
-every client command; the old ``--model``/``--model-version`` of ``predict`` and ``info`` still work for one
-release, with a warning. Parsing only: no server."""
+"""One spelling per concept on the command line: ``--endpoint``/``--endpoint-version`` name an endpoint in
+every subcommand, ``--model-dir`` a results folder; the old spellings (``--model``, ``--model-version``,
+``--name``, ``--version``) still work for one release, with a warning. Parsing only: no server."""
 
 from __future__ import annotations
 
@@ -32,9 +32,20 @@ def test_the_old_spellings_of_predict_and_info_still_work_with_a_warning(capsys)
     assert cli.parser().parse_args(["info", "--endpoint", "lung"]).only == "lung"
 
 
-def test_validate_keeps_model_for_the_results_folder() -> None:
-    args = cli.parser().parse_args(["validate", "--model", "results", "-i", "in", "--endpoint", "liver"])
-    assert (str(args.model), endpoint_model(args)) == ("results", "liver")
+def test_validate_takes_the_results_folder_as_model_dir_and_model_still_works(capsys) -> None:
+    for flag in ("--model-dir", "--model"):
+        args = cli.parser().parse_args(["validate", flag, "results", "-i", "in", "--endpoint", "liver"])
+        assert (str(args.model), endpoint_model(args)) == ("results", "liver")
+    assert capsys.readouterr().err.count("use --model-dir") == 1
+
+
+@pytest.mark.parametrize("argv", [["build", "--out", "o"], ["export", "--out", "o"], ["deploy"]])
+def test_the_results_folder_is_model_dir_and_model_is_its_old_spelling(argv, capsys) -> None:
+    for flag in ("--model-dir", "--model"):
+        args = cli.parser().parse_args([*argv, flag, "a", "b"])
+        assert [str(m) for m in args.model] == ["a", "b"]
+    assert capsys.readouterr().err.count(
+        "warning: --model is deprecated and will be removed in the next release; use --model-dir") == 1
 
 
 def test_a_bad_endpoint_name_is_refused_by_either_spelling(capsys) -> None:
@@ -45,7 +56,7 @@ def test_a_bad_endpoint_name_is_refused_by_either_spelling(capsys) -> None:
 
 
 @pytest.mark.parametrize(("argv", "name", "version"), [
-    (["build", "--model", "m", "--endpoint", "liver", "--endpoint-version", "2"], "liver", 2),
+    (["build", "--model-dir", "m", "--endpoint", "liver", "--endpoint-version", "2"], "liver", 2),
     (["load", "--endpoint", "liver", "--endpoint-version", "2"], "liver", 2),
     (["promote", "--endpoint", "liver", "--endpoint-version", "2"], "liver", 2),
     (["remove", "--endpoint", "liver"], "liver", None),
@@ -65,7 +76,7 @@ def test_build_and_rollouts_take_the_endpoint_as_endpoint_and_endpoint_version(a
 def test_deploy_takes_one_endpoint_per_results_folder_as_endpoint() -> None:
     from nnunet_triton.cli import deploy
 
-    args = deploy._parser(False).parse_args(["--model", "a", "b", "--endpoint", "liver", "lung"])
+    args = deploy._parser(False).parse_args(["--model-dir", "a", "b", "--endpoint", "liver", "lung"])
     assert args.name == ["liver", "lung"]
 
 

@@ -299,7 +299,7 @@ def test_export_container_command_runs_the_builder_with_torch_2_10_on_the_model_
         "python:3.11-slim",
         "bash",
         "/src/docker/export_in_container.sh",
-        "--model",
+        "--model-dir",
         "/models/model",
         "--target",
         "gpu",

@@ -196,7 +196,7 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
 ) -> None:
     monkeypatch.setattr(tool, "_local_torch_fits", lambda args: False)  # whatever torch is here: a container
     out = tmp_path / "repo_gpu"
-    assert tool.main(["--target", "docker", "--model", str(FIXTURE), "--out", str(out), "--gpus", "1",
+    assert tool.main(["--target", "docker", "--model-dir", str(FIXTURE), "--out", str(out), "--gpus", "1",
                       "--variant", "gpu", "--engine", "docker", "--dry-run"]) == 0
     lines = _printed_commands(capsys.readouterr().out)
     assert [line.split()[:3] for line in lines] == [
@@ -204,7 +204,7 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
         ["docker", "build", "--file"],
         ["docker", "run", "--detach"],
     ]
-    assert (f"bash /src/docker/export_in_container.sh --model /models/{FIXTURE.name} --target gpu "
+    assert (f"bash /src/docker/export_in_container.sh --model-dir /models/{FIXTURE.name} --target gpu "
             "--precision fp16") in lines[0]
     assert "--serving-torch 2.10" in lines[0]  # the image's libtorch: the builder there checks its torch
     assert lines[0].endswith("--endpoint nnunet")
@@ -220,7 +220,7 @@ def test_deploy_tool_with_two_names_exports_each_endpoint_and_starts_one_contain
 ) -> None:
     monkeypatch.setattr(tool, "_local_torch_fits", lambda args: False)
     out = tmp_path / "repo_gpu"
-    assert tool.main(["--target", "docker", "--model", str(FIXTURE), str(FIXTURE),
+    assert tool.main(["--target", "docker", "--model-dir", str(FIXTURE), str(FIXTURE),
                       "--endpoint", "liver", "lung",
                       "--out", str(out), "--variant", "gpu", "--engine", "docker", "--dry-run"]) == 0
     printed = capsys.readouterr().out
@@ -246,7 +246,7 @@ def test_deploy_tool_with_two_names_builds_both_in_the_cpu_images_export_stage(
     tmp_path, capsys
 ) -> None:
     out = tmp_path / "repo_cpu"
-    assert tool.main(["--target", "docker", "--model", str(FIXTURE), str(FIXTURE),
+    assert tool.main(["--target", "docker", "--model-dir", str(FIXTURE), str(FIXTURE),
                       "--endpoint", "liver", "lung",
                       "--out", str(out), "--variant", "cpu", "--engine", "podman", "--dry-run",
                       "--base-image", "localhost/debian:bookworm"]) == 0
@@ -261,18 +261,20 @@ def test_deploy_tool_with_two_names_builds_both_in_the_cpu_images_export_stage(
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--endpoint", "liver", "lung", "kidney"],
-     r"--endpoint takes one name .* or one name per --model folder .*: got 3 names "
-     r"\['liver', 'lung', 'kidney'\] for 2 --model folder\(s\) \['/m/a', '/m/b'\]\."),
+     r"--endpoint takes one name .* or one name per --model-dir folder .*: got 3 names "
+     r"\['liver', 'lung', 'kidney'\] for 2 --model-dir folder\(s\) \['/m/a', '/m/b'\]\."),
     (["--endpoint", "liver", "liver"], r"gives the endpoint name\(s\) \['liver'\] more than once"),
     (["--configuration", "2d", "3d_lowres", "3d_fullres"],
-     r"--configuration takes one value or one per --model folder \(2: \['/m/a', '/m/b'\]\), got \['2d', "),
+     r"--configuration takes one value or one per --model-dir folder \(2: \['/m/a', '/m/b'\]\), got "
+     r"\['2d', "),
 ])
 def test_deploy_tool_refuses_names_or_configurations_that_do_not_pair_with_the_models(
     tmp_path: Path, caplog, argv: list[str], message: str
 ) -> None:
     for target in ("embedded", "docker", "k8s"):
         caplog.clear()
-        assert tool.main(["--target", target, "--model", "/m/a", "/m/b", *argv, "--out", str(tmp_path / "o"),
+        assert tool.main(["--target", target, "--model-dir", "/m/a", "/m/b", *argv,
+                          "--out", str(tmp_path / "o"),
                           "--dry-run"]) == 1
         assert re.search(message, caplog.text), caplog.text
     assert not (tmp_path / "o").exists()
@@ -291,7 +293,8 @@ def test_endpoint_plans_pair_names_with_models_or_keep_one_endpoint() -> None:
 def test_make_deploy_passes_names_that_pair_with_the_models(tmp_path: Path) -> None:
     (deploy,) = _make(tmp_path, "deploy", "MODEL=/m/a /m/b", "NAME=liver lung")
     assert deploy[:3] == ["-m", "nnunet_triton.cli", "deploy"]
-    assert _value(deploy, "--model") == ["/m/a", "/m/b"] and _value(deploy, "--endpoint") == ["liver", "lung"]
+    assert _value(deploy, "--model-dir") == ["/m/a", "/m/b"]
+    assert _value(deploy, "--endpoint") == ["liver", "lung"]
     args = tool._parser(undeploy=False).parse_args(deploy[3:])
     assert tool.endpoint_plans(args.model, args.name) == (
         tool.EndpointPlan("liver", (Path("/m/a"),), (None,)),

@@ -62,7 +62,7 @@ def test_serve_with_two_models_builds_the_ensemble_and_serves_it(tmp_path: Path)
     calls = _make(tmp_path, "serve", "MODEL=/m/2d /m/3d", "FOLDS=0 1", "MODEL_REPOSITORY=/out/my repo")
     build, start = calls
     assert build[:2] == ["-m", "repository.build"]
-    assert _value(build, "--model") == ["/m/2d", "/m/3d"]
+    assert _value(build, "--model-dir") == ["/m/2d", "/m/3d"]
     assert _value(build, "--folds") == ["0", "1"]
     assert _value(build, "--out") == ["/out/my repo"]
     assert start[:3] == ["start", "--model-repository", "/out/my repo"]
@@ -76,7 +76,7 @@ def test_serve_without_model_only_starts_the_server(tmp_path: Path) -> None:
 def test_repository_passes_several_models_configurations_and_an_out_with_a_space(tmp_path: Path) -> None:
     (build,) = _make(tmp_path, "repository", "MODEL=/m/a /m/b", "CONFIG=2d 3d_fullres", "OUT=/o/x y",
                      "FOLDS=0 1 2")
-    assert _value(build, "--model") == ["/m/a", "/m/b"]
+    assert _value(build, "--model-dir") == ["/m/a", "/m/b"]
     assert _value(build, "--configuration") == ["2d", "3d_fullres"]
     assert _value(build, "--out") == ["/o/x y"]
     assert _value(build, "--folds") == ["0", "1", "2"]
@@ -85,7 +85,7 @@ def test_repository_passes_several_models_configurations_and_an_out_with_a_space
 def test_export_passes_every_model_and_fold(tmp_path: Path) -> None:
     (export,) = _make(tmp_path, "export", "MODEL=/m/a /m/b", "FOLDS=3 4", "EXPORT_OUT=/e/x y")
     assert export[:2] == ["-m", "network_models.export"]
-    assert _value(export, "--model") == ["/m/a", "/m/b"]
+    assert _value(export, "--model-dir") == ["/m/a", "/m/b"]
     assert _value(export, "--folds") == ["3", "4"]
     assert _value(export, "--out") == ["/e/x y"]
 
@@ -93,7 +93,7 @@ def test_export_passes_every_model_and_fold(tmp_path: Path) -> None:
 def test_deploy_and_demo_pass_every_model_and_fold(tmp_path: Path) -> None:
     (deploy,) = _make(tmp_path, "deploy", "MODEL=/m/a /m/b", "FOLDS=0 1", "CONFIG=3d_fullres")
     assert deploy[:3] == ["-m", "nnunet_triton.cli", "deploy"]
-    assert _value(deploy, "--model") == ["/m/a", "/m/b"] and _value(deploy, "--folds") == ["0", "1"]
+    assert _value(deploy, "--model-dir") == ["/m/a", "/m/b"] and _value(deploy, "--folds") == ["0", "1"]
     (demo,) = _make(tmp_path, "demo", "MODEL=/m/a /m/b", "FOLDS=0 1")
     assert demo[0] == "tools/demo.py"
     assert _value(demo, "--model") == ["/m/a", "/m/b"] and _value(demo, "--folds") == ["0", "1"]

@@ -1,10 +1,10 @@
 """Build nnU-Net models into a Triton model repository: one endpoint name and version per build.
 
-    nnunet-triton build --model <Dataset.../Trainer__Plans__Config> [<more folders>] [--endpoint liver]
+    nnunet-triton build --model-dir <Dataset.../Trainer__Plans__Config> [<more folders>] [--endpoint liver]
         [--new-version | --endpoint-version N] [--promote] [--folds 0 1] [--out build/model_repository]
         [--target cpu|gpu] [--tile-batch-size 4] [--max-voxels N] [--max-request-bytes N] [--force]
 
-Two or more ``--model`` folders build an ensemble of configurations (``build_ensemble_repository``).
+Two or more ``--model-dir`` folders build an ensemble of configurations (``build_ensemble_repository``).
 
 A repository holds any number of endpoint names, each with versions (``nnunet_triton.registry``). One build
 writes one version of one name and leaves every other name and version untouched::

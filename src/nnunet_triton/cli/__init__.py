@@ -1,13 +1,14 @@
 """``nnunet-triton``: every command line of the project, one subcommand per task.
 
-    nnunet-triton build    --model RESULTS_FOLDER [--endpoint N] [--new-version] [--out DIR] ...  (cli.build)
+    nnunet-triton build    --model-dir RESULTS_FOLDER [--endpoint N] [--new-version] [--out DIR] ...
+        (cli.build)
     nnunet-triton versions / load / promote / rollback / remove --endpoint N [--endpoint-version V]
                                                                                         (cli.rollout)
-    nnunet-triton export   --model RESULTS_FOLDER --out DIR ...                         (cli.export)
+    nnunet-triton export   --model-dir RESULTS_FOLDER --out DIR ...                         (cli.export)
     nnunet-triton serve    [MODEL | --model-repository DIR] ... / stop / status          (cli.serve)
-    nnunet-triton deploy   --model RESULTS_FOLDER [--target embedded|docker|k8s] / undeploy  (cli.deploy)
+    nnunet-triton deploy   --model-dir RESULTS_FOLDER [--target embedded|docker|k8s] / undeploy  (cli.deploy)
     nnunet-triton predict  -i IN -o OUT [request options] ...  /  info [--json]          (cli.predict)
-    nnunet-triton validate (--model RESULTS_FOLDER | --against DIR) -i CASES ...        (cli.validate)
+    nnunet-triton validate (--model-dir RESULTS_FOLDER | --against DIR) -i CASES ...        (cli.validate)
     nnunet-triton listen   --spool DIR --destination ... / requeue / node-status         (cli.listen)
     nnunet-triton install-backend pytorch [--source DIR]                               (cli.install_backend)
 

@@ -13,7 +13,7 @@ from typing import Any
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner, Target
 from nnunet_triton.builder.repository import VersionChoice, build_ensemble_repository, build_repository
-from nnunet_triton.cli.common import DeprecatedAlias, endpoint_name, endpoint_version
+from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, endpoint_name, endpoint_version
 from nnunet_triton.errors import NnunetTritonError, PlansError
 from nnunet_triton.io_names import ENDPOINT_MODEL
 from nnunet_triton.numerics.model_folder import parse_fold, read_model_folder
@@ -61,14 +61,16 @@ def endpoint_choice(args: argparse.Namespace) -> VersionChoice:
 
 
 def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> None:
-    """The builder's flags (``--model``, ``--out``, ``--target``, ...) on a parser or argument group;
+    """The builder's flags (``--model-dir``, ``--out``, ``--target``, ...) on a parser or argument group;
     ``serve`` takes the model folders as its positional arguments and the output as ``--model-repository``."""
     if model_required:
-        p.add_argument("--model", required=True, type=Path, nargs="+",
-                       help="results folder with plans.json, dataset.json and fold_<k>/checkpoint_final.pth; "
+        add_model_dir_argument(p, required=True, nargs="+",
+                               help="results folder with plans.json, dataset.json and "
+                                    "fold_<k>/checkpoint_final.pth; "
                             "two or more folders build an ensemble of configurations (nnUNetv2_ensemble)")
     p.add_argument("--configuration", nargs="+", default=None,
-                   help="check that the checkpoints use this configuration (one per --model, or one for all)")
+                   help="check that the checkpoints use this configuration (one per --model-dir, or one "
+                        "for all)")
     p.add_argument("--folds", nargs="+", type=parse_fold, default=None, help="default: all fold_<k> found")
     if out:
         p.add_argument("--out", type=Path, default=DEFAULT_OUT,
@@ -123,7 +125,7 @@ def _configurations(models: Sequence[Path], given: Sequence[str] | None) -> list
         return [None] * len(models)
     if len(given) not in (1, len(models)):
         raise PlansError(
-            f"--configuration takes one value or one per --model ({len(models)}), got {list(given)}.")
+            f"--configuration takes one value or one per --model-dir ({len(models)}), got {list(given)}.")
     wanted = list(given) * len(models) if len(given) == 1 else list(given)
     if len(models) > 1:
         for model, configuration in zip(models, wanted, strict=True):

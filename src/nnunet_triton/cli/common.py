@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
@@ -20,8 +21,9 @@ from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_TILE_STEP_SI
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_PORTS
 
 __all__ = ["DEFAULT_PORTS", "URL_ENV", "add_connection_arguments", "add_request_option_arguments",
-           "add_endpoint_selection", "connection_tls", "DeprecatedAlias", "endpoint_model", "endpoint_name",
-           "endpoint_version", "request_options", "url", "say", "positive_int"]
+           "add_endpoint_selection", "add_model_dir_argument", "connection_tls", "DeprecatedAlias",
+           "endpoint_model", "endpoint_name", "endpoint_version", "request_options", "url", "say",
+           "positive_int"]
 
 URL_ENV = "NNUNET_TRITON_URL"
 
@@ -76,6 +78,17 @@ class DeprecatedAlias(argparse.Action):
         say(f"warning: {option_string} is deprecated and will be removed in the next release; "
             f"use {self.replacement}")
         setattr(namespace, self.dest, values)
+
+
+def add_model_dir_argument(parser: Any, *, help: str, nargs: str | None = None, required: bool = False,
+                           default: Any = None) -> None:
+    """``--model-dir`` (dest ``model``): an nnU-Net results folder; ``--model`` is its deprecated spelling
+    (accepted with a warning for one release). ``required``: one of the two must be given. ``parser`` may be
+    a mutually exclusive group (``validate``'s ``--model-dir | --against``)."""
+    group = parser.add_mutually_exclusive_group(required=True) if required else parser
+    group.add_argument("--model-dir", dest="model", type=Path, nargs=nargs, default=default, help=help)
+    group.add_argument("--model", dest="model", type=Path, nargs=nargs, action=DeprecatedAlias,
+                       replacement="--model-dir", help="deprecated spelling of --model-dir")
 
 
 def add_endpoint_selection(parser: argparse.ArgumentParser, *, model_aliases: bool = True) -> None:

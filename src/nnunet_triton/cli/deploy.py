@@ -1,11 +1,12 @@
 """``nnunet-triton deploy | undeploy``: one command from an nnU-Net results folder to a serving endpoint
 (a checkout's ``make deploy`` / ``make undeploy`` run these).
 
-    nnunet-triton deploy --model <results folder> [<more folders>] [--endpoint N [N ...]] [--configuration C]
+    nnunet-triton deploy --model-dir <results folder> [<more folders>] [--endpoint N [N ...]]
+        [--configuration C]
         [--folds 0 1] [--target embedded|docker|k8s] [--out DIR] [--execute]
     nnunet-triton undeploy [--target embedded|docker|k8s] [--out DIR] [--execute]
 
-Several models behind one server: ``--model A B --endpoint liver lung`` (one name per folder) builds each
+Several models behind one server: ``--model-dir A B --endpoint liver lung`` (one name per folder) builds each
 folder as its own endpoint (``liver``, ``lung``, with their typed copies and pinned versions) into ONE
 repository, served by one server (one container, one Deployment) sized for all of them; without
 ``--endpoint``, or with one name, the folders are one endpoint of that name (default ``nnunet``; two or more
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.cli.common import DeprecatedAlias, endpoint_name
+from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, endpoint_name
 from nnunet_triton.cli.serve import add_tls_arguments, tls_settings
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
@@ -95,7 +96,7 @@ class EndpointPlan:
 
 def endpoint_plans(models: Sequence[Path], names: Sequence[str] | None = None,
                    configurations: Sequence[str] | None = None) -> tuple[EndpointPlan, ...]:
-    """The endpoints ``--model``, ``--endpoint`` and ``--configuration`` ask for.
+    """The endpoints ``--model-dir``, ``--endpoint`` and ``--configuration`` ask for.
 
     No name or one name: every folder under that name (default ``nnunet``; several folders: an ensemble of
     configurations). One name per folder: one endpoint per folder, in the same order. No folder: none
@@ -115,12 +116,14 @@ def endpoint_plans(models: Sequence[Path], names: Sequence[str] | None = None,
     folders = [str(m) for m in models]
     if len(names) > 1 and len(names) != len(models):
         raise NnunetTritonError(
-            f"--endpoint takes one name (every --model folder under it: several folders are an ensemble of "
-            f"configurations) or one name per --model folder (one endpoint each, one server): got "
-            f"{len(names)} names {list(names)} for {len(models)} --model folder(s) {folders}.")
+            f"--endpoint takes one name (every --model-dir folder under it: several folders are an "
+            f"ensemble of "
+            f"configurations) or one name per --model-dir folder (one endpoint each, one server): got "
+            f"{len(names)} names {list(names)} for {len(models)} --model-dir folder(s) {folders}.")
     given = tuple(configurations or ())
     if given and len(given) not in (1, len(models)):
-        raise NnunetTritonError(f"--configuration takes one value or one per --model folder ({len(models)}: "
+        raise NnunetTritonError(f"--configuration takes one value or one per --model-dir folder "
+                                f"({len(models)}: "
                                 f"{folders}), got {list(given)}.")
     wanted = given * len(models) if len(given) == 1 else given or (None,) * len(models)
     if len(names) > 1:
@@ -135,18 +138,19 @@ def _read_configs(args: argparse.Namespace) -> dict[str, Any]:  # {endpoint name
     from nnunet_triton.numerics.model_folder import read_model_folder
 
     if not args.endpoints:
-        raise NnunetTritonError(f"--target {args.target} needs --model (an nnU-Net results folder).")
+        raise NnunetTritonError(f"--target {args.target} needs --model-dir (an nnU-Net results folder).")
     for endpoint in args.endpoints:
         if endpoint.ensemble and args.target != "embedded":
             raise NnunetTritonError(
                 f"--target {args.target} serves one model folder per endpoint, got {len(endpoint.models)} "
                 f"for {endpoint.name!r} ({', '.join(map(str, endpoint.models))}); an ensemble of "
                 "configurations is deployed with --target embedded or built with `nnunet-triton build "
-                "--model A B`, several endpoints in one server with one --endpoint per --model (--model A B "
+                "--model-dir A B`, several endpoints in one server with one --endpoint per --model-dir "
+                "(--model-dir A B "
                 "--endpoint liver lung).")
         for model in endpoint.models:
             if not (model / "plans.json").is_file():
-                raise NnunetTritonError(f"--model {str(model)!r} is not an nnU-Net results folder.")
+                raise NnunetTritonError(f"--model-dir {str(model)!r} is not an nnU-Net results folder.")
     configs = {}
     for endpoint in args.endpoints:
         for index, (model, configuration) in enumerate(zip(endpoint.models, endpoint.configurations,
@@ -485,7 +489,7 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
         if missing:
             raise NnunetTritonError(
                 f"the repository {str(repo)} has no endpoint(s) {missing} (it holds {list(info.endpoints)}); "
-                "build them into it first (`nnunet-triton deploy --target docker --model A B --endpoint "
+                "build them into it first (`nnunet-triton deploy --target docker --model-dir A B --endpoint "
                 "liver lung` shows how), or leave out --endpoint to serve what it holds.")
     else:
         info = deploy.RepositoryInfo.planned(_read_configs(args), _build_options(args, "gpu"))
@@ -564,19 +568,21 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
                    help="k8s: run the cpu Deployment here with podman kube play (undeploy: kube down)")
     if undeploy:
         return
-    p.add_argument("--model", type=Path, nargs="+", default=None,
-                   help="nnU-Net results folder(s): with one --endpoint per folder each is its own endpoint "
+    add_model_dir_argument(p, nargs="+",
+                           help="nnU-Net results folder(s): with one --endpoint per folder each is its "
+                                "own endpoint "
                         "in one server; else one endpoint (several folders, embedded only: an ensemble of "
                         "configurations); k8s with a built --repository needs none")
     p.add_argument("--name", type=endpoint_name, nargs="+", dest="name", action=DeprecatedAlias,
                    replacement="--endpoint", help="deprecated spelling of --endpoint")
     p.add_argument("--endpoint", type=endpoint_name, nargs="+", default=None, dest="name",
-                   help=f"endpoint names, one per --model folder (--model A B --endpoint liver lung: two "
+                   help=f"endpoint names, one per --model-dir folder (--model-dir A B --endpoint liver "
+                        f"lung: two "
                         f"endpoints in one repository and one server), or one for all of them (default "
                         f"{io_names.ENDPOINT_MODEL}); k8s with a built --repository: the endpoints it must "
                         "hold")
     p.add_argument("--configuration", nargs="+", default=None,
-                   help="check the checkpoints' configuration: one for every --model folder or one per "
+                   help="check the checkpoints' configuration: one for every --model-dir folder or one per "
                         "folder")
     p.add_argument("--folds", nargs="+", type=lambda s: s if s == "all" else int(s), default=None)
     p.add_argument("--tile-batch-size", type=int, default=4)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.builder.torchscript import PRECISIONS, ExportOptions, export_folds
+from nnunet_triton.cli.common import add_model_dir_argument
 from nnunet_triton.errors import ExportError, PlansError
 from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME, detect_folds, parse_fold
 
@@ -27,9 +28,9 @@ def add_parsers(sub: Any) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, type=Path, nargs="+",
-                        help="nnU-Net results folder(s) (plans.json, dataset.json, fold_k/); several: "
-                             "each goes to <out>/<folder name>/")
+    add_model_dir_argument(parser, required=True, nargs="+",
+                           help="nnU-Net results folder(s) (plans.json, dataset.json, fold_k/); several: "
+                                "each goes to <out>/<folder name>/")
     parser.add_argument("--folds", nargs="+", type=parse_fold, default=None,
                         help="folds to export (default: every fold_k with a checkpoint)")
     parser.add_argument("--out", required=True, type=Path, help="output folder for fold_<k>.pt")

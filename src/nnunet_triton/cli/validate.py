@@ -1,12 +1,12 @@
 """``nnunet-triton validate``: does the endpoint answer what nnU-Net answers, on these cases?
 
-    nnunet-triton validate --model RESULTS_FOLDER -i CASES [--record DIR] [--url ...]
+    nnunet-triton validate --model-dir RESULTS_FOLDER -i CASES [--record DIR] [--url ...]
         [--min-dice 0.999 | --exact]
     nnunet-triton validate --against DIR -i CASES [--url ...]
     nnunet-triton validate --against DIR_OF_V1 --endpoint liver --endpoint-version 2 -i CASES   (a new version
         before it is promoted: its pinned endpoint liver__v2 against the answers recorded from version 1)
 
-With ``--model`` every case goes through nnU-Net's own ``nnUNetPredictor`` here (CPU) and through the
+With ``--model-dir`` every case goes through nnU-Net's own ``nnUNetPredictor`` here (CPU) and through the
 endpoint, with the same folds (default: every deployed fold), step size and mirroring; ``--record DIR``
 also stores the endpoint's answers as a reference set (only when every case passed). ``--against DIR``
 compares with a reference set instead, without nnU-Net. The report (``validation.md``, ``.html``,
@@ -27,6 +27,7 @@ from nnunet_triton import __version__, io_names
 from nnunet_triton.cli.common import (
     add_connection_arguments,
     add_endpoint_selection,
+    add_model_dir_argument,
     add_request_option_arguments,
     connection_tls,
     endpoint_model,
@@ -55,11 +56,11 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("validate", help="compare the endpoint with nnU-Net (or a recorded reference set)")
     p.set_defaults(run=lambda args: validate(args, url(args)))
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, help="the nnU-Net results folder the endpoint was built from")
+    add_model_dir_argument(source, help="the nnU-Net results folder the endpoint was built from")
     source.add_argument("--against", type=Path, help="a reference set recorded earlier (--record)")
     p.add_argument("-i", "--input", required=True, type=Path, help="file, case folder or DICOM folder")
     p.add_argument("--record", type=Path, default=None,
-                   help="with --model: store the endpoint's answers here")
+                   help="with --model-dir: store the endpoint's answers here")
     p.add_argument("--report", type=Path, default=Path("validation_report"), help="report folder")
     add_request_option_arguments(p, probabilities="also compare the probabilities")
     p.add_argument("--min-dice", type=float, default=0.999, help="per label (default 0.999)")
@@ -93,7 +94,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
     from nnunet_triton.client.jobs import collect_jobs
 
     if args.record is not None and args.model is None:
-        raise InputValidationError("--record needs --model: a reference set is recorded from a validated "
+        raise InputValidationError("--record needs --model-dir: a reference set is recorded from a validated "
                                    "run.")
     thresholds = Thresholds(min_dice=args.min_dice, exact=args.exact)
     jobs = collect_jobs(args.input)
@@ -118,11 +119,12 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
         config = read_model_folder(args.model, folds=folds)
         if io_names.COMBINE_MODEL in description.composing_models or config.previous_stage is not None:
             raise InputValidationError(
-                "validate --model compares with one nnU-Net configuration; the endpoint is an ensemble of "
+                "validate --model-dir compares with one nnU-Net configuration; the endpoint is an "
+                "ensemble of "
                 "configurations or a cascade, which validate does not reproduce yet.")
         mismatch = deployment_mismatch(published, config)
         if mismatch:
-            raise InputValidationError(f"the server at {server_url} serves another model than --model "
+            raise InputValidationError(f"the server at {server_url} serves another model than --model-dir "
                                        f"{args.model} (" + "; ".join(mismatch) + ").")
         reference = NnunetReference(args.model, options, postprocessing=published.get("postprocessing"))
         kind = "nnU-Net (nnUNetPredictor, CPU)"

@@ -11,7 +11,7 @@ with :data:`EXIT_BAD_REPOSITORY` and one clear line when it cannot be served, so
 (:data:`RESTART_POLICY`) restarts a crashed or killed server but gives up on a repository that never
 loads.
 
-One server serves the whole repository: every endpoint name (``nnunet-triton deploy --model A B --endpoint
+One server serves the whole repository: every endpoint name (``nnunet-triton deploy --model-dir A B --endpoint
 liver lung``), every version of each, and their public and pinned endpoints; sizes add up over them
 (:func:`~nnunet_triton.server.deploy.sizing.plan_memory`).
 
@@ -339,7 +339,8 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
 
     Runs ``docker/export_in_container.sh`` in ``python:3.11-slim`` (the builder's Python, with pip's
     torch): pip torch ``torch_version`` (2.10.0 = libtorch 2.10 of Triton 25.12),
-    then ``python -m repository.build --model /models/<name> --out /out/<name> <builder_args>``; the result
+    then ``python -m repository.build --model-dir /models/<name> --out /out/<name> <builder_args>``; the
+    result
     is handed to ``uid:gid``. The model folder's parent is mounted (read-only) so that a cascade stage finds
     its previous stage (nnU-Net's sibling folder). fp16 exports trace under CUDA autocast: ``--gpus``.
     """
@@ -353,7 +354,7 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
         "--env", f"REPOSITORY_OUT=/out/{out.name}",
         "--env", f"HOST_UID={uid}", "--env", f"HOST_GID={gid}",
         "--env", f"TORCH_VERSION={torch_version}", "--env", f"TORCHVISION_VERSION={torchvision_version}",
-        EXPORT_IMAGE, "bash", "/src/docker/export_in_container.sh", "--model", f"/models/{model.name}",
+        EXPORT_IMAGE, "bash", "/src/docker/export_in_container.sh", "--model-dir", f"/models/{model.name}",
         *builder_args,
     )
 
@@ -372,7 +373,7 @@ def cpu_export_command(spec: DeploySpec, *, source_root: str, model_dir: str, ou
         "--volume", f"{source_root}:/src:ro",
         "--volume", f"{model.parent}:/models:ro",
         "--volume", f"{out.parent}:/out",
-        spec.export_image_tag, "python3", "-m", "repository.build", "--model", f"/models/{model.name}",
+        spec.export_image_tag, "python3", "-m", "repository.build", "--model-dir", f"/models/{model.name}",
         "--out", f"/out/{out.name}", *builder_args,
     )
 

@@ -1,7 +1,8 @@
 """Kubernetes manifests (a kustomize base) for one Triton per GPU (or per CPU pod) behind a Service, scaled on
 queue time. The cpu variant (``gpus=0``, the cpu image) is what ``podman kube play`` runs on a CPU host.
 
-One Deployment serves the whole repository: every endpoint name in it (``deploy --model A B --endpoint liver
+One Deployment serves the whole repository: every endpoint name in it (``deploy --model-dir A B
+    --endpoint liver
 lung``), every version and their public and pinned endpoints, loaded by one server per pod and sized for
 all of them together; its pod template carries the repository's input hash (a new build of any endpoint
 rolls the pods) and the endpoint names.

@@ -242,7 +242,7 @@ def _read_registry(repo: Path) -> Registry:
     if registry is None:
         raise DeployError(
             f"{str(repo)!r} is not a built model repository: {io_names.REPOSITORY_METADATA_FILE} is missing "
-            "(build it with `nnunet-triton build --model <results folder> --out <dir>`)."
+            "(build it with `nnunet-triton build --model-dir <results folder> --out <dir>`)."
         )
     if not registry.endpoints:
         raise DeployError(f"{str(repo)!r} holds no endpoint (every one was removed): build one.")
