@@ -243,7 +243,7 @@ def test_nnunet_client_reaches_the_endpoint_with_the_ca_and_a_client_certificate
         client.check_ready()
     for name, path in ((CA_ENV, certs.ca), (CERT_ENV, certs.client_cert), (KEY_ENV, certs.client_key)):
         monkeypatch.setenv(name, str(path))
-    with NnunetClient(url, protocol, model_name=ENDPOINT) as client:  # the files from the environment
+    with NnunetClient(url, protocol, endpoint=ENDPOINT) as client:  # the files from the environment
         client.check_ready()
 
 

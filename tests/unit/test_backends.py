@@ -63,7 +63,7 @@ def test_server_start_refuses_a_repository_whose_backend_is_missing_before_start
 
     assert str(refused.value) == (
         "model 'fold_0' needs Triton backend 'pytorch', which this server lacks (it has python): build it "
-        "with `nnunet-triton install-backend pytorch` (or `make triton-backends`).")
+        "with `nnunet-triton install-backend pytorch` (a checkout: `make triton-backends`).")
     assert not log.exists()  # refused before tritonserver ran
 
 
@@ -80,5 +80,5 @@ def test_serve_command_refuses_a_missing_backend_in_one_line(tmp_path, capsys):
     assert code == 2
     assert lines[-1] == (
         "nnunet-triton: model 'fold_0' needs Triton backend 'pytorch', which this server lacks (it has "
-        "onnxruntime, python): build it with `nnunet-triton install-backend pytorch` (or "
-        "`make triton-backends`).")
+        "onnxruntime, python): build it with `nnunet-triton install-backend pytorch` (a "
+        "checkout: `make triton-backends`).")

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S
+
 
 def _request_seconds(client: Any, array: np.ndarray, repeats: int) -> float:
     import tritonclient.http as httpclient
@@ -62,9 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 state_file=run / "server.json", recovery=False, tls=tls)
         try:
             assert handle.proxy_url is not None
-            direct = httpclient.InferenceServerClient(handle.http_url, network_timeout=600)
+            direct = httpclient.InferenceServerClient(handle.http_url,
+                                                     network_timeout=DEFAULT_CLIENT_TIMEOUT_S)
             proxied = httpclient.InferenceServerClient(
-                handle.proxy_url, network_timeout=600,
+                handle.proxy_url, network_timeout=DEFAULT_CLIENT_TIMEOUT_S,
                 **ClientTls(certs.ca, certs.client_cert, certs.client_key).http_kwargs())
             print("| request body | straight to Triton (HTTP) | through the proxy (HTTPS, buffered) "
                   "| ratio |")

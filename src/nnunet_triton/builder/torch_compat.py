@@ -45,7 +45,7 @@ class TritonRelease:
     python: str  # the Python-backend stub's Python
 
 
-# 24.10: checked against its sources (triton.md section 8). 25.12: from NGC's release notes as recalled, NOT
+# 24.10: checked against its sources (r24.10 trees). 25.12: from NGC's release notes as recalled, NOT
 # checked offline (no NGC page or image reachable here; docs/deploy.md marks it unverified): the GPU image's
 # build checks the libtorch and Python it really has (docker/Dockerfile). Other releases need an explicit
 # libtorch version.

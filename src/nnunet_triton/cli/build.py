@@ -81,7 +81,8 @@ def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> N
     p.add_argument("--tile-batch-size", type=int, default=BuildOptions.tile_batch_size,
                    help="tiles per fold request = fold models' max_batch_size")
     p.add_argument("--fold-runner", choices=[r.value for r in FoldRunner], default=None,
-                   help="default: python on cpu, libtorch on gpu (on cpu: needs `make triton-backends`)")
+                   help="default: python on cpu, libtorch on gpu (on cpu: needs `nnunet-triton "
+                        "install-backend pytorch`; a checkout: `make triton-backends`)")
     p.add_argument("--precision", choices=export.PRECISIONS, default="fp32", help="fold networks (fp16: gpu)")
     p.add_argument("--export-device", default=None, help="device to trace on (default cpu; cuda for fp16)")
     p.add_argument("--torch-threads", type=int, default=0, help="Python runner threads (0: torch default)")

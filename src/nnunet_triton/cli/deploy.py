@@ -598,7 +598,8 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--backend-directory", action="append", type=Path, default=None,
                    help="embedded, repeatable: a folder of further Triton backends merged with the Python "
-                        "backend (default: build/triton-backends when `make triton-backends` made it)")
+                        "backend (default: build/triton-backends when `nnunet-triton install-backend "
+                        "pytorch` made it; a checkout: `make triton-backends`)")
     add_tls_arguments(p)
     gpu = p.add_argument_group("docker and k8s")
     gpu.add_argument("--variant", choices=("auto", *docker.VARIANTS), default="auto",

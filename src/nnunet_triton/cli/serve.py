@@ -65,8 +65,9 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
                        help="no watchdog: a model whose process dies stays broken until a restart")
     serve.add_argument("--backend-directory", action="append", type=Path, default=None,
                        help="repeatable: a folder of further Triton backends (<name>/libtriton_<name>.so), "
-                            "merged with the Python backend (default: build/triton-backends when `make "
-                            "triton-backends` made it)")
+                            "merged with the Python backend (default: build/triton-backends when "
+                            "`nnunet-triton install-backend pytorch` made it; a checkout: `make "
+                            "triton-backends`)")
     serve.add_argument("--server-arg", action="append", default=[],
                        help="extra tritonserver flag, e.g. --server-arg=--log-verbose=1")
     serve.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default 300)")

@@ -27,7 +27,8 @@ __all__ = ["BUILD_HINTS", "available_backends", "check_backends", "default_backe
 _PLATFORM_BACKENDS = {"pytorch_libtorch": "pytorch", "onnxruntime_onnx": "onnxruntime",
                       "tensorrt_plan": "tensorrt", "tensorflow_savedmodel": "tensorflow",
                       "tensorflow_graphdef": "tensorflow"}
-BUILD_HINTS = {"pytorch": "build it with `nnunet-triton install-backend pytorch` (or `make triton-backends`)"}
+BUILD_HINTS = {"pytorch": "build it with `nnunet-triton install-backend pytorch` "
+                          "(a checkout: `make triton-backends`)"}
 _TOP_LEVEL = re.compile(r'^(backend|platform)\s*:\s*"([^"]+)"', re.MULTILINE)
 
 
