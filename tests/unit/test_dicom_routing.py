@@ -396,3 +396,39 @@ def test_listen_refuses_a_bad_model_name_and_default_model_settings_without_a_de
     assert code == 2
     assert f"--modality and --dataset-json are the default model's, and routes file {routes} has none" in (
         capsys.readouterr().err)
+
+
+def test_listen_keeps_its_spool_private_from_other_local_users(tmp_path):
+    """The node's spool (patients' images, names in logs) is 0700 whatever the caller's umask: another local
+    user cannot list or read it."""
+    import os
+    import signal
+    import socket
+    import stat
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    spool = tmp_path / "spool"
+    served = {"nnunet": _published("CT", {"background": 0, "organ": 1})}
+    with FakeTriton(served) as server:
+        node = subprocess.Popen(
+            [sys.executable, "-m", "nnunet_triton.cli", "listen", "--url", server.url, "--spool", str(spool),
+             "--port", str(port), "--destination", "PACS@127.0.0.1:104"],
+            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.umask(0o022))
+        try:
+            lines = []
+            for line in node.stderr:  # until the node says it listens (or exits)
+                lines.append(line)
+                if "listening as" in line:
+                    break
+            assert any("listening as" in line for line in lines), "".join(lines)
+            modes = {path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.stat().st_mode)
+                     for path in (spool, *spool.rglob("*"))}
+            assert modes and all(mode & 0o077 == 0 for mode in modes.values()), modes
+        finally:
+            node.send_signal(signal.SIGTERM)
+            node.communicate(timeout=60)
+    assert node.returncode == 0

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -303,6 +304,9 @@ def listen(args: argparse.Namespace, server_url: str) -> int:
     limits = SpoolLimits(max_spool_bytes=args.max_spool_bytes, max_instance_bytes=args.max_instance_bytes,
                          max_instances_per_series=args.max_instances_per_series,
                          done_retention_s=args.done_retention, failed_retention_s=args.failed_retention)
+    # private by default: the spool holds patients' images and names; files 0600 and folders 0700 for as long
+    # as the node runs (restored after, for a caller that runs the node inside a longer process)
+    previous_umask = os.umask(0o077)
     try:
         node = DicomNode(NodeConfig(
             ae_title=args.ae_title, port=args.port, host=args.host, spool=args.spool, destination=destination,
@@ -310,6 +314,7 @@ def listen(args: argparse.Namespace, server_url: str) -> int:
             retry_delay_s=args.retry_delay, max_retry_delay_s=args.max_retry_delay,
             retry_window_s=args.retry_window, access=access, limits=limits, max_busy_s=args.max_busy))
     except BaseException:
+        os.umask(previous_umask)
         for client in clients:
             client.close()
         raise
@@ -331,6 +336,7 @@ def listen(args: argparse.Namespace, server_url: str) -> int:
         for client in clients:
             client.close()
         signal.signal(signal.SIGTERM, previous)
+        os.umask(previous_umask)
     if node.fatal is not None:
         sys.stderr.write(f"nnunet-triton: the DICOM node stopped: {node.fatal}\n")
         return EXIT_FATAL
