@@ -3,7 +3,6 @@ node-status``) and failed series back to work (:func:`requeue`, ``nnunet-triton 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 from nnunet_triton.client.dicom.spool import Spool, SpoolLimits, durable_json, read_json
 from nnunet_triton.client.dicom.uids import shown, valid_uid
+from nnunet_triton.util.process import pid_alive
 
 __all__ = ["read_status", "requeue"]
 
@@ -25,7 +25,7 @@ def read_status(spool: Path, *, max_age_s: float | None = None) -> tuple[bool, d
     age = time.time() - float(status.get("updated", 0))
     limit = max_age_s if max_age_s is not None else 3 * float(status.get("heartbeat_s", 2.0)) + 10.0
     pid = int(status.get("pid", 0))
-    alive = pid > 0 and _pid_alive(pid)
+    alive = pid > 0 and pid_alive(pid)
     if status.get("state") == "unhealthy" or status.get("worker_stuck"):
         return False, status
     if not alive:
@@ -33,16 +33,6 @@ def read_status(spool: Path, *, max_age_s: float | None = None) -> tuple[bool, d
     if age > limit:
         return False, {**status, "state": "unhealthy", "reason": f"no heartbeat for {age:.0f} s (hung?)"}
     return True, status
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def requeue(spool: Path, series: Sequence[str] = ()) -> list[str]:
