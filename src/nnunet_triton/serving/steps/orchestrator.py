@@ -91,7 +91,7 @@ class OrchestratorStep(AsyncStep):
         check_preprocessed(f"input {io_names.PREPROCESSED!r}", tuple(data.shape),
                            channels=self.config.network.num_input_channels,
                            num_heads=self.config.labels.num_segmentation_heads,
-                           ndim=len(self.config.patch_size), max_voxels=self.limits.max_voxels,
+                           max_voxels=self.limits.max_voxels,  # 3 spatial dims for 2D configurations too
                            max_request_bytes=self.limits.max_request_bytes)
         return {io_names.PREPROCESSED: self.device.tensor(data), "request": request}
 
