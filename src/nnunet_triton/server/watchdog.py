@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.errors import ServerError
+from nnunet_triton.parameters import DEFAULT_HTTP_PORT
 from nnunet_triton.server.health import (
     ModelHealth,
     StubProcess,
@@ -375,7 +376,7 @@ def _spawn_server(launch: LaunchSpec) -> subprocess.Popen[bytes]:
 
 
 def _http_port(server_args: Sequence[str]) -> int:
-    port = 8000
+    port = DEFAULT_HTTP_PORT  # Triton's own default when no --http-port is given
     for arg in server_args:
         if arg.startswith("--http-port="):
             port = int(arg.split("=", 1)[1])
