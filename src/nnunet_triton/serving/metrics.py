@@ -17,9 +17,12 @@ Every step (all three Python models):
 Every step that reads tensors from another model (orchestrator, stitch, ensemble combine):
     nnunet_host_fallbacks_total       counter    tensors from another model that a KIND_GPU instance
                                                  received in host memory (label ``tensor``: PREPROCESSED,
-                                                 OUTPUT__0, LOGITS, ...): Triton falls back to host memory
-                                                 when the CUDA memory pool is full; 0 on KIND_CPU. Each
-                                                 instance also logs the first fallback of each tensor.
+                                                 OUTPUT__0, LOGITS, ...): an ensemble's tensors may be
+                                                 handed over in host memory when the CUDA memory pool is
+                                                 full (a BLS output such as OUTPUT__0 does not fall back in
+                                                 r24.10: ``serving.bls``), so its label stays 0 unless a
+                                                 fold answers on the host; 0 on KIND_CPU. Each instance
+                                                 also logs the first fallback of each tensor.
 ``orchestrator_model`` only (successful requests):
     nnunet_tiles_total                counter    sliding-window tile positions (once per request,
                                                  independent of folds and mirroring)
