@@ -27,6 +27,7 @@ from nnunet_triton.builder.repository import build_repository
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.client.endpoint import describe_endpoint
 from nnunet_triton.errors import ServerError
+from nnunet_triton.server.handle import ServerHandle
 
 FOLDS = (0,)
 TILE_BATCH = 4
@@ -127,12 +128,12 @@ def _fold_infer(url: str, tiles: np.ndarray) -> np.ndarray:
         client.close()
 
 
-def _batch_sizes(url: str) -> dict[int, int]:
+def _batch_sizes(server: ServerHandle) -> dict[int, int]:
     import tritonclient.http as http
 
-    client = http.InferenceServerClient(url)
-    try:
-        stats = client.get_inference_statistics("fold_0")["model_stats"][0]
+    client = http.InferenceServerClient(server.http_url)
+    try:  # the statistics API is restricted to the launcher's token
+        stats = client.get_inference_statistics("fold_0", headers=server.control_headers)["model_stats"][0]
     finally:
         client.close()
     return {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])}
@@ -144,7 +145,7 @@ def test_libtorch_batched_mode_merges_concurrent_requests_within_the_bound(batch
     from nnunet_triton.validate.oracle import nnunet_predictor
 
     requests = [_tiles(TILE_BATCH, seed) for seed in (1, 2)]
-    before = _batch_sizes(batched_server.http_url)  # the warm-up ran batches of 1, 4 and 8 already
+    before = _batch_sizes(batched_server)  # the warm-up ran batches of 1, 4 and 8 already
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda tiles: _fold_infer(batched_server.http_url, tiles), requests))
     network = nnunet_predictor(model_dir(SYNTHCT), folds=FOLDS).network.eval()
@@ -152,7 +153,7 @@ def test_libtorch_batched_mode_merges_concurrent_requests_within_the_bound(batch
         expected = [np.concatenate([network(torch.from_numpy(t[None])).numpy() for t in tiles])
                     for tiles in requests]
     diff = max(float(np.abs(a - e).max()) for a, e in zip(answers, expected, strict=True))
-    after = _batch_sizes(batched_server.http_url)
+    after = _batch_sizes(batched_server)
     sizes = {size: n - before.get(size, 0) for size, n in after.items() if n > before.get(size, 0)}
     report = REPO_ROOT / "build" / "reports" / "libtorch_batched.json"
     report.parent.mkdir(parents=True, exist_ok=True)
