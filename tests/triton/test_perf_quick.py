@@ -68,7 +68,9 @@ def test_quick_run_measures_every_system_when_run_on_the_fixture(quick_run: Path
     for row in rows:
         latency = row["latency_ms"]
         assert row["ok"] and 0 < latency["p50"] <= latency["p90"] <= latency["p95"] <= latency["p99"], row
-        assert row["requests"] == (3 if row["protocol"] == "grpc" else 1), row  # 3 windows / 1 repetition
+        # at least 3 windows of one request / 1 repetition (perf_analyzer may count a request that ended
+        # inside a window it then discarded for stability, so more than 3 is allowed, fewer is not)
+        assert (row["requests"] >= 3) if row["protocol"] == "grpc" else (row["requests"] == 1), row
     by_system = {r["system"]: r for r in rows}
     endpoint, monolith = by_system["endpoint"], by_system["monolith"]
     assert (endpoint["folds"], endpoint["mirroring"]) == ([0, 1], False)
