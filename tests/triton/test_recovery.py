@@ -205,9 +205,11 @@ def test_killed_detached_tritonserver_is_restarted_its_leftovers_removed_and_sta
             1, started["http_port"], started["watchdog_pid"])
         assert not any(_parent(s.pid) is not None for s in stubs), "a stub process outlived the server"
         assert not any((SHM / s.shm_region).exists() for s in stubs), "a shm region outlived the server"
-        log = Path(started["log_file"]).with_name("tritonserver.watchdog.log").read_text()
-        assert f"tritonserver pid {started['pid']} exited without being stopped" in log
-        assert f"tritonserver restarted as pid {after['pid']}: ready" in log
+        log_file = Path(started["log_file"]).with_name("tritonserver.watchdog.log")
+        # the new pid is recorded before the server is ready; the watchdog logs after it saw it ready
+        wait_until(lambda: f"tritonserver restarted as pid {after['pid']}: ready" in log_file.read_text(),
+                   "the watchdog logged the restart", 30)
+        assert f"tritonserver pid {started['pid']} exited without being stopped" in log_file.read_text()
         handle = ServerHandle.from_state_file(tmp_path / "home" / "run" / "server.json")
         assert handle.is_ready() and handle.health().healthy
     finally:
@@ -274,7 +276,10 @@ def test_killed_tritonserver_is_restarted_by_the_watchdog_and_the_same_repositor
         assert handle.restarts == 1 and handle.model_repository == str(identity_model_repository)
         assert answers(handle)
         assert handle.watchdog_running()
-        events = [json.loads(line) for line in Path(handle.events_file).read_text().splitlines()]
+        events_file = Path(handle.events_file)  # written once the watchdog itself saw the server ready
+        wait_until(lambda: events_file.is_file() and '"restart"' in events_file.read_text(),
+                   "the watchdog recorded the restart", 30)
+        events = [json.loads(line) for line in events_file.read_text().splitlines()]
         restarts = [(e["event"], e["pid"], e["ok"]) for e in events if e.get("event")]
         assert restarts == [("restart", handle.pid, True)]
     assert not health.pid_alive(handle.pid)
