@@ -26,9 +26,12 @@ __all__ = ["DEFAULT_PROXY_IMAGE", "PROXY_PORT", "network_policy", "proxy_config_
 PROXY_PORT = 8443
 # nginx's own unprivileged image (uid 101, no root needed to bind 8443)
 DEFAULT_PROXY_IMAGE = "docker.io/nginxinc/nginx-unprivileged:1.27-alpine"
+# Paths inside the proxy sidecar's container, not on the host that renders the manifest: each is a volume
+# mount of the pod spec below (the TLS secret, the nginx config map, an emptyDir for the pid file, logs and
+# request bodies); the image's nginx runs from them.
 _TLS_DIR = Path("/etc/nnunet-triton/tls")
 _CONF_DIR = Path("/etc/nnunet-triton/nginx")
-_RUN_DIR = Path("/tmp/nginx")  # an emptyDir: pid file, logs, request bodies
+_RUN_DIR = Path("/tmp/nginx")
 
 
 def _config_name(spec: K8sSpec) -> str:
