@@ -8,6 +8,7 @@ import time
 import pytest
 
 from nnunet_triton.server.restart import LaunchSpec, RestartPolicy
+from nnunet_triton.server.server_config import TritonServerConfig
 from nnunet_triton.server.watchdog import Watchdog
 
 
@@ -37,7 +38,8 @@ def test_bad_policy_settings_are_refused_naming_the_values():
 
 def test_launch_spec_keeps_only_the_environment_the_server_had_on_top_of_the_watchdogs_and_no_secret(
         tmp_path):
-    spec = LaunchSpec.for_server(["tritonserver", "--http-port=1"], {"A": "1", "B": "2", "TOKEN": "t"},
+    spec = LaunchSpec.for_server(TritonServerConfig(("/models",), 1, 2, 3, 15),
+                                 {"A": "1", "B": "2", "TOKEN": "t"},
                                  {"A": "1", "TOKEN": "t"}, log_file=tmp_path / "log", pid_file=None,
                                  state_file=tmp_path / "server.json", secret_keys=("TOKEN",))
     spec.write(tmp_path / "launch.json")
@@ -47,7 +49,8 @@ def test_launch_spec_keeps_only_the_environment_the_server_had_on_top_of_the_wat
 
 
 def test_watchdog_gives_up_after_a_crash_loop_and_records_why(tmp_path):
-    spec = LaunchSpec(("false",), {}, str(tmp_path / "log"), None, None)
+    spec = LaunchSpec(TritonServerConfig(("/models",), 1, 2, 3, 15, server_bin="false"), {},
+                      str(tmp_path / "log"), None, None)
     events = tmp_path / "events.jsonl"
     watchdog = Watchdog("127.0.0.1:1", 2**22 + 1, [], "token", events_file=events, launch=spec,
                         policy=RestartPolicy(max_restarts=1))

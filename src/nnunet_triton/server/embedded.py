@@ -27,7 +27,17 @@ from nnunet_triton.server import backends, preload, proxy, watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, _http_ok, _tail
+from nnunet_triton.server.model_control import CONTROL_HEADER, RESTRICTED_APIS
 from nnunet_triton.server.restart import LaunchSpec
+from nnunet_triton.server.server_config import (
+    EMBEDDED,
+    GrpcTls,
+    MemoryPools,
+    TritonServerConfig,
+    flag_values,
+    server_config,
+    without_flag,
+)
 from nnunet_triton.server.thread_budget import ThreadBudget, decide_budget, repository_folds
 from nnunet_triton.server.triton_install import (
     DEFAULT_HOME,
@@ -36,9 +46,9 @@ from nnunet_triton.server.triton_install import (
     resolve_home,
     server_env,
 )
+from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = [
-    "DEFAULT_BACKEND_CONFIG",
     "DEFAULT_HOME",
     "prepare_home",
     "start",
@@ -46,21 +56,7 @@ __all__ = [
 
 LOGGER = logging.getLogger(__name__)
 
-DEFAULT_HOST = "127.0.0.1"
-# Python backend shared memory (one /dev/shm region per model instance, never shrunk; tmpfs pages are
-# only used once touched). 16 MiB holds a batch of fp16 128^3 tiles; the region then grows in 64 MiB
-# steps, rounded up to fit, so a whole CT volume (512x512x300 int16 = 150 MiB) costs one or two
-# growths instead of 150 one-MiB growths with Triton's defaults. /dev/shm must hold
-# (Python instances x largest CPU tensor in flight): give containers --shm-size of several GiB.
-# stub-timeout-seconds: the stub's start handshake; 30 s (default) is too short on a busy 2-core
-# machine once a stub imports torch.
-DEFAULT_BACKEND_CONFIG: Mapping[str, Mapping[str, str]] = {
-    "python": {
-        "shm-default-byte-size": str(16 * 2**20),
-        "shm-growth-byte-size": str(64 * 2**20),
-        "stub-timeout-seconds": "120",
-    }
-}
+DEFAULT_HOST = EMBEDDED.host  # the Python backend's shm sizes and the exit timeout: server_config.EMBEDDED
 _PR_SET_PDEATHSIG = 1
 # tritonserver, its stubs (they inherit it) and the watchdog create files and /dev/shm regions holding
 # images and logs: readable by the server's user only
@@ -73,48 +69,21 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def _backend_args(backend_config: Mapping[str, Mapping[str, object]] | None) -> list[str]:
-    merged = {name: dict(values) for name, values in DEFAULT_BACKEND_CONFIG.items()}
-    for name, values in (backend_config or {}).items():
-        merged.setdefault(name, {}).update(values)
-    return [
-        f"--backend-config={name},{key}={value}"
-        for name, values in merged.items()
-        for key, value in values.items()
-    ]
-
-
 @dataclass(frozen=True)
 class _Launch:
     """Everything one tritonserver start needs (built once per attempt in ``start``)."""
 
     installation: TritonInstallation
-    backend_dir: Path  # server.backends.merged_backend_dir: the wheel's python backend + built ones
-    model_repository: Path
-    host: str
-    http_port: int
-    grpc_port: int
-    metrics_port: int
+    server: TritonServerConfig  # the command line: ports, hosts, backend folder, pools, TLS, the token's flag
     log_file: Path
     pid_file: Path
     state_file: Path
-    model_control_mode: str
-    load_models: tuple[str, ...]
-    backend_args: tuple[str, ...]
-    extra_args: tuple[str, ...]
-    exit_timeout_s: int
     detach: bool
     thread_budget: ThreadBudget
     control_token: str | None  # the restricted APIs (model_control.RESTRICTED_APIS) need it
-    memory_args: tuple[str, ...] = ()  # the CUDA and pinned pools of a GPU repository (_memory_plan)
     memory_plan: dict[str, object] | None = None
-    grpc_host: str | None = None  # default: host; with TLS the public address (HTTP stays on loopback)
-    grpc_tls_args: tuple[str, ...] = ()  # Triton's own gRPC SSL flags (_grpc_tls_args)
     # server.preload's library: the token reaches tritonserver through its environment, not its command line
     preload_library: Path | None = None
-
-    def _flag_token(self) -> str | None:
-        return preload.PLACEHOLDER if self.preload_library and self.control_token else self.control_token
 
     def environment(self) -> dict[str, str]:
         env = {**server_env(self.installation), **self.thread_budget.environment()}
@@ -124,29 +93,26 @@ class _Launch:
         return env
 
     def command(self) -> list[str]:
-        return [
-            str(self.installation.server_bin),
-            f"--model-repository={self.model_repository}",
-            f"--backend-directory={self.backend_dir}",
-            f"--cache-directory={self.installation.cache_dir}",
-            f"--http-address={self.host}",
-            f"--http-port={self.http_port}",
-            f"--grpc-address={self.grpc_host or self.host}",
-            f"--grpc-port={self.grpc_port}",
-            f"--metrics-address={self.host}",
-            f"--metrics-port={self.metrics_port}",
-            f"--model-control-mode={self.model_control_mode}",
-            *(f"--load-model={name}" for name in self.load_models),
-            f"--exit-timeout-secs={self.exit_timeout_s}",
-            # Our configs are generated complete (config_gen); auto-complete only adds a stub round trip.
-            "--disable-auto-complete-config",
-            *self.backend_args,
-            *self.thread_budget.server_args(),
-            *self.memory_args,
-            *self.grpc_tls_args,
-            *(watchdog.restricted_api_args(token) if (token := self._flag_token()) else ()),
-            *self.extra_args,
-        ]
+        return self.server.to_args()
+
+
+def _server_config(launch_args: Mapping[str, object], ports: Mapping[str, int]) -> TritonServerConfig:
+    """The tritonserver config of one start attempt (``server_config.EMBEDDED`` and the launch choices)."""
+    token = launch_args["control_token"]
+    flag_token = preload.PLACEHOLDER if launch_args["preload_library"] and token else token
+    config = server_config(
+        str(launch_args["model_repository"]), EMBEDDED, load_models=launch_args["load_models"], ports=ports,
+        host=launch_args["host"], grpc_host=launch_args["grpc_host"],
+        exit_timeout_s=launch_args["exit_timeout_s"],
+        backend_config=launch_args["backend_config"], server_bin=str(launch_args["installation"].server_bin),
+        backend_directory=str(launch_args["backend_dir"]),
+        cache_directory=str(launch_args["installation"].cache_dir),
+        model_control_mode=launch_args["model_control_mode"], memory_pools=launch_args["memory_pools"],
+        rate_limit_resources=launch_args["thread_budget"].rate_limits(), grpc_tls=launch_args["grpc_tls"],
+        extra_args=launch_args["extra_args"])
+    if flag_token:
+        config = config.with_restricted_apis(RESTRICTED_APIS, CONTROL_HEADER, flag_token)
+    return config
 
 
 def _die_with_parent() -> None:
@@ -173,21 +139,22 @@ def _spawn(launch: _Launch) -> ServerHandle:
             umask=PRIVATE_UMASK,
         )
     try:
+        server = launch.server
         handle = ServerHandle(
             pid=process.pid,
-            host=launch.host,
-            http_port=launch.http_port,
-            grpc_port=launch.grpc_port,
-            metrics_port=launch.metrics_port,
-            model_repository=str(launch.model_repository),
+            host=server.http_address,
+            http_port=server.http_port,
+            grpc_port=server.grpc_port,
+            metrics_port=server.metrics_port,
+            model_repository=server.model_repositories[0],
             server_bin=command[0],
             log_file=str(launch.log_file),
             pid_file=str(launch.pid_file),
             state_file=str(launch.state_file),
-            exit_timeout_s=launch.exit_timeout_s,
+            exit_timeout_s=server.exit_timeout_s,
             thread_budget=launch.thread_budget.to_dict(),
             memory_plan=launch.memory_plan,
-            grpc_host=launch.grpc_host,
+            grpc_host=server.grpc_address,
             control_token=launch.control_token,
             _process=process,
         )
@@ -212,9 +179,7 @@ def _private_log(path: Path, *, truncate: bool) -> BinaryIO:
 
 def _write_state(path: Path, handle: ServerHandle) -> None:
     # holds the model-control token: readable by the owner only
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as state:
-        state.write(handle.to_json() + "\n")
+    write_text_atomic(path, handle.to_json() + "\n", mode=0o600)
 
 
 def _start_watchdog(handle: ServerHandle, launch: _Launch) -> None:
@@ -224,11 +189,11 @@ def _start_watchdog(handle: ServerHandle, launch: _Launch) -> None:
     log_path = launch.log_file.with_name(launch.log_file.stem + ".watchdog.log")
     watchdog_env = {**os.environ, watchdog.TOKEN_ENV: handle.control_token}
     launch_file = launch.state_file.with_name("launch.json")  # how the watchdog restarts a dead server
-    LaunchSpec.for_server(launch.command(), launch.environment(), watchdog_env, log_file=launch.log_file,
+    LaunchSpec.for_server(launch.server, launch.environment(), watchdog_env, log_file=launch.log_file,
                           pid_file=launch.pid_file, state_file=launch.state_file,
                           secret_keys=(watchdog.TOKEN_ENV,)).write(launch_file)
     command = [sys.executable, "-m", "nnunet_triton.server.watchdog", "--url", handle.http_url,
-               "--server-pid", str(handle.pid), "--model-repository", str(launch.model_repository),
+               "--server-pid", str(handle.pid), "--model-repository", launch.server.model_repositories[0],
                "--events-file", str(events), "--launch-file", str(launch_file),
                *(["--proxy-config", handle.proxy_config] if handle.proxy_config else [])]
     with _private_log(log_path, truncate=False) as log:
@@ -260,9 +225,8 @@ def visible_gpus(env: Mapping[str, str] | None = None, dev: Path = Path("/dev"))
     return len([p for p in dev.glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
 
 
-def _memory_plan(repo: Path, volume: VolumeSpec,
-                 gpus: int) -> tuple[tuple[str, ...], dict[str, object] | None]:
-    """Pool flags and their summary for a GPU repository built by this project (none otherwise).
+def _memory_plan(repo: Path, volume: VolumeSpec, gpus: int) -> tuple[MemoryPools, dict[str, object] | None]:
+    """Pool sizes and their summary for a GPU repository built by this project (Triton's defaults otherwise).
 
     Triton's CUDA pool (default 64 MiB) holds every tensor passed between models in device memory; when it
     is full Triton silently copies through pinned host memory (``nnunet_host_fallbacks_total``). The pools
@@ -272,15 +236,15 @@ def _memory_plan(repo: Path, volume: VolumeSpec,
     try:
         info = RepositoryInfo.from_repository(repo)
     except DeployError:
-        return (), None  # not a full repository of this project: Triton's defaults
+        return MemoryPools(), None  # not a full repository of this project: Triton's defaults
     if info.target != "gpu":
-        return (), None
+        return MemoryPools(), None
     plan = plan_memory(info, volume, gpus=max(1, gpus))
     summary = {**plan.summary(), "gpus": gpus, "volume": list(volume.shape)}
     LOGGER.info("memory plan for a %s volume: CUDA pool %s MiB on each of %d GPU(s), pinned pool %s MiB",
                 "x".join(map(str, volume.shape)), summary["cuda_pool_mib_per_gpu"], gpus,
                 summary["pinned_pool_mib"])
-    return plan.pool_args(gpus), summary
+    return plan.pools(gpus), summary
 
 
 def _repository_load_list(repositories: Sequence[Path]) -> tuple[str, ...]:
@@ -355,7 +319,8 @@ def start(
             ``"none"`` (load everything; no model-control API, so no recovery).
         recovery: run the watchdog (``server.watchdog``) that reloads a model whose process died;
             needs explicit model control. The model-repository API then needs ``handle.control_headers``.
-        backend_config: ``{backend: {key: value}}`` merged over ``DEFAULT_BACKEND_CONFIG``.
+        backend_config: ``{backend: {key: value}}`` merged over the Python backend's shm sizes and stub
+            timeout (``server.server_config.EMBEDDED``).
         extra_args: further tritonserver flags, e.g. ``("--log-verbose=1",)``.
         ready_timeout_s: how long to wait for readiness (model loading included).
         exit_timeout_s: ``--exit-timeout-secs``, how long a stop drains requests and connections.
@@ -397,7 +362,7 @@ def start(
         raise ValueError(f"model_repository must not contain whitespace (Triton 2.51's Python backend cannot "
                          f"start its stubs there), got {str(repo)!r}; build or copy it to another path.")
     proxy.check_exposure(host, tls, what="tritonserver")
-    extra_repositories = [Path(a.split("=", 1)[1]) for a in extra_args if a.startswith("--model-repository=")]
+    extra_repositories = [Path(r) for r in flag_values(extra_args, "model-repository")]
     backend_dir, extra_args = _backend_dir(home, (repo, *extra_repositories), backend_dirs, extra_args)
     load_models, recovery = _model_control(model_control_mode, tuple(load_models), recovery,
                                            (repo, *extra_repositories))
@@ -408,34 +373,37 @@ def start(
         "model_repository": repo,
         "host": DEFAULT_HOST if tls is not None else host,
         "grpc_host": _grpc_host(host, tls),
-        "grpc_tls_args": _grpc_tls_args(tls),
-        "log_file": Path(log_file) if log_file else run_dir / "tritonserver.log",
-        "pid_file": Path(pid_file) if pid_file else run_dir / "tritonserver.pid",
-        "state_file": Path(state_file) if state_file else run_dir / "server.json",
+        "grpc_tls": _grpc_tls(tls),
         "model_control_mode": model_control_mode,
         "load_models": tuple(load_models),
-        "backend_args": tuple(_backend_args(backend_config)),
+        "backend_config": backend_config,
         "extra_args": tuple(extra_args),
         "exit_timeout_s": exit_timeout_s,
-        "detach": detach,
         "thread_budget": decide_budget(repository_folds(repo)),
         "control_token": watchdog.new_token(),  # the restricted APIs need it in every model control mode
         "preload_library": preload.library(resolve_home(home) / "preload"),
     }
-    launch_args["memory_args"], launch_args["memory_plan"] = _memory_plan(repo, volume or VolumeSpec(),
-                                                                          visible_gpus())
+    launch_args["memory_pools"], memory_plan = _memory_plan(repo, volume or VolumeSpec(), visible_gpus())
+    run_files = {
+        "log_file": Path(log_file) if log_file else run_dir / "tritonserver.log",
+        "pid_file": Path(pid_file) if pid_file else run_dir / "tritonserver.pid",
+        "state_file": Path(state_file) if state_file else run_dir / "server.json",
+    }
     _warn_known_cves(host)
     local = launch_args["host"]
     auto_ports = (http_port, grpc_port, metrics_port) == (None, None, None)  # only then is a retry useful
     for attempt in range(3 if auto_ports else 1):
         ports = {
-            "http_port": http_port or _free_port(local),
-            "grpc_port": grpc_port or _free_port(launch_args["grpc_host"]),
-            "metrics_port": metrics_port or _free_port(local),
+            "http": http_port or _free_port(local),
+            "grpc": grpc_port or _free_port(launch_args["grpc_host"]),
+            "metrics": metrics_port or _free_port(local),
         }
         if len(set(ports.values())) < 3:
             continue
-        launch = _Launch(**launch_args, **ports)
+        launch = _Launch(installation=launch_args["installation"], server=_server_config(launch_args, ports),
+                         detach=detach, thread_budget=launch_args["thread_budget"],
+                         control_token=launch_args["control_token"], memory_plan=memory_plan,
+                         preload_library=launch_args["preload_library"], **run_files)
         handle = _spawn(launch)
         try:
             _wait_ready(handle, ready_timeout_s)
@@ -461,27 +429,23 @@ def _backend_dir(home: str | Path | None, repositories: Sequence[Path],
                  extra_args: Sequence[str]) -> tuple[Path, tuple[str, ...]]:
     """(the merged backend folder, ``extra_args`` without ``--backend-directory=``), checked against the
     backends the repositories need; Triton would keep only the last ``--backend-directory`` flag."""
-    flag = "--backend-directory="
-    given = [Path(a[len(flag):]) for a in extra_args if a.startswith(flag)]
+    given = [Path(d) for d in flag_values(extra_args, "backend-directory")]
     dirs = [*(backends.default_backend_dirs() if backend_dirs is None else map(Path, backend_dirs)), *given]
     merged = backends.merged_backend_dir(prepare_home(home).backend_dir, [d.absolute() for d in dirs],
                                          resolve_home(home))
     backends.check_backends(repositories, merged)
-    return merged, tuple(a for a in extra_args if not a.startswith(flag))
+    return merged, without_flag(extra_args, "backend-directory")
 def _grpc_host(host: str, tls: proxy.TlsSettings | None) -> str:
     # Triton's gRPC checks client certificates but no bearer token: token-only TLS keeps gRPC on loopback
     return host if tls is None or tls.client_ca is not None else DEFAULT_HOST
 
 
-def _grpc_tls_args(tls: proxy.TlsSettings | None) -> tuple[str, ...]:
-    """Triton's own gRPC SSL flags: server certificate and key, and mutual TLS with the client CA."""
+def _grpc_tls(tls: proxy.TlsSettings | None) -> GrpcTls | None:
+    """Triton's own gRPC SSL: server certificate and key, and mutual TLS with the client CA."""
     if tls is None:
-        return ()
-    args = ["--grpc-use-ssl=true", f"--grpc-server-cert={Path(tls.cert).absolute()}",
-            f"--grpc-server-key={Path(tls.key).absolute()}"]
-    if tls.client_ca is not None:
-        args += ["--grpc-use-ssl-mutual=true", f"--grpc-root-cert={Path(tls.client_ca).absolute()}"]
-    return tuple(args)
+        return None
+    return GrpcTls(str(Path(tls.cert).absolute()), str(Path(tls.key).absolute()),
+                   None if tls.client_ca is None else str(Path(tls.client_ca).absolute()))
 
 
 # tritonserver 2.51.0 (NGC 24.10) is the newest on PyPI; docs/security.md lists each CVE and its mitigation

@@ -22,6 +22,7 @@ from nnunet_triton.server.health import (
     stub_processes,
 )
 from nnunet_triton.server.proxy import running_pid, stop_proxy
+from nnunet_triton.server.server_config import EMBEDDED
 from nnunet_triton.util.process import pid_alive
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
 LOGGER = logging.getLogger(__name__)
 
 
-EXIT_TIMEOUT_S = 15
+EXIT_TIMEOUT_S = EMBEDDED.exit_timeout_s
 
 
 def _group_alive(pgid: int) -> bool:

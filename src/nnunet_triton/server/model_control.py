@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from nnunet_triton.errors import ServerError
+from nnunet_triton.server import server_config
 
 __all__ = ["CONTROL_HEADER", "RESTRICTED_APIS", "TOKEN_ENV", "ModelControl", "restricted_api_args"]
 
 # Triton's gRPC frontend expects a restricted protocol's key with the prefix "triton-grpc-protocol-" added
 # (the flag names the key without it); HTTP takes the key as given. The HTTP key carries the prefix, so one
 # header works on both protocols.
-_GRPC_PREFIX = "triton-grpc-protocol-"
+_GRPC_PREFIX = server_config.GRPC_PROTOCOL_PREFIX
 CONTROL_HEADER = f"{_GRPC_PREFIX}nnunet-control"
 TOKEN_ENV = "NNUNET_TRITON_CONTROL_TOKEN"
 # Triton's API groups that need the token: loading code (model-repository), reading or writing other
@@ -36,9 +37,7 @@ RESTRICTED_APIS = ("model-repository", "shared-memory", "statistics", "trace", "
 
 def restricted_api_args(token: str, apis: tuple[str, ...] = RESTRICTED_APIS) -> list[str]:
     """tritonserver flags that allow ``apis`` on HTTP and gRPC only with ``CONTROL_HEADER: token``."""
-    groups = ",".join(apis)
-    return [f"--http-restricted-api={groups}:{CONTROL_HEADER}={token}",
-            f"--grpc-restricted-protocol={groups}:{CONTROL_HEADER.removeprefix(_GRPC_PREFIX)}={token}"]
+    return server_config.restricted_api_args(apis, CONTROL_HEADER, token)
 
 
 @dataclass(frozen=True)

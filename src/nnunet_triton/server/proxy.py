@@ -48,6 +48,7 @@ from nnunet_triton.server.proxy_config import (
     public_model_pattern,
     render_config,
 )
+from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -232,9 +233,8 @@ def start_proxy(config: ProxyConfig, *, detach: bool = False, timeout_s: float =
     """Write ``config``'s nginx.conf (0600: it may hold the bearer token) and start nginx on it."""
     nginx = find_nginx()
     worker, temp = _prepare_run_dir(config)
-    fd = os.open(config.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(render_config(config, worker_user=worker, temp_dir=temp))
+    text = render_config(config, worker_user=worker, temp_dir=temp)
+    write_text_atomic(config.config_file, text, mode=0o600)
     command = nginx_command(config.config_file, nginx)
     check = subprocess.run([*command, "-t"], capture_output=True, text=True, check=False)
     if check.returncode != 0:

@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 
 from nnunet_triton.server.proxy import kill_orphaned_workers, launch, nginx_command, running_pid
+from nnunet_triton.util.retry import RetryPolicy
 
 __all__ = ["ProxyKeeper"]
 
 LOGGER = logging.getLogger(__name__)
+RESTART_BACKOFF = RetryPolicy(backoff_s=2.0, max_delay_s=60.0)  # 2, 4, 8, ... 60 s between failed starts
 
 
 class ProxyKeeper:
@@ -61,7 +63,7 @@ class ProxyKeeper:
                 self._process.kill()
                 self._process.wait()
             self._failures += 1
-            delay = min(60.0, 2.0 ** self._failures)
+            delay = RESTART_BACKOFF.delay(self._failures - 1)
             self._next_try = time.monotonic() + delay
             LOGGER.error("the TLS proxy did not start again (see %s); next try in %.0f s",
                          self.config_file.parent / "nginx-error.log", delay)

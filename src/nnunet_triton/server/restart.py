@@ -1,19 +1,24 @@
 """When to start a tritonserver that exited without being stopped again, and when to give up.
 
-The embedded watchdog (``server.watchdog``) restarts the server with the command it was launched with
-(``LaunchSpec``, written 0600 by the launcher next to ``server.json``). Consecutive restarts wait 0, 1, 2,
+The embedded watchdog (``server.watchdog``) restarts the server with the config it was launched with
+(``LaunchSpec``: its ``TritonServerConfig``, written 0600 by the launcher as ``launch.json`` next to
+``server.json``). Consecutive restarts wait 0, 1, 2,
 4, ... up to 30 s; more than ``max_restarts`` restarts within ``window_s`` is a crash loop: the watchdog
 stops restarting and says so. Containers and Kubernetes keep their own restart policies (there tritonserver
-is PID 1 and its exit ends the container). Only the standard library.
+is PID 1 and its exit ends the container). Only the standard library and the project's core.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from nnunet_triton.server.preload import PLACEHOLDER
+from nnunet_triton.server.server_config import TritonServerConfig
+from nnunet_triton.util.durable import write_json_atomic
+from nnunet_triton.util.retry import RetryPolicy
 
 __all__ = ["LaunchSpec", "RestartPolicy"]
 
@@ -46,7 +51,9 @@ class RestartPolicy:
         if recent >= self.max_restarts:
             return None
         self.restarts = [t for t in self.restarts if now - t < self.window_s] + [now]
-        return 0.0 if recent == 0 else min(self.max_delay_s, 2.0 ** (recent - 1))
+        if recent == 0:
+            return 0.0
+        return RetryPolicy(backoff_s=1.0, max_delay_s=self.max_delay_s).delay(recent - 1)
 
     def describe_give_up(self) -> str:
         return (f"{self.max_restarts} restarts within {self.window_s:.0f} s: a crash loop, not restarting "
@@ -55,32 +62,38 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """How to start the same tritonserver again: its command line and the environment it had on top of the
-    watchdog's (the control token is not in it: the watchdog passes its own)."""
+    """How to start the same tritonserver again: its ``server_config.TritonServerConfig`` and the environment
+    it had on top of the watchdog's (the control token is in neither: the watchdog passes its own)."""
 
-    command: tuple[str, ...]
+    server: TritonServerConfig
     environment: Mapping[str, str]
     log_file: str
     pid_file: str | None
     state_file: str | None
 
+    @property
+    def command(self) -> tuple[str, ...]:
+        return tuple(self.server.to_args())
+
     @classmethod
-    def for_server(cls, command: Sequence[str], server_env: Mapping[str, str], base_env: Mapping[str, str], *,
+    def for_server(cls, server: TritonServerConfig, server_env: Mapping[str, str],
+                   base_env: Mapping[str, str], *,
                    log_file: str | Path, pid_file: str | Path | None, state_file: str | Path | None,
                    secret_keys: Sequence[str] = ()) -> LaunchSpec:
         extra = {k: v for k, v in server_env.items() if base_env.get(k) != v and k not in secret_keys}
-        return cls(tuple(command), extra, str(log_file), None if pid_file is None else str(pid_file),
+        return cls(server, extra, str(log_file), None if pid_file is None else str(pid_file),
                    None if state_file is None else str(state_file))
 
     def write(self, path: str | Path) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump({"command": list(self.command), "environment": dict(self.environment),
-                       "log_file": self.log_file, "pid_file": self.pid_file,
-                       "state_file": self.state_file}, out)
+        """``path`` as JSON, 0600 from the start, atomically; a real token is not written (the preload
+        placeholder is)."""
+        write_json_atomic(path, {"server": self.server.to_dict(keep_token=PLACEHOLDER),
+                                 "environment": dict(self.environment), "log_file": self.log_file,
+                                 "pid_file": self.pid_file, "state_file": self.state_file}, mode=0o600)
 
     @classmethod
-    def read(cls, path: str | Path) -> LaunchSpec:
+    def read(cls, path: str | Path, *, token: str | None = None) -> LaunchSpec:
+        """The spec :meth:`write` wrote; ``token`` is the control token when the server's flags carry it."""
         data = json.loads(Path(path).read_text())
-        return cls(tuple(data["command"]), dict(data["environment"]), data["log_file"], data.get("pid_file"),
-                   data.get("state_file"))
+        return cls(TritonServerConfig.from_dict(data["server"], token=token), dict(data["environment"]),
+                   data["log_file"], data.get("pid_file"), data.get("state_file"))

@@ -91,6 +91,7 @@ from nnunet_triton.server.exactness import (
     check_threads,
     reference_run,
 )
+from nnunet_triton.server.server_config import rate_limit_args
 
 __all__ = [
     "POLICY_ENV",
@@ -216,12 +217,13 @@ class ThreadBudget:
     exactness: str = "not checked"  # how ``exact`` was decided
     libtorch_folds: bool = False  # CPU libtorch folds: their threads are the server process's OpenMP pool
 
+    def rate_limits(self) -> tuple[tuple[str, int], ...]:
+        """Rate-limiter resources that enforce ``fold_slots`` (each fold execution holds one slot)."""
+        return () if self.fold_slots >= self.fold_instances else ((FOLD_SLOT_RESOURCE, self.fold_slots),)
+
     def server_args(self) -> list[str]:
-        """tritonserver flags that enforce ``fold_slots`` (each fold execution holds one slot)."""
-        if self.fold_slots >= self.fold_instances:
-            return []
-        return ["--rate-limit=execution_count",
-                f"--rate-limit-resource={FOLD_SLOT_RESOURCE}:{self.fold_slots}"]
+        """tritonserver flags of :meth:`rate_limits` (``server.server_config`` renders them)."""
+        return rate_limit_args(self.rate_limits())
 
     def environment(self) -> dict[str, str]:
         """Variables for the server process (inherited by every Python-backend stub)."""

@@ -8,7 +8,8 @@ every launcher starts the server with ``--model-control-mode=explicit``:
   with a missing stub is **unloaded and loaded again** (``POST /v2/repository/models/<m>/unload`` then
   ``/load``: a plain ``load`` of a loaded, unchanged model is a no-op in 2.51). Ensembles using the model
   turn UNAVAILABLE for that moment and READY again with it;
-* a reload that fails is retried with exponential backoff (1 s doubling to 30 s) until it succeeds;
+* a reload that fails is retried with exponential backoff (1 s doubling to 30 s, ``util.retry.RetryPolicy``)
+  until it succeeds;
 * every recovery is appended to ``events_file`` (JSON lines: model, dead instances, seconds taken).
 
 A model somebody unloaded on purpose has no stubs *and* is not ready: the watchdog leaves it alone. The
@@ -17,10 +18,11 @@ loaded while the server runs (``server.rollout``) is watched too.
 ``make stop`` stops the watchdog first. When the server died on its own (``kill -9``, the OOM killer, an
 abort) the watchdog ends the orphaned stubs (some linger for minutes), removes the ``/dev/shm`` regions
 they leave behind (Triton removes them only on a clean exit), logs what happened and, when the launcher
-gave it a ``--launch-file`` (the embedded server), starts tritonserver again with the same command line,
-ports and repository (``server.restart``: backoff 0, 1, 2, 4 ... 30 s; a sixth restart within 10 minutes
-is a crash loop: it gives up, logs and records why). The new pid goes into the launcher's pid and state
-files; restarts are appended to ``events_file`` and counted in the state (``nnunet-triton status``). In a
+gave it a ``--launch-file`` (the embedded server), starts tritonserver again from the same
+``server_config.TritonServerConfig``: ports, repository, every flag (``server.restart``: backoff 0, 1,
+2, 4 ... 30 s; a sixth restart within 10 minutes is a crash loop: it gives up, logs and records why).
+The new pid goes into the launcher's pid and state files; restarts are appended to ``events_file`` and
+counted in the state (``nnunet-triton status``). In a
 container, tritonserver is PID 1: its death ends the container and the restart policy (``docker run
 --restart``, the kubelet) starts a new one.
 
@@ -54,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.errors import ServerError
-from nnunet_triton.parameters import DEFAULT_HTTP_PORT
 from nnunet_triton.server.health import (
     ModelHealth,
     StubProcess,
@@ -68,6 +69,9 @@ from nnunet_triton.server.health import (
 from nnunet_triton.server.model_control import CONTROL_HEADER, TOKEN_ENV, ModelControl, restricted_api_args
 from nnunet_triton.server.proxy_keeper import ProxyKeeper
 from nnunet_triton.server.restart import LaunchSpec, RestartPolicy
+from nnunet_triton.server.server_config import flag_values
+from nnunet_triton.util.durable import write_json_atomic
+from nnunet_triton.util.retry import RetryPolicy
 
 __all__ = [
     "CONTROL_HEADER",
@@ -84,6 +88,7 @@ LOGGER = logging.getLogger("nnunet_triton.server.watchdog")
 DEFAULT_INTERVAL_S = 1.0
 WATCHING = "watching"  # first word of the log line written after the first check
 MAX_BACKOFF_S = 30.0
+RELOAD_BACKOFF = RetryPolicy(backoff_s=1.0, max_delay_s=MAX_BACKOFF_S)  # 1, 2, 4, ... 30 s between reloads
 RESCAN_S = 10.0  # how often the repository's model folders are listed again
 RESTART_READY_TIMEOUT_S = 300.0
 PRIVATE_UMASK = 0o077
@@ -247,11 +252,7 @@ class Watchdog:
         if self.launch.state_file and Path(self.launch.state_file).is_file():
             path = Path(self.launch.state_file)
             state = json.loads(path.read_text()) | {"pid": self.server_pid, "restarts": self.restarts}
-            partial = path.with_name(path.name + ".tmp")
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(json.dumps(state, indent=2) + "\n")
-            os.replace(partial, path)
+            write_json_atomic(path, state, indent=2, mode=0o600)
 
     def clean_up_after_server(self, grace_s: float = 5.0) -> list[str]:
         """After the server died: end its orphaned stubs (they serve nothing; some linger for minutes) once
@@ -337,7 +338,7 @@ class Watchdog:
                            model, recovery.seconds)
             self._release_regions(model, pending.regions)
         else:
-            delay = min(MAX_BACKOFF_S, 2.0 ** (pending.attempt - 1))
+            delay = RELOAD_BACKOFF.delay(pending.attempt - 1)
             pending.retry_at, pending.attempt = time.monotonic() + delay, pending.attempt + 1
             LOGGER.error("reloading model %r failed (attempt %d): %s; next try in %.0f s", model,
                          recovery.attempt, error, delay)
@@ -375,26 +376,23 @@ def _spawn_server(launch: LaunchSpec) -> subprocess.Popen[bytes]:
                                 start_new_session=True, umask=PRIVATE_UMASK)
 
 
-def _http_port(server_args: Sequence[str]) -> int:
-    port = DEFAULT_HTTP_PORT  # Triton's own default when no --http-port is given
-    for arg in server_args:
-        if arg.startswith("--http-port="):
-            port = int(arg.split("=", 1)[1])
-    return port
-
-
 def fork_for_exec(server_args: list[str], model_repository: str | Path, *,
                   events_file: str | Path | None = None) -> list[str]:
     """For a container entry point that is about to ``exec`` tritonserver: fork the watchdog (it will
     watch its parent, which becomes tritonserver) and return ``server_args`` plus the restricted-API
-    flags with a fresh token."""
+    flags with a fresh token. The command must name its HTTP port (every renderer's
+    ``server_config.TritonServerConfig`` does): ValueError otherwise."""
+    ports = flag_values(server_args, "http-port")
+    if not ports:
+        raise ValueError(f"the server command names no HTTP port, so the watchdog cannot watch it: "
+                         f"{server_args}")
     token = os.environ.get(TOKEN_ENV) or new_token()
     # a container's /dev/shm (a pod's emptyDir) outlives a crashed server: nothing of ours runs yet here
     stale = remove_shm_regions(unmapped_shm_regions())
     if stale:
         LOGGER.warning("removed %d shm region(s) a previous server left in /dev/shm", len(stale))
     models = repository_models(model_repository)
-    url = f"127.0.0.1:{_http_port(server_args)}"
+    url = f"127.0.0.1:{ports[-1]}"
     parent = os.getpid()
     if os.fork() == 0:  # the child never returns into the caller
         code = 1
@@ -435,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     watchdog = Watchdog(args.url, args.server_pid, repository_models(args.model_repository), token,
                         events_file=args.events_file, interval_s=args.interval,
                         model_repository=args.model_repository, proxy_config=args.proxy_config,
-                        launch=LaunchSpec.read(args.launch_file) if args.launch_file else None)
+                        launch=LaunchSpec.read(args.launch_file, token=token) if args.launch_file else None)
     signal.signal(signal.SIGTERM, watchdog.stop)
     return watchdog.run()
 

@@ -35,6 +35,7 @@ from nnunet_triton.errors import DeployError
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, DEFAULT_PORTS
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible, triton_release
 from nnunet_triton.server.deploy.sizing import MemoryPlan
+from nnunet_triton.server.server_config import CONTAINER, server_config
 
 __all__ = [
     "VARIANTS",
@@ -81,7 +82,6 @@ EXPORT_TORCH = "2.10.0"  # pip release of the torch 2.10 that Triton 25.12's lib
 EXPORT_TORCHVISION = "0.25.0"  # the torchvision that pins torch 2.10.0 (nnU-Net's trainer lookup needs it)
 CUPY_CACHE_DIR = "/var/cache/cupy"  # docker/Dockerfile's CUPY_CACHE_DIR: compiled CuPy kernels
 CUPY_CACHE_VOLUME = "nnunet-triton-cupy-cache"  # a named volume: the kernels outlive the container
-STUB_TIMEOUT_S = 120  # stub start handshake; stubs importing cupy/torch on a busy host need > 30 s
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class DeploySpec:
     publish_host: str = "127.0.0.1"
     runner_torch_version: str = DEFAULT_RUNNER_TORCH
     image_torch_version: str | None = None
-    exit_timeout_s: int = 30
+    exit_timeout_s: int = CONTAINER.exit_timeout_s
     startup_timeout_s: int = 900
     variant: str = "gpu"
     engine: str = "docker"
@@ -179,31 +179,20 @@ def replace_spec(spec: DeploySpec, **changes: Any) -> DeploySpec:
     return replace(spec, **changes)
 
 
-def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit_timeout_s: int = 30,
+def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int,
+                      exit_timeout_s: int = CONTAINER.exit_timeout_s,
                       repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
-    """``tritonserver`` argv (container side: fixed ports 8000/8001/8002, repository at ``/models``)."""
-    pools = plan.pool_args(gpus)
-    return (
-        "tritonserver",
-        f"--model-repository={repository}",
-        "--model-control-mode=explicit",
-        *(f"--load-model={name}" for name in info.models),
-        "--strict-readiness=true",
-        f"--http-port={CONTAINER_PORTS['http']}",
-        f"--grpc-port={CONTAINER_PORTS['grpc']}",
-        f"--metrics-port={CONTAINER_PORTS['metrics']}",
-        "--allow-metrics=true",
-        f"--allow-gpu-metrics={'true' if gpus else 'false'}",
-        *pools,
-        f"--backend-config=python,shm-default-byte-size={plan.shm_default_bytes}",
-        f"--backend-config=python,shm-growth-byte-size={plan.shm_growth_bytes}",
-        f"--backend-config=python,stub-timeout-seconds={STUB_TIMEOUT_S}",
-        f"--exit-timeout-secs={exit_timeout_s}",
-        "--disable-auto-complete-config",
-    )
+    """``tritonserver`` argv (container side: fixed ports 8000/8001/8002, repository at ``/models``; the
+    ``server.server_config.CONTAINER`` preset with the plan's shm sizes and pools)."""
+    config = server_config(repository, CONTAINER, load_models=info.models, ports=CONTAINER_PORTS,
+                           exit_timeout_s=exit_timeout_s, shm_default_bytes=plan.shm_default_bytes,
+                           shm_growth_bytes=plan.shm_growth_bytes, allow_metrics=True,
+                           allow_gpu_metrics=bool(gpus), memory_pools=plan.pools(gpus))
+    return tuple(config.to_args())
 
 
-def server_command(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int, exit_timeout_s: int = 30,
+def server_command(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int,
+                   exit_timeout_s: int = CONTAINER.exit_timeout_s,
                    repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
     """The container's command: the repository check, then ``tritonserver_args`` through the thread budget.
 
@@ -305,7 +294,8 @@ def docker_run_command(spec: DeploySpec) -> tuple[str, ...]:
     )
 
 
-def docker_stop_commands(container_name: str = "nnunet-triton", exit_timeout_s: int = 30, *,
+def docker_stop_commands(container_name: str = "nnunet-triton",
+                         exit_timeout_s: int = CONTAINER.exit_timeout_s, *,
                          engine: str = "docker") -> tuple[tuple[str, ...], ...]:
     """Stop (SIGTERM; tritonserver drains for ``exit_timeout_s``) and then remove the container."""
     return ((engine, "stop", "--time", str(exit_timeout_s + 10), container_name),

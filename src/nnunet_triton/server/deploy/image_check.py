@@ -138,20 +138,14 @@ def fixture_command(repository: Path, ports: Sequence[int]) -> list[str]:
     """The container's entry point on ``repository``, loopback only, small shm regions (a build's /dev/shm
     is 64 MiB; the fixture's tensors are small)."""
     from nnunet_triton.server import health
+    from nnunet_triton.server.server_config import IMAGE_CHECK, server_config
 
     http, grpc, metrics = ports
-    models = health.repository_models(repository)
+    config = server_config(str(repository), IMAGE_CHECK, load_models=health.repository_models(repository),
+                           ports={"http": http, "grpc": grpc, "metrics": metrics}, allow_gpu_metrics=False)
     return [
         sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
-        "--model-repository", str(repository), "--",
-        "tritonserver", f"--model-repository={repository}", "--model-control-mode=explicit",
-        *(f"--load-model={name}" for name in models), "--strict-readiness=true",
-        "--http-address=127.0.0.1", f"--http-port={http}", "--grpc-address=127.0.0.1", f"--grpc-port={grpc}",
-        "--metrics-address=127.0.0.1", f"--metrics-port={metrics}", "--allow-gpu-metrics=false",
-        "--backend-config=python,shm-default-byte-size=4194304",
-        "--backend-config=python,shm-growth-byte-size=4194304",
-        "--backend-config=python,stub-timeout-seconds=120", "--exit-timeout-secs=5",
-        "--disable-auto-complete-config",
+        "--model-repository", str(repository), "--", *config.to_args(),
     ]
 
 

@@ -37,6 +37,7 @@ from nnunet_triton.server.deploy.docker import (
 )
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import MemoryPlan
+from nnunet_triton.server.server_config import CONTAINER
 
 __all__ = [
     "QUEUE_METRIC",
@@ -104,7 +105,7 @@ class K8sSpec:
     service_type: str = "ClusterIP"
     service_monitor: bool = False
     startup_timeout_s: int = 900
-    exit_timeout_s: int = 30
+    exit_timeout_s: int = CONTAINER.exit_timeout_s
     gpus: int = 1
     host_ports: tuple[int, int, int] | None = None
     tls_secret: str | None = None

@@ -40,14 +40,16 @@ from dataclasses import dataclass
 from nnunet_triton.numerics.limits import FoldMemoryPlan, padded_voxels
 from nnunet_triton.numerics.resampling import compute_new_shape
 from nnunet_triton.server.deploy.repository_info import ModelGeometry, PipelineInfo, RepositoryInfo
+from nnunet_triton.server.server_config import CONTAINER, MemoryPools
 
 __all__ = ["MiB", "GiB", "VolumeSpec", "TensorBytes", "MemoryPlan", "tensor_bytes", "stub_bytes",
            "fold_memory", "plan_memory"]
 
 MiB = 2**20
 GiB = 2**30
-SHM_DEFAULT_BYTES = 16 * MiB  # python backend shm-default-byte-size (same as the embedded server)
-SHM_GROWTH_BYTES = 64 * MiB  # shm-growth-byte-size
+# the python backend's shm-default-byte-size and shm-growth-byte-size the containers run with
+SHM_DEFAULT_BYTES = CONTAINER.shm_default_bytes
+SHM_GROWTH_BYTES = CONTAINER.shm_growth_bytes
 SHM_MARGIN_BYTES = 256 * MiB  # CUDA IPC handles, message queues, other users of /dev/shm
 _TENSOR_OVERHEAD = 4096  # allocator header per tensor in a region
 CUDA_POOL_MIN_BYTES = 64 * MiB  # tritonserver defaults
@@ -108,14 +110,11 @@ class MemoryPlan:
     pipelines: tuple[tuple[str, dict[str, int]], ...] = ()
     gpu_memory_bytes: int | None = None  # the GPU's memory, when given: then the folds it runs at once
 
-    def pool_args(self, gpus: int) -> tuple[str, ...]:
-        """tritonserver flags that size the CUDA pool of each of ``gpus`` GPUs and the pinned pool
-        (none on a cpu target: the plan's pools are 0 there)."""
-        pools = [f"--cuda-memory-pool-byte-size={gpu}:{self.cuda_pool_bytes}"
-                 for gpu in range(gpus if self.cuda_pool_bytes else 0)]
-        if self.pinned_pool_bytes:
-            pools.append(f"--pinned-memory-pool-byte-size={self.pinned_pool_bytes}")
-        return tuple(pools)
+    def pools(self, gpus: int) -> MemoryPools:
+        """The CUDA pool of each of ``gpus`` GPUs and the pinned pool (none on a cpu target: the plan's
+        pools are 0 there)."""
+        cuda = tuple((gpu, self.cuda_pool_bytes) for gpu in range(gpus if self.cuda_pool_bytes else 0))
+        return MemoryPools(cuda, self.pinned_pool_bytes)
 
     def summary(self) -> dict[str, object]:
         """The pools and limits in MiB, with the tensors they were sized for (for logs and state files)."""

@@ -1,0 +1,299 @@
+"""The tritonserver command line, owned once: :class:`TritonServerConfig` holds every flag the project passes,
+:meth:`TritonServerConfig.to_args` renders it, :func:`server_config` builds it from the repository and the
+launch choices.
+
+Every launcher renders its command here: the embedded server (``server.embedded``), the watchdog restarting
+it (``server.restart`` stores the config in ``launch.json`` with :meth:`~TritonServerConfig.to_dict` and
+reads it back with :meth:`~TritonServerConfig.from_dict`), the container command of docker and Kubernetes
+(``server.deploy.docker``) and the image check (``server.deploy.image_check``). What differs between these
+targets is a :class:`Preset` (exit timeout, Python-backend shm sizes, the address the endpoints bind) or an
+explicit argument, never a second literal; ``server.deploy.sizing`` sizes ``/dev/shm`` from the same shm
+sizes.
+
+The restricted APIs' token (``control_token``) is what tritonserver's argv carries: with ``server.preload``
+that is its ``PLACEHOLDER`` and the real token travels in the environment. :meth:`~TritonServerConfig.to_dict`
+never writes a real token (it writes :data:`TOKEN_FROM_ENVIRONMENT`; :meth:`~TritonServerConfig.from_dict`
+takes the token back from its caller). Only the standard library (the watchdog runs it in containers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from nnunet_triton.parameters import DEFAULT_PORTS
+
+__all__ = [
+    "CONTAINER",
+    "EMBEDDED",
+    "IMAGE_CHECK",
+    "SHM_DEFAULT_BYTES",
+    "SHM_GROWTH_BYTES",
+    "STUB_TIMEOUT_S",
+    "TOKEN_FROM_ENVIRONMENT",
+    "GrpcTls",
+    "MemoryPools",
+    "Preset",
+    "TritonServerConfig",
+    "flag_values",
+    "rate_limit_args",
+    "restricted_api_args",
+    "server_config",
+    "without_flag",
+]
+
+MiB = 2**20
+LOOPBACK = "127.0.0.1"
+# the Python stub's start handshake; 30 s (Triton's default) is too short on a busy host once a stub
+# imports torch or cupy
+STUB_TIMEOUT_S = 120
+# written by to_dict instead of a real token: the reader has the token in its environment
+TOKEN_FROM_ENVIRONMENT = "@from-environment@"
+# Triton's gRPC frontend expects a restricted protocol's key with this prefix added (the flag names the key
+# without it); HTTP takes the key as given (server.model_control.CONTROL_HEADER carries the prefix)
+GRPC_PROTOCOL_PREFIX = "triton-grpc-protocol-"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What differs between the places tritonserver runs.
+
+    Attributes:
+        exit_timeout_s: ``--exit-timeout-secs``, how long a stop drains requests and connections.
+        shm_default_bytes, shm_growth_bytes: the Python backend's shm region per stub (one /dev/shm region
+            per model instance, never shrunk; tmpfs pages are only used once touched) and its growth step.
+        host: the address every endpoint binds (None: not passed, Triton's default of every address).
+    """
+
+    name: str
+    exit_timeout_s: int
+    shm_default_bytes: int
+    shm_growth_bytes: int
+    host: str | None
+
+
+# 16 MiB holds a batch of fp16 128^3 tiles; the region then grows in 64 MiB steps, rounded up to fit, so a
+# whole CT volume (512x512x300 int16 = 150 MiB) costs one or two growths instead of 150 one-MiB growths with
+# Triton's defaults. /dev/shm must hold (Python instances x largest CPU tensor in flight).
+SHM_DEFAULT_BYTES = 16 * MiB
+SHM_GROWTH_BYTES = 64 * MiB
+EMBEDDED = Preset("embedded", exit_timeout_s=15, shm_default_bytes=SHM_DEFAULT_BYTES,
+                  shm_growth_bytes=SHM_GROWTH_BYTES, host=LOOPBACK)
+# docker and Kubernetes: the container's ports are published (docker) or reached through the pod's address
+CONTAINER = Preset("container", exit_timeout_s=30, shm_default_bytes=SHM_DEFAULT_BYTES,
+                   shm_growth_bytes=SHM_GROWTH_BYTES, host=None)
+# the image check's fixture server inside a build: a build's /dev/shm is 64 MiB, the fixture's tensors small
+IMAGE_CHECK = Preset("image-check", exit_timeout_s=5, shm_default_bytes=4 * MiB, shm_growth_bytes=4 * MiB,
+                     host=LOOPBACK)
+
+
+@dataclass(frozen=True)
+class GrpcTls:
+    """Triton's own gRPC SSL: server certificate and key; mutual TLS when ``root_cert`` (the client CA)."""
+
+    cert: str
+    key: str
+    root_cert: str | None = None
+
+    def args(self) -> tuple[str, ...]:
+        mutual = () if self.root_cert is None else ("--grpc-use-ssl-mutual=true",
+                                                    f"--grpc-root-cert={self.root_cert}")
+        return ("--grpc-use-ssl=true", f"--grpc-server-cert={self.cert}", f"--grpc-server-key={self.key}",
+                *mutual)
+
+
+@dataclass(frozen=True)
+class MemoryPools:
+    """Triton's CUDA pool per GPU (``(gpu, bytes)`` pairs) and its pinned host pool (0: Triton's default)."""
+
+    cuda: tuple[tuple[int, int], ...] = ()
+    pinned_bytes: int = 0
+
+    def args(self) -> tuple[str, ...]:
+        pools = [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu, size in self.cuda]
+        if self.pinned_bytes:
+            pools.append(f"--pinned-memory-pool-byte-size={self.pinned_bytes}")
+        return tuple(pools)
+
+
+def restricted_api_args(apis: Sequence[str], header: str, token: str) -> list[str]:
+    """Flags that allow ``apis`` on HTTP and gRPC only with the header ``header: token``."""
+    groups = ",".join(apis)
+    return [f"--http-restricted-api={groups}:{header}={token}",
+            f"--grpc-restricted-protocol={groups}:{header.removeprefix(GRPC_PROTOCOL_PREFIX)}={token}"]
+
+
+def rate_limit_args(resources: Sequence[tuple[str, int]]) -> list[str]:
+    """Flags that turn on Triton's rate limiter with ``(resource, count)`` pairs (none when empty)."""
+    if not resources:
+        return []
+    return ["--rate-limit=execution_count",
+            *(f"--rate-limit-resource={name}:{count}" for name, count in resources)]
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+@dataclass(frozen=True)
+class TritonServerConfig:
+    """Every tritonserver flag the project passes; :meth:`to_args` is the command line.
+
+    Optional fields left None are not passed (Triton's default applies). ``backend_config`` holds
+    ``(backend, key, value)`` triples in order; ``rate_limit_resources`` ``(resource, count)`` pairs (with
+    ``--rate-limit=execution_count``); ``restricted_apis`` the API groups that need ``control_header:
+    control_token``; ``extra_args`` are the caller's own flags, passed last.
+    """
+
+    model_repositories: tuple[str, ...]
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    exit_timeout_s: int
+    server_bin: str = "tritonserver"
+    backend_directory: str | None = None
+    cache_directory: str | None = None
+    model_control_mode: str = "explicit"
+    load_models: tuple[str, ...] = ()
+    strict_readiness: bool = True
+    http_address: str | None = None
+    grpc_address: str | None = None
+    metrics_address: str | None = None
+    allow_metrics: bool | None = None
+    allow_gpu_metrics: bool | None = None
+    memory_pools: MemoryPools = field(default_factory=MemoryPools)
+    backend_config: tuple[tuple[str, str, str], ...] = ()
+    disable_auto_complete_config: bool = True  # our configs are generated complete (builder.config_gen)
+    rate_limit_resources: tuple[tuple[str, int], ...] = ()
+    grpc_tls: GrpcTls | None = None
+    restricted_apis: tuple[str, ...] = ()
+    control_header: str | None = None
+    control_token: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_control_mode not in ("none", "explicit"):
+            raise ValueError(f"model_control_mode must be 'none' or 'explicit', got "
+                             f"{self.model_control_mode!r}.")
+        if self.load_models and self.model_control_mode != "explicit":
+            raise ValueError(f"load_models {list(self.load_models)} needs model_control_mode='explicit'.")
+
+    @property
+    def http_url(self) -> str:
+        """``host:port`` of the HTTP endpoint as seen from this host."""
+        host = self.http_address if self.http_address not in (None, "", "0.0.0.0") else LOOPBACK
+        return f"{host}:{self.http_port}"
+
+    def to_args(self) -> list[str]:
+        """The command line: ``server_bin`` and its flags."""
+        addresses = {"http": self.http_address, "grpc": self.grpc_address, "metrics": self.metrics_address}
+        ports = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
+        endpoints = [arg for name in ("http", "grpc", "metrics")
+                     for arg in (() if addresses[name] is None else (f"--{name}-address={addresses[name]}",))
+                     + (f"--{name}-port={ports[name]}",)]
+        tls = self.grpc_tls
+        return [
+            self.server_bin,
+            *(f"--model-repository={r}" for r in self.model_repositories),
+            *((f"--backend-directory={self.backend_directory}",) if self.backend_directory else ()),
+            *((f"--cache-directory={self.cache_directory}",) if self.cache_directory else ()),
+            f"--model-control-mode={self.model_control_mode}",
+            *(f"--load-model={name}" for name in self.load_models),
+            f"--strict-readiness={_bool(self.strict_readiness)}",
+            *endpoints,
+            *((f"--allow-metrics={_bool(self.allow_metrics)}",) if self.allow_metrics is not None else ()),
+            *((f"--allow-gpu-metrics={_bool(self.allow_gpu_metrics)}",)
+              if self.allow_gpu_metrics is not None else ()),
+            *self.memory_pools.args(),
+            *(f"--backend-config={backend},{key}={value}" for backend, key, value in self.backend_config),
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+            *(("--disable-auto-complete-config",) if self.disable_auto_complete_config else ()),
+            *rate_limit_args(self.rate_limit_resources),
+            *(() if tls is None else tls.args()),
+            *(restricted_api_args(self.restricted_apis, self.control_header, self.control_token)
+              if self.restricted_apis and self.control_header and self.control_token else ()),
+            *self.extra_args,
+        ]
+
+    def to_dict(self, *, keep_token: str | None = None) -> dict[str, Any]:
+        """JSON-ready fields; a control token other than ``keep_token`` (the preload placeholder) is written
+        as :data:`TOKEN_FROM_ENVIRONMENT`, so no file holds the secret."""
+        data = asdict(self)
+        if self.control_token is not None and self.control_token != keep_token:
+            data["control_token"] = TOKEN_FROM_ENVIRONMENT
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, token: str | None = None) -> TritonServerConfig:
+        """The config :meth:`to_dict` wrote; ``token`` replaces :data:`TOKEN_FROM_ENVIRONMENT`."""
+        values = dict(data)
+        if values.get("control_token") == TOKEN_FROM_ENVIRONMENT:
+            if token is None:
+                raise ValueError("the stored server config takes its control token from the environment, "
+                                 "and none was given.")
+            values["control_token"] = token
+        pools = values.get("memory_pools") or {}
+        values["memory_pools"] = MemoryPools(tuple(tuple(p) for p in pools.get("cuda", ())),
+                                             pools.get("pinned_bytes", 0))
+        values["grpc_tls"] = GrpcTls(**values["grpc_tls"]) if values.get("grpc_tls") else None
+        for name in ("model_repositories", "load_models", "restricted_apis", "extra_args"):
+            values[name] = tuple(values.get(name, ()))
+        for name in ("backend_config", "rate_limit_resources"):
+            values[name] = tuple(tuple(item) for item in values.get(name, ()))
+        return cls(**values)
+
+    def with_restricted_apis(self, apis: Sequence[str], header: str, token: str) -> TritonServerConfig:
+        return replace(self, restricted_apis=tuple(apis), control_header=header, control_token=token)
+
+
+def flag_values(args: Sequence[str], flag: str) -> list[str]:
+    """The values of ``--<flag>=value`` in ``args`` (a caller's extra flags), in order."""
+    prefix = f"--{flag}="
+    return [a[len(prefix):] for a in args if a.startswith(prefix)]
+
+
+def without_flag(args: Sequence[str], flag: str) -> tuple[str, ...]:
+    """``args`` without any ``--<flag>=value``."""
+    prefix = f"--{flag}="
+    return tuple(a for a in args if not a.startswith(prefix))
+
+
+def server_config(repository: str, preset: Preset, *, load_models: Sequence[str],
+                  ports: Mapping[str, int] | None = None, host: str | None = None,
+                  grpc_host: str | None = None, exit_timeout_s: int | None = None,
+                  backend_config: Mapping[str, Mapping[str, object]] | None = None,
+                  shm_default_bytes: int | None = None, shm_growth_bytes: int | None = None,
+                  **choices: Any) -> TritonServerConfig:
+    """The config of one server of ``repository`` at ``preset``'s target.
+
+    Args:
+        load_models: the models ``--load-model`` loads (explicit model control).
+        ports: ``{"http", "grpc", "metrics"}``; default Triton's own 8000/8001/8002.
+        host: the address HTTP and metrics bind (default: the preset's); ``grpc_host`` gRPC's (default:
+            ``host``).
+        exit_timeout_s: default the preset's.
+        backend_config: ``{backend: {key: value}}`` merged over the Python backend's shm sizes (the
+            preset's, or ``shm_default_bytes``/``shm_growth_bytes``, e.g. the memory plan's) and its stub
+            timeout.
+        choices: any other :class:`TritonServerConfig` field (memory pools, TLS, backend folder, ...).
+    """
+    ports = {**DEFAULT_PORTS, **(ports or {})}
+    host = preset.host if host is None else host
+    merged: dict[str, dict[str, object]] = {"python": {
+        "shm-default-byte-size": preset.shm_default_bytes if shm_default_bytes is None else shm_default_bytes,
+        "shm-growth-byte-size": preset.shm_growth_bytes if shm_growth_bytes is None else shm_growth_bytes,
+        "stub-timeout-seconds": STUB_TIMEOUT_S,
+    }}
+    for name, values in (backend_config or {}).items():
+        merged.setdefault(name, {}).update(values)
+    return TritonServerConfig(
+        model_repositories=(str(repository),),
+        http_port=int(ports["http"]), grpc_port=int(ports["grpc"]), metrics_port=int(ports["metrics"]),
+        http_address=host, grpc_address=grpc_host or host, metrics_address=host,
+        exit_timeout_s=preset.exit_timeout_s if exit_timeout_s is None else exit_timeout_s,
+        load_models=tuple(load_models),
+        backend_config=tuple((name, key, str(value)) for name, values in merged.items()
+                             for key, value in values.items()),
+        **choices,
+    )
