@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from nnunet_triton.server import proxy_keeper, watchdog
 from nnunet_triton.server.restart import LaunchSpec, RestartPolicy
 from nnunet_triton.server.server_config import TritonServerConfig
 from nnunet_triton.server.watchdog import Watchdog
@@ -15,6 +16,11 @@ from nnunet_triton.server.watchdog import Watchdog
 def test_consecutive_restarts_wait_0_1_2_4_then_30_s_at_most():
     policy = RestartPolicy(max_restarts=10, window_s=600.0)
     assert [policy.next_delay(float(t)) for t in range(8)] == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+def test_failed_reloads_and_proxy_restarts_back_off_through_the_retry_policy():
+    assert [watchdog.RELOAD_BACKOFF.delay(n) for n in range(7)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert [proxy_keeper.RESTART_BACKOFF.delay(n) for n in range(6)] == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0]
 
 
 def test_sixth_restart_within_ten_minutes_is_refused_as_a_crash_loop():
