@@ -10,7 +10,7 @@ import pytest
 from deploy_support import write_repository
 
 from nnunet_triton.builder.model_specs import BuildOptions
-from nnunet_triton.server import embedded, health, preload
+from nnunet_triton.server import embedded, health, preload, watchdog
 from nnunet_triton.server.deploy import docker, image_check, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.restart import LaunchSpec
@@ -163,3 +163,9 @@ def test_server_modules_compute_no_backoff_of_their_own() -> None:
              if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow)
              and isinstance(node.left, ast.Constant) and not isinstance(node.right, ast.Constant)]
     assert found == []
+
+
+def test_the_containers_watchdog_refuses_a_server_command_without_an_http_port(tmp_path: Path) -> None:
+    """No fallback to Triton's default port: the rendered command always names it."""
+    with pytest.raises(ValueError, match="names no HTTP port"):
+        watchdog.fork_for_exec(["tritonserver", f"--model-repository={tmp_path}"], tmp_path)

@@ -13,7 +13,10 @@ sizes.
 The restricted APIs' token (``control_token``) is what tritonserver's argv carries: with ``server.preload``
 that is its ``PLACEHOLDER`` and the real token travels in the environment. :meth:`~TritonServerConfig.to_dict`
 never writes a real token (it writes :data:`TOKEN_FROM_ENVIRONMENT`; :meth:`~TritonServerConfig.from_dict`
-takes the token back from its caller). Only the standard library (the watchdog runs it in containers).
+takes the token back from its caller). In a container the watchdog is forked by the entry point before
+tritonserver is exec-ed with the rendered argv; it reads the HTTP port there with :func:`flag_values` and
+refuses a command without one (no default port). Only the standard library and ``parameters`` (the watchdog
+runs it in containers).
 """
 
 from __future__ import annotations
@@ -178,12 +181,6 @@ class TritonServerConfig:
                              f"{self.model_control_mode!r}.")
         if self.load_models and self.model_control_mode != "explicit":
             raise ValueError(f"load_models {list(self.load_models)} needs model_control_mode='explicit'.")
-
-    @property
-    def http_url(self) -> str:
-        """``host:port`` of the HTTP endpoint as seen from this host."""
-        host = self.http_address if self.http_address not in (None, "", "0.0.0.0") else LOOPBACK
-        return f"{host}:{self.http_port}"
 
     def to_args(self) -> list[str]:
         """The command line: ``server_bin`` and its flags."""
