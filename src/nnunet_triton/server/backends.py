@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.errors import ServerError
 from nnunet_triton.server.backend_build import DEFAULT_OUT
 
@@ -29,7 +29,6 @@ _PLATFORM_BACKENDS = {"pytorch_libtorch": "pytorch", "onnxruntime_onnx": "onnxru
                       "tensorflow_graphdef": "tensorflow"}
 BUILD_HINTS = {"pytorch": "build it with `nnunet-triton install-backend pytorch` "
                           "(a checkout: `make triton-backends`)"}
-_TOP_LEVEL = re.compile(r'^(backend|platform)\s*:\s*"([^"]+)"', re.MULTILINE)
 
 
 def _backends_of(backend_dir: Path) -> dict[str, Path]:
@@ -48,14 +47,16 @@ def required_backends(repositories: Iterable[str | Path]) -> dict[str, list[str]
     """``{backend: [model, ...]}`` named by the top-level ``backend``/``platform`` of every model config.
 
     Ensembles have no backend. A platform maps to its backend (``pytorch_libtorch`` -> ``pytorch``).
+
+    Raises:
+        RepositoryError: a model's config cannot be read (names the file).
     """
     found: dict[str, list[str]] = {}
-    for repository in repositories:
-        for config in sorted(Path(repository).glob("*/config.pbtxt")):
-            fields = dict(match.groups() for match in _TOP_LEVEL.finditer(config.read_text()))
-            backend = fields.get("backend") or _PLATFORM_BACKENDS.get(fields.get("platform", ""))
+    for repository in map(ModelRepository, repositories):
+        for config in repository.configs():
+            backend = config.backend or _PLATFORM_BACKENDS.get(config.platform or "")
             if backend:
-                found.setdefault(backend, []).append(config.parent.name)
+                found.setdefault(backend, []).append(config.name)
     return found
 
 
