@@ -211,7 +211,7 @@ def test_comments_reordered_fields_and_list_syntax_that_fooled_the_regexes_are_r
     assert rollout._load_order(tmp_path, ["preprocess", "fold_0"]) == ["fold_0", "preprocess"]
 
 
-def test_a_malformed_config_is_refused_naming_its_file_and_the_budget_skips_it(
+def test_a_malformed_config_is_refused_naming_its_file_and_the_launch_checks_skip_it(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.pbtxt").write_text('name: "broken"\ninput { dims: [1, 2\n')
@@ -219,9 +219,11 @@ def test_a_malformed_config_is_refused_naming_its_file_and_the_budget_skips_it(
     with pytest.raises(RepositoryError, match=r"cannot read the config of model 'broken' .*config\.pbtxt"):
         repository.config("broken")
     assert not repository.is_ensemble("broken")
-    with caplog.at_level(logging.WARNING, logger=tb.__name__):
+    with caplog.at_level(logging.WARNING):
         assert tb.repository_folds(tmp_path) == tb.FoldModels(0, 0)
-    assert "skipping model broken" in caplog.text
+        assert backends.required_backends([tmp_path]) == {}  # Triton refuses it itself, naming the error
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "thread budget", "backend check"]
 
 
 # --- one owner ---------------------------------------------------------------------------------------------
@@ -255,3 +257,15 @@ def test_config_pbtxt_is_opened_in_config_gen_only_and_read_with_no_regular_expr
         assert "ModelRepository" in names, reader
         if reader in ("server/thread_budget.py", "server/backends.py", "server/rollout.py"):
             assert "re" not in names, reader  # they held the regular expressions and the substring test
+
+
+def test_the_embedded_server_loads_every_registry_model_or_every_folder(built: Path, tmp_path: Path) -> None:
+    from nnunet_triton.server import embedded
+
+    (tmp_path / "hand_made").mkdir()
+    (tmp_path / "hand_made" / "config.pbtxt").write_text('name: "hand_made"\nbackend: "python"\n')
+    assert embedded._repository_load_list([built, tmp_path]) == (*ModelRepository(built).model_dirs(),
+                                                                 "hand_made")
+    (tmp_path / io_names.REPOSITORY_METADATA_FILE).write_text("{")
+    with pytest.raises(ValueError, match="cannot serve .* is not valid JSON"):
+        embedded._repository_load_list([tmp_path])
