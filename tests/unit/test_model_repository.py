@@ -237,7 +237,7 @@ def _names_in(path: Path) -> tuple[set[str], set[str]]:
     return strings, names
 
 
-def test_config_pbtxt_is_opened_in_config_gen_only_and_read_with_no_regular_expression() -> None:
+def test_config_pbtxt_is_opened_in_config_gen_only_the_registry_read_in_one_place_and_no_regex() -> None:
     naming, regex = set(), set()
     for path in sorted(SRC.rglob("*.py")):
         strings, names = _names_in(path)
@@ -249,6 +249,9 @@ def test_config_pbtxt_is_opened_in_config_gen_only_and_read_with_no_regular_expr
                 regex.add(module)
     assert naming == {"io_names.py", "builder/config_gen.py", "builder/model_repository.py"}
     assert regex == {"io_names.py"}  # its regexes check endpoint names
+    registry_readers = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                        if "read_registry" in _names_in(p)[1]}
+    assert registry_readers == {"registry.py", "builder/model_repository.py"}
     _, layout = _names_in(SRC / "builder" / "model_repository.py")
     assert not layout & {"open", "read_text", "read_bytes", "write_text", "write_bytes"}
     for reader in ("server/thread_budget.py", "server/backends.py", "server/rollout.py", "server/health.py",

@@ -73,7 +73,7 @@ from nnunet_triton.numerics.postprocessing import (
     find_postprocessing_pkl,
     load_postprocessing_pkl,
 )
-from nnunet_triton.registry import Registry, locked, read_registry, write_registry
+from nnunet_triton.registry import Registry, locked, write_registry
 from nnunet_triton.util.hashing import sha256_file
 
 __all__ = [
@@ -441,7 +441,7 @@ def _repository_state(out: Path) -> tuple[str, Registry | None]:
     if not out.is_dir():
         return "foreign", None
     try:
-        registry = read_registry(out)
+        registry = ModelRepository(out).registry()
     except OlderRepositoryError:
         return "legacy", None
     return ("registry", registry) if registry is not None else ("foreign", None)
@@ -541,7 +541,7 @@ def _install(out: Path, models: Path, trash: Path, name: str, version: int, meta
     build chose it (None: it did not exist): another build that changed it meanwhile wins, this one stops."""
     trash.mkdir()
     with locked(out):
-        registry = read_registry(out) or Registry()
+        registry = ModelRepository(out).registry() or Registry()
         entry = registry.endpoints.get(name)
         now = entry.versions[version].input_hash if entry is not None and version in entry.versions else None
         if now != expected:
@@ -604,7 +604,7 @@ def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> l
     if not out.is_dir():
         raise RepositoryError(f"{str(out)!r} is not a model repository (no such folder).")
     with locked(out):
-        registry = read_registry(out)
+        registry = ModelRepository(out).registry()
         if registry is None:
             raise RepositoryError(f"{str(out)!r} is not a model repository built by nnunet-triton (no "
                                   f"{io_names.REPOSITORY_METADATA_FILE}).")
