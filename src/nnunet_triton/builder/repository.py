@@ -60,6 +60,7 @@ from nnunet_triton.builder.build_inputs import (
     torch_version,
 )
 from nnunet_triton.builder.config_gen import ModelSpec
+from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
 from nnunet_triton.errors import OlderRepositoryError, PlansError, RepositoryError
 from nnunet_triton.io_names import TORCHSCRIPT_FILE, VERSION_DIR
@@ -72,8 +73,7 @@ from nnunet_triton.numerics.postprocessing import (
     find_postprocessing_pkl,
     load_postprocessing_pkl,
 )
-from nnunet_triton.registry import Registry, locked, read_registry, write_registry
-from nnunet_triton.util.durable import write_text_atomic
+from nnunet_triton.registry import Registry, locked, write_registry
 from nnunet_triton.util.hashing import sha256_file
 
 __all__ = [
@@ -441,7 +441,7 @@ def _repository_state(out: Path) -> tuple[str, Registry | None]:
     if not out.is_dir():
         return "foreign", None
     try:
-        registry = read_registry(out)
+        registry = ModelRepository(out).registry()
     except OlderRepositoryError:
         return "legacy", None
     return ("registry", registry) if registry is not None else ("foreign", None)
@@ -541,7 +541,7 @@ def _install(out: Path, models: Path, trash: Path, name: str, version: int, meta
     build chose it (None: it did not exist): another build that changed it meanwhile wins, this one stops."""
     trash.mkdir()
     with locked(out):
-        registry = read_registry(out) or Registry()
+        registry = ModelRepository(out).registry() or Registry()
         entry = registry.endpoints.get(name)
         now = entry.versions[version].input_hash if entry is not None and version in entry.versions else None
         if now != expected:
@@ -579,13 +579,13 @@ def write_public_endpoints(source: Path, target: Path, name: str, version: int) 
     pinned = io_names.public_endpoints(io_names.pinned_endpoint(name, version))
     written = []
     for source_name, public in zip(pinned, io_names.public_endpoints(name), strict=True):
-        config = source / source_name / "config.pbtxt"
-        if not config.is_file():
+        if not ModelRepository(source).has_model(source_name):
             raise RepositoryError(f"version {version} of {name!r} has no pinned endpoint {source_name!r} "
-                                  f"({str(config)!r} is missing): build it again.")
+                                  f"({str(ModelRepository(source).config_path(source_name))!r} is missing): "
+                                  "build it again.")
         (target / public / VERSION_DIR).mkdir(parents=True, exist_ok=True)  # Triton needs a version folder
-        write_text_atomic(target / public / "config.pbtxt",
-                                     config_gen.renamed_config(config.read_text(), public))
+        ModelRepository(target).write_config_text(
+            public, config_gen.renamed_config(ModelRepository(source).config_text(source_name), public))
         written.append(public)
     return written
 
@@ -604,7 +604,7 @@ def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> l
     if not out.is_dir():
         raise RepositoryError(f"{str(out)!r} is not a model repository (no such folder).")
     with locked(out):
-        registry = read_registry(out)
+        registry = ModelRepository(out).registry()
         if registry is None:
             raise RepositoryError(f"{str(out)!r} is not a model repository built by nnunet-triton (no "
                                   f"{io_names.REPOSITORY_METADATA_FILE}).")

@@ -320,13 +320,13 @@ def _local_server(home: str | None, server_url: str) -> Any:
 
 
 def _registry(repository: Path | None) -> Any:
+    from nnunet_triton.builder.model_repository import ModelRepository
     from nnunet_triton.errors import RepositoryError
-    from nnunet_triton.registry import read_registry
 
     if repository is None:
         return None
     try:
-        return read_registry(repository)
+        return ModelRepository(repository).registry()
     except RepositoryError as exc:
         LOGGER.warning("%s", exc)
         return None

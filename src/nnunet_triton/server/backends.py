@@ -12,12 +12,13 @@ starts (Triton itself would start and fail ~10 s later with "unable to find back
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from nnunet_triton.errors import ServerError
+from nnunet_triton.builder.model_repository import ModelRepository
+from nnunet_triton.errors import RepositoryError, ServerError
 from nnunet_triton.server.backend_build import DEFAULT_OUT
 
 __all__ = ["BUILD_HINTS", "available_backends", "check_backends", "default_backend_dirs",
@@ -27,9 +28,9 @@ __all__ = ["BUILD_HINTS", "available_backends", "check_backends", "default_backe
 _PLATFORM_BACKENDS = {"pytorch_libtorch": "pytorch", "onnxruntime_onnx": "onnxruntime",
                       "tensorrt_plan": "tensorrt", "tensorflow_savedmodel": "tensorflow",
                       "tensorflow_graphdef": "tensorflow"}
+LOGGER = logging.getLogger(__name__)
 BUILD_HINTS = {"pytorch": "build it with `nnunet-triton install-backend pytorch` "
                           "(a checkout: `make triton-backends`)"}
-_TOP_LEVEL = re.compile(r'^(backend|platform)\s*:\s*"([^"]+)"', re.MULTILINE)
 
 
 def _backends_of(backend_dir: Path) -> dict[str, Path]:
@@ -47,15 +48,20 @@ def available_backends(backend_dir: str | Path) -> list[str]:
 def required_backends(repositories: Iterable[str | Path]) -> dict[str, list[str]]:
     """``{backend: [model, ...]}`` named by the top-level ``backend``/``platform`` of every model config.
 
-    Ensembles have no backend. A platform maps to its backend (``pytorch_libtorch`` -> ``pytorch``).
+    Ensembles have no backend. A platform maps to its backend (``pytorch_libtorch`` -> ``pytorch``). A config
+    that cannot be read is skipped with a warning (Triton refuses that model itself, naming the error).
     """
     found: dict[str, list[str]] = {}
-    for repository in repositories:
-        for config in sorted(Path(repository).glob("*/config.pbtxt")):
-            fields = dict(match.groups() for match in _TOP_LEVEL.finditer(config.read_text()))
-            backend = fields.get("backend") or _PLATFORM_BACKENDS.get(fields.get("platform", ""))
+    for repository in map(ModelRepository, repositories):
+        for model in repository.model_dirs():
+            try:
+                config = repository.config(model)
+            except RepositoryError as exc:
+                LOGGER.warning("backend check: skipping model %s: %s", model, exc)
+                continue
+            backend = config.backend or _PLATFORM_BACKENDS.get(config.platform or "")
             if backend:
-                found.setdefault(backend, []).append(config.parent.name)
+                found.setdefault(backend, []).append(config.name)
     return found
 
 

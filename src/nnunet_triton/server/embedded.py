@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.errors import DeployError, RepositoryError, ServerError
-from nnunet_triton.registry import read_registry
 from nnunet_triton.server import backends, preload, proxy, watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
@@ -250,15 +250,12 @@ def _memory_plan(repo: Path, volume: VolumeSpec, gpus: int) -> tuple[MemoryPools
 def _repository_load_list(repositories: Sequence[Path]) -> tuple[str, ...]:
     """Every model of the repositories: a registry's models (every endpoint and version), else every folder
     holding a config.pbtxt (a repository not built by this project)."""
-    from nnunet_triton.server.health import repository_models
-
     found: list[str] = []
     for repository in repositories:
         try:
-            registry = read_registry(repository)
+            found += ModelRepository(repository).models()
         except RepositoryError as exc:
             raise ValueError(f"cannot serve {str(repository)!r}: {exc}") from None
-        found += registry.models() if registry is not None else repository_models(repository)
     return tuple(found)
 
 
@@ -464,14 +461,12 @@ def _warn_known_cves(host: str) -> None:
 def _proxy_config(host: str, port: int | None, upstream_port: int, tls: proxy.TlsSettings,
                   repositories: Sequence[Path], run_dir: Path, allow_statistics: bool) -> proxy.ProxyConfig:
     """The proxy of a server: the public endpoints of every repository (registry), else every model."""
-    from nnunet_triton.server.health import repository_models
-
     endpoints: list[str] = []
     models: list[str] = []
-    for repository in repositories:
-        registry = read_registry(repository)
+    for repository in map(ModelRepository, repositories):
+        registry = repository.registry()
         if registry is None:
-            models += repository_models(repository)
+            models += repository.model_dirs()
         else:
             endpoints += sorted(registry.endpoints)
     return proxy.ProxyConfig(

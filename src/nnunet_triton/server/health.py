@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.parameters import DEFAULT_HTTP_PORT
 from nnunet_triton.util.process import pid_alive  # re-exported for the watchdog and the handle
 
@@ -141,25 +142,14 @@ def find_server_pid(*, proc: str | Path = "/proc") -> int | None:
 
 def repository_models(model_repository: str | Path) -> list[str]:
     """Model names of a repository folder: its sub-folders holding a ``config.pbtxt``."""
-    root = Path(model_repository)
-    return sorted(p.name for p in root.iterdir() if (p / "config.pbtxt").is_file())
+    return ModelRepository(model_repository).model_dirs()
 
 
 def repository_expectations(model_repository: str | Path) -> tuple[list[str], list[str]]:
     """(models that must be loaded, models that may be) of a repository: with a registry, the public
     endpoints and their promoted versions, then every other version's models; without one, every model
     folder must be loaded."""
-    from nnunet_triton.errors import RepositoryError
-    from nnunet_triton.registry import read_registry
-
-    try:
-        registry = read_registry(model_repository)
-    except RepositoryError:
-        registry = None  # an older or hand-made repository: every folder counts
-    if registry is None:
-        return repository_models(model_repository), []
-    required = list(registry.required_models())
-    return required, sorted(set(registry.models()) - set(required))
+    return ModelRepository(model_repository).expected_models()
 
 
 def expected_instances(config: Mapping[str, Any]) -> tuple[str, ...]:

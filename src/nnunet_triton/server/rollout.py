@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton import io_names
+from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.builder.repository import remove_endpoint, write_public_endpoints
 from nnunet_triton.errors import RepositoryError, ServerError
-from nnunet_triton.registry import Registry, locked, read_registry, write_registry
+from nnunet_triton.registry import Registry, locked, write_registry
 from nnunet_triton.server.handle import recorded_server
 from nnunet_triton.server.model_control import ModelControl
 
@@ -85,23 +85,12 @@ class RolloutStep:
 
 
 def _registry(repository: Path) -> Registry:
-    registry = read_registry(repository)
-    if registry is None:
-        raise RepositoryError(f"{str(repository)!r} is not a model repository built by nnunet-triton (no "
-                              f"{io_names.REPOSITORY_METADATA_FILE}).")
-    return registry
-
-
-def _is_ensemble(repository: Path, model: str) -> bool:
-    try:
-        return 'platform: "ensemble"' in (repository / model / "config.pbtxt").read_text()
-    except OSError:
-        return False
+    return ModelRepository(repository).require_registry()
 
 
 def _load_order(repository: Path, models: Sequence[str]) -> list[str]:
     """Fold and Python models first (BLS callees and ensemble steps), the ensembles last."""
-    return sorted(models, key=lambda m: (_is_ensemble(repository, m), m))
+    return sorted(models, key=lambda m: (ModelRepository(repository).is_ensemble(m), m))
 
 
 def _load_all(repository: Path, models: Sequence[str], control: ModelControl) -> None:

@@ -66,14 +66,15 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from nnunet_triton.errors import ThreadBudgetError
+from nnunet_triton.builder.model_repository import ModelRepository
+from nnunet_triton.errors import RepositoryError, ThreadBudgetError
 from nnunet_triton.io_names import FOLD_SLOT_RESOURCE, VERSION_DIR
 from nnunet_triton.parameters import PARAM_TORCH_NUM_THREADS, FoldRunnerParameters
 from nnunet_triton.pipeline.threads import (
@@ -92,6 +93,9 @@ from nnunet_triton.server.exactness import (
     reference_run,
 )
 from nnunet_triton.server.server_config import rate_limit_args
+
+if TYPE_CHECKING:
+    from nnunet_triton.builder.config_gen import ModelConfigInfo
 
 __all__ = [
     "POLICY_ENV",
@@ -114,17 +118,8 @@ POLICY_ENV = "NNUNET_TRITON_THREAD_POLICY"
 FOLD_SLOTS_ENV = "NNUNET_TRITON_FOLD_SLOTS"
 _WAIT_ENV = "OMP_WAIT_POLICY"
 LOGGER = logging.getLogger(__name__)
-# a Python fold runner's config (model_specs.python_fold_spec), and a libtorch fold's (libtorch_fold_spec)
-_FOLD_MARKER = f'key: "{PARAM_TORCH_NUM_THREADS}"'
-_LIBTORCH_MARKER = re.compile(r'^platform:\s*"pytorch_libtorch"', re.M)
-_MAX_BATCH = re.compile(r"^max_batch_size:\s*(\d+)", re.M)
-_DEFAULT_FILE = re.compile(r'^default_model_filename:\s*"([^"]+)"', re.M)
 # torch's intra-op pool (OpenMP) of the tritonserver process, where the PyTorch backend runs
 _OMP_THREADS_ENV = "OMP_NUM_THREADS"
-_INSTANCE_COUNT = re.compile(r"instance_group\s*\{[^}]*?count:\s*(\d+)", re.S)
-_INPUT_DIMS = re.compile(r"^input\s*\{(.*?)^\}", re.S | re.M)
-_NAME = re.compile(r'^name:\s*"([^"]+)"', re.M)
-_PARAMETER = re.compile(r'parameters\s*\{\s*key:\s*"([^"]+)"\s*value\s*\{\s*string_value:\s*"([^"]*)"', re.S)
 
 
 class ThreadPolicy(str, Enum):  # noqa: UP042 - StrEnum is 3.11, the image stub runs 3.10
@@ -146,54 +141,63 @@ class FoldModels:
     libtorch: bool = False  # CPU fold models on Triton's PyTorch backend (threads of the server process)
 
 
-def _network(config: Path, text: str, dims: list[int]) -> FoldNetwork | None:
-    if "KIND_GPU" in text or not dims or min(dims) <= 0:
-        return None  # threads do not change a GPU forward; a variable shape has no tile to run
+def _cpu_dims(config: ModelConfigInfo) -> tuple[int, ...] | None:
+    """The first input's dims of a CPU model with a fixed shape; None for a GPU forward (threads do not
+    change it) or a variable shape (no tile to run)."""
+    dims = config.first_input_dims
+    if config.on_gpu or not dims or min(dims) <= 0:
+        return None
+    return dims
+
+
+def _network(folder: Path, config: ModelConfigInfo) -> FoldNetwork | None:
+    dims = _cpu_dims(config)
+    if dims is None:
+        return None
     try:
-        params = FoldRunnerParameters.from_parameters(dict(_PARAMETER.findall(text)))
+        params = FoldRunnerParameters.from_parameters(dict(config.parameters))
     except ValueError:
         return None  # the stub refuses it when it loads, naming the parameter
-    name = _NAME.search(text)
-    return FoldNetwork(model=name.group(1) if name else config.parent.name,
-                       path=str(config.parent / VERSION_DIR / params.model_filename),
-                       sample_shape=tuple(dims), per_sample_forward=params.per_sample_forward,
+    return FoldNetwork(model=config.name, path=str(folder / VERSION_DIR / params.model_filename),
+                       sample_shape=dims, per_sample_forward=params.per_sample_forward,
                        configured_threads=params.torch_num_threads)
 
 
-def _libtorch_network(config: Path, text: str, dims: list[int]) -> FoldNetwork | None:
+def _libtorch_network(folder: Path, config: ModelConfigInfo) -> FoldNetwork | None:
     """A CPU libtorch fold as the check runs it: the same model.pt through the same libtorch library (the
     backend is built against this environment's torch) with torch.jit.load, one tile per forward when its
     ``max_batch_size`` is 1 (the exact default), otherwise the whole batch in one forward."""
-    if "KIND_GPU" in text or not dims or min(dims) <= 0:
+    dims = _cpu_dims(config)
+    if dims is None:
         return None
-    params = dict(_PARAMETER.findall(text))
-    filename = _DEFAULT_FILE.search(text)
-    batch = _MAX_BATCH.search(text)
-    name = _NAME.search(text)
-    model_file = filename.group(1) if filename else "model.pt"
-    return FoldNetwork(model=name.group(1) if name else config.parent.name,
-                       path=str(config.parent / VERSION_DIR / model_file), sample_shape=tuple(dims),
-                       per_sample_forward=batch is not None and batch.group(1) == "1",
-                       configured_threads=int(params.get("INTRA_OP_THREAD_COUNT", "0") or 0))
+    return FoldNetwork(model=config.name,
+                       path=str(folder / VERSION_DIR / (config.default_model_filename or "model.pt")),
+                       sample_shape=dims, per_sample_forward=config.max_batch_size == 1,
+                       configured_threads=int(config.parameters.get("INTRA_OP_THREAD_COUNT", "0") or 0))
 
 
 def repository_folds(model_repository: str | Path) -> FoldModels:
     """Fold-model instances in a repository (Python runner and libtorch), their largest input and their CPU
-    networks."""
+    networks (a config that cannot be read is skipped with a warning: Triton refuses that model itself)."""
+    repository = ModelRepository(model_repository)
     total, largest, networks, libtorch = 0, 0, [], False
-    for config in sorted(Path(model_repository).glob("*/config.pbtxt")):
-        text = config.read_text()
-        on_libtorch = _LIBTORCH_MARKER.search(text) is not None
-        if _FOLD_MARKER not in text and not on_libtorch:
+    for model in repository.model_dirs():
+        try:
+            config = repository.config(model)
+        except RepositoryError as exc:
+            LOGGER.warning("thread budget: skipping model %s: %s", model, exc)
             continue
-        libtorch = libtorch or (on_libtorch and "KIND_GPU" not in text)
-        counts = _INSTANCE_COUNT.findall(text)
-        total += sum(int(c) for c in counts) if counts else 1
-        block = _INPUT_DIMS.search(text)
-        dims = [int(d) for d in re.findall(r"dims:\s*(-?\d+)", block.group(1))] if block else []
+        # a Python fold runner's config (model_specs.python_fold_spec), a libtorch fold's (libtorch_fold_spec)
+        on_libtorch = config.platform == "pytorch_libtorch"
+        if PARAM_TORCH_NUM_THREADS not in config.parameters and not on_libtorch:
+            continue
+        libtorch = libtorch or (on_libtorch and not config.on_gpu)
+        total += config.instance_count
+        dims = config.first_input_dims
         if dims and min(dims) > 0:
             largest = max(largest, math.prod(dims))
-        network = _libtorch_network(config, text, dims) if on_libtorch else _network(config, text, dims)
+        folder = repository.model_dir(model)
+        network = _libtorch_network(folder, config) if on_libtorch else _network(folder, config)
         if network is not None:
             networks.append(network)
     return FoldModels(total, largest, tuple(networks), libtorch)

@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
+from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.builder.torch_compat import TRITON_RELEASES, TritonRelease, torch_minor, torch_minor_text
 from nnunet_triton.errors import DeployError, RepositoryError
 from nnunet_triton.numerics.plans import InferenceConfig
-from nnunet_triton.registry import Registry, read_registry
+from nnunet_triton.registry import Registry
 
 __all__ = [
     "ModelGeometry",
@@ -220,7 +221,7 @@ class RepositoryInfo:
         directories."""
         repo = Path(repository)
         registry = _read_registry(repo)
-        _check_model_dirs(repo, registry.models())
+        _check_model_dirs(ModelRepository(repo), registry.models())
         pipelines = []
         for name, entry in sorted(registry.endpoints.items()):
             order = [entry.promoted, *sorted(v for v in entry.versions if v != entry.promoted)]
@@ -236,7 +237,7 @@ class RepositoryInfo:
 
 def _read_registry(repo: Path) -> Registry:
     try:
-        registry = read_registry(repo)
+        registry = ModelRepository(repo).registry()
     except RepositoryError as exc:
         raise DeployError(str(exc)) from None
     if registry is None:
@@ -249,17 +250,17 @@ def _read_registry(repo: Path) -> Registry:
     return registry
 
 
-def _check_model_dirs(repo: Path, models: tuple[str, ...]) -> None:
+def _check_model_dirs(repo: ModelRepository, models: tuple[str, ...]) -> None:
     """Every model in the registry has a config, and every model directory is in the registry.
 
     With ``--model-control-mode explicit`` only listed models load; a fold model missing from the list
     would only fail at the first BLS call (BLS callees are invisible to the repository manager).
     """
-    on_disk = {p.parent.name for p in repo.glob("*/config.pbtxt")}
+    on_disk = set(repo.model_dirs())
     missing, unlisted = sorted(set(models) - on_disk), sorted(on_disk - set(models))
     if missing or unlisted:
         raise DeployError(
-            f"repository {str(repo)!r} disagrees with its {io_names.REPOSITORY_METADATA_FILE}: models "
+            f"repository {str(repo.path)!r} disagrees with its {io_names.REPOSITORY_METADATA_FILE}: models "
             f"without config.pbtxt {missing}, model directories not in the registry {unlisted} (rebuild it "
             "with --force)."
         )
@@ -271,7 +272,7 @@ def _read_config(repo: Path, namespace: str, where: str) -> InferenceConfig:
     candidates = [namespace + prefix + step for prefix in ("", io_names.member_prefix(0))
                   for step in _CONFIG_DIRS]
     for model in candidates:
-        path = repo / model / io_names.VERSION_DIR / io_names.INFERENCE_CONFIG_FILE
+        path = ModelRepository(repo).version_file(model, io_names.INFERENCE_CONFIG_FILE)
         if path.is_file():
             return InferenceConfig.from_json(path.read_text())
     raise DeployError(
