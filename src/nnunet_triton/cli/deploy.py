@@ -27,14 +27,12 @@ checkout, or ``$NNUNET_TRITON_SOURCE``); embedded needs none.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +43,7 @@ from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, en
 from nnunet_triton.cli.serve import add_tls_arguments, tls_settings
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
-from nnunet_triton.server import deploy, proxy
+from nnunet_triton.server import deploy, proxy, readiness
 from nnunet_triton.server.deploy import docker, k8s
 from nnunet_triton.server.deploy import engine as container_engine
 
@@ -420,20 +418,18 @@ def _container_state(spec: docker.DeploySpec) -> tuple[str, str]:
 
 
 def _wait_http_ready(http: str, timeout_s: float, spec: docker.DeploySpec) -> None:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    url, deadline = f"http://{http}/v2/health/ready", time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), opener.open(url, timeout=5):
-            return
+    def gone() -> str | None:
         status, code = _container_state(spec)
-        if status in ("exited", "stopped", "missing"):
-            logs = subprocess.run([spec.engine, "logs", "--tail", "20", spec.container_name],
-                                  capture_output=True, text=True, check=False, timeout=60)
-            raise NnunetTritonError(f"container {spec.container_name} {status} (exit {code}) before it was "
-                                    f"ready; its log ends:\n{logs.stdout}{logs.stderr}")
-        time.sleep(2)
-    raise NnunetTritonError(f"not ready at {url} after {timeout_s:.0f} s (see `{spec.engine} logs "
-                            f"{spec.container_name}`).")
+        return f"container {spec.container_name} {status} (exit {code})" if status in (
+            "exited", "stopped", "missing") else None
+
+    try:
+        readiness.wait_ready(http, timeout_s=timeout_s, gone=gone, what=f"container {spec.container_name}",
+                             interval_s=2.0)
+    except readiness.NotReadyError as exc:
+        logs = subprocess.run([spec.engine, "logs", "--tail", "20", spec.container_name],
+                              capture_output=True, text=True, check=False, timeout=60)
+        raise NnunetTritonError(f"{exc}; its log ends:\n{logs.stdout}{logs.stderr}") from None
 
 
 def _kube_play(args: argparse.Namespace) -> int:
