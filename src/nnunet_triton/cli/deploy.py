@@ -291,12 +291,8 @@ def _variant(args: argparse.Namespace) -> str:
 
 def _engine(args: argparse.Namespace) -> tuple[str, bool]:
     """The engine to name in the commands, and whether to run them (an engine works, no --dry-run)."""
-    if shutil.which("podman") and not container_engine.engine_works("docker"):
-        container_engine.ensure_podman()  # this host's containers.conf drop-in, when it needs one
-    found = container_engine.find_engine(args.engine)
-    if args.execute and found is None:
-        raise NnunetTritonError(f"--execute needs a working container engine ({args.engine}); none answers "
-                                "here (docker: is the daemon running? podman: `podman info`).")
+    found = (container_engine.require_engine(args.engine, why="--execute") if args.execute
+             else container_engine.find_engine(args.engine))
     if found is None and not args.dry_run:
         print("no working container engine here (docker daemon or podman): printing the commands only")
     engine = found or (args.engine if args.engine != "auto" else "docker")
@@ -320,9 +316,7 @@ def _cpu_image(args: argparse.Namespace, engine: str, info: deploy.RepositoryInf
     wheels = None
     if args.execute:
         if spec.base_image == container_engine.LOCAL_BASE_IMAGE:
-            took = container_engine.ensure_base_image(engine)
-            if took:
-                print(f"made the base image {spec.base_image} (debootstrap + import) in {took:.0f} s")
+            container_engine.require_image(engine, spec.base_image)
         wheels = str(container_engine.fill_wheels())
     print(f"build the cpu image {spec.image_tag} and its export stage (base {spec.base_image}):")
     source = container_engine.source_root()
@@ -434,9 +428,7 @@ def _wait_http_ready(http: str, timeout_s: float, spec: docker.DeploySpec) -> No
 
 def _kube_play(args: argparse.Namespace) -> int:
     """The cpu Deployment run here by ``podman kube play``: repository, images, models image, manifests."""
-    problem = container_engine.ensure_podman()
-    if problem:
-        raise NnunetTritonError(f"--kube-play needs podman: {problem}")
+    container_engine.require_engine("podman", why="--kube-play")
     args.execute, manifests_dir = True, args.out
     args.out = args.repository or Path(CPU_IMAGE_OUT).absolute()
     spec = _build_cpu_repository(args, "podman")
@@ -602,7 +594,8 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
                      help="the image: gpu (NGC base) or cpu (Debian base); auto: gpu where a GPU is visible")
     gpu.add_argument("--base-image", default=None,
                      help="the Dockerfile's BASE_IMAGE (cpu default with podman: the local debootstrapped "
-                          f"{container_engine.LOCAL_BASE_IMAGE}, made when missing)")
+                          f"{container_engine.LOCAL_BASE_IMAGE}; `python -m tools.container_host` in a "
+                          "checkout makes it)")
     gpu.add_argument("--triton-release", default=docker.GPU_TRITON_RELEASE,
                      help="the gpu image's NGC release (the cpu image is always the wheel's 24.10)")
     gpu.add_argument("--image-torch-version", default=None, help="libtorch X.Y of a release not known here")
