@@ -145,7 +145,7 @@ ALLOWED = {
     (TIMEOUT, "tools/container_host.py"): "apt-get update's time limit",
     (TIMEOUT, "src/nnunet_triton/server/deploy/image_check.py"):
         "how long the image check waits for the fixture's models to load",
-    (TIMEOUT, "src/nnunet_triton/cli/deploy.py"):
+    (TIMEOUT, "src/nnunet_triton/server/deploy/service.py"):
         "--ready-timeout (the server's start) and podman volume import's time limit",
     (TIMEOUT, "src/nnunet_triton/client/dicom/node.py"): "joining the node's worker at shutdown",
     (TIMEOUT, "tools/orthanc.py"): "installing Orthanc with apt-get",

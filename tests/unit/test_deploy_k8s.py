@@ -17,7 +17,7 @@ from nnunet_triton import io_names
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.cli import deploy as tool
 from nnunet_triton.numerics.model_folder import read_model_folder
-from nnunet_triton.server.deploy import docker, k8s, sizing
+from nnunet_triton.server.deploy import docker, k8s, service, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "Dataset901_SynthCT" / "nnUNetTrainer__nnUNetPlans__3d_tiny"
@@ -194,7 +194,7 @@ def _printed_commands(printed: str, engine: str = "docker") -> list[str]:
 def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
     tmp_path, monkeypatch, capsys
 ) -> None:
-    monkeypatch.setattr(tool, "_local_torch_fits", lambda args: False)  # whatever torch is here: a container
+    monkeypatch.setattr(service, "local_torch_fits", lambda plan: False)  # whatever torch here: a container
     out = tmp_path / "repo_gpu"
     assert tool.main(["--target", "docker", "--model-dir", str(FIXTURE), "--out", str(out), "--gpus", "1",
                       "--variant", "gpu", "--engine", "docker", "--dry-run"]) == 0
@@ -218,7 +218,7 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
 def test_deploy_tool_with_two_names_exports_each_endpoint_and_starts_one_container_for_both(
     tmp_path, monkeypatch, capsys
 ) -> None:
-    monkeypatch.setattr(tool, "_local_torch_fits", lambda args: False)
+    monkeypatch.setattr(service, "local_torch_fits", lambda plan: False)
     out = tmp_path / "repo_gpu"
     assert tool.main(["--target", "docker", "--model-dir", str(FIXTURE), str(FIXTURE),
                       "--endpoint", "liver", "lung",
