@@ -11,6 +11,7 @@ import pytest
 from deploy_support import REPO_ROOT
 
 from nnunet_triton.cli import deploy as tool
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import DeployError
 from nnunet_triton.server.deploy import engine
 from tools import container_host
@@ -54,7 +55,7 @@ def test_deploy_execute_without_an_engine_fails_naming_how_to_get_one(tmp_path, 
     monkeypatch.setenv("PATH", str(tmp_path))
     code = tool.main(["--target", "docker", "--model-dir", str(FIXTURE), "--variant", "cpu", "--execute",
                       "--out", str(tmp_path / "repo")])
-    assert code == 1
+    assert code == ExitCode.USAGE
     assert "`python -m tools.container_host`" in caplog.text and "make container-engine" not in caplog.text
     assert not (tmp_path / "repo").exists()
 

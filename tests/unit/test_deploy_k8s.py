@@ -16,6 +16,7 @@ from test_makefile_variables import _make, _value
 from nnunet_triton import io_names
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.cli import deploy as tool
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.numerics.model_folder import read_model_folder
 from nnunet_triton.server.deploy import docker, k8s, service, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
@@ -182,7 +183,8 @@ def test_deploy_tool_renders_k8s_files_when_repository_is_built(tmp_path: Path, 
 
 def test_deploy_tool_refuses_k8s_when_export_torch_is_newer(tmp_path: Path, caplog) -> None:
     repo = write_repository(tmp_path / "repo", torch_version="2.14.1")
-    assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1
+    argv = ["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]
+    assert tool.main(argv) == ExitCode.USAGE
     assert "exported with torch 2.14.1, newer than torch 2.10" in caplog.text
     assert not (tmp_path / "k8s").exists()
 
@@ -275,7 +277,7 @@ def test_deploy_tool_refuses_names_or_configurations_that_do_not_pair_with_the_m
         caplog.clear()
         assert tool.main(["--target", target, "--model-dir", "/m/a", "/m/b", *argv,
                           "--out", str(tmp_path / "o"),
-                          "--dry-run"]) == 1
+                          "--dry-run"]) == ExitCode.USAGE
         assert re.search(message, caplog.text), caplog.text
     assert not (tmp_path / "o").exists()
 
@@ -337,7 +339,7 @@ def test_deploy_tool_renders_one_deployment_for_every_endpoint_of_a_repository(
 def test_deploy_tool_refuses_k8s_names_the_repository_does_not_hold(tmp_path: Path, caplog) -> None:
     repo = two_endpoints(tmp_path / "repo")
     assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s"),
-                      "--endpoint", "liver", "kidney"]) == 1
+                      "--endpoint", "liver", "kidney"]) == ExitCode.USAGE
     assert f"the repository {repo} has no endpoint(s) ['kidney'] (it holds ['liver', 'lung'])" in caplog.text
     assert not (tmp_path / "k8s").exists()
 
@@ -346,7 +348,8 @@ def test_deploy_tool_refuses_k8s_when_the_repository_mixes_targets(tmp_path: Pat
     repo = tmp_path / "repo"
     write_repository(repo, name="liver")
     write_repository(repo, BuildOptions(target="cpu"), name="lung")
-    assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1
+    argv = ["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]
+    assert tool.main(argv) == ExitCode.USAGE
     assert "the repository mixes targets ['cpu', 'gpu'] (liver v1: gpu, lung v1: cpu)" in caplog.text
     assert "build every endpoint with the same --target" in caplog.text
     assert not (tmp_path / "k8s").exists()
@@ -362,5 +365,6 @@ def test_deploy_tool_undeploy_prints_docker_stop_and_remove(capsys) -> None:
 
 def test_deploy_tool_refuses_k8s_when_repository_targets_cpu(tmp_path: Path, caplog) -> None:
     repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))
-    assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1
+    argv = ["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]
+    assert tool.main(argv) == ExitCode.USAGE
     assert "was built for target 'cpu'; the pods get one GPU each" in caplog.text

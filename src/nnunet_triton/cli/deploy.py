@@ -35,7 +35,7 @@ from typing import Any
 from nnunet_triton import io_names
 from nnunet_triton.cli import serve
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, endpoint_name
-from nnunet_triton.cli.exit_codes import ExitCode
+from nnunet_triton.cli.exit_codes import EPILOG, ExitCode
 from nnunet_triton.cli.serve import add_tls_arguments, tls_settings
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.parameters import DEFAULT_TILE_BATCH_SIZE
@@ -46,16 +46,15 @@ from nnunet_triton.server.deploy.service import DEFAULT_OUT, EndpointPlan, endpo
 __all__ = ["EndpointPlan", "add_parsers", "endpoint_plans", "main"]
 
 LOGGER = logging.getLogger(__name__)
-FAILED = 1  # a reported error
 
 
 def add_parsers(sub: Any) -> None:
     """Mount ``deploy`` and ``undeploy`` on the ``nnunet-triton`` subparsers ``sub``."""
     deploy_parser = sub.add_parser("deploy", help="build a results folder and serve it (embedded, docker, "
-                                                  "k8s)")
+                                                  "k8s)", epilog=EPILOG)
     deploy_parser.set_defaults(run=lambda args: _run_command(args, undeploy=False))
     _arguments(deploy_parser, undeploy=False)
-    undeploy_parser = sub.add_parser("undeploy", help="stop what `deploy` started")
+    undeploy_parser = sub.add_parser("undeploy", help="stop what `deploy` started", epilog=EPILOG)
     undeploy_parser.set_defaults(run=lambda args: _run_command(args, undeploy=True))
     _arguments(undeploy_parser, undeploy=True)
 
@@ -167,7 +166,7 @@ def _plan(args: argparse.Namespace, *, undeploy: bool) -> service.DeployPlan:
 
 
 def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:
-    """Deploy or undeploy as ``args`` say; the exit code (1 on a reported error)."""
+    """Deploy or undeploy as ``args`` say; the exit code (``cli.exit_codes``: 2 on a reported error)."""
     try:
         plan = _plan(args, undeploy=undeploy)
         if not undeploy:
@@ -179,19 +178,19 @@ def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:
         return ExitCode.OK
     except (NnunetTritonError, ValueError, subprocess.CalledProcessError) as exc:
         LOGGER.error("%s", exc)
-        return FAILED
+        return ExitCode.USAGE  # a deployment that cannot work as asked: fix the command or the project
 
 
 def _parser(undeploy: bool) -> argparse.ArgumentParser:
     """The flags of ``deploy`` (or ``undeploy``) as a parser of their own."""
     parser = argparse.ArgumentParser(prog=f"nnunet-triton {'undeploy' if undeploy else 'deploy'}",
-                                     description=__doc__.splitlines()[0])
+                                     description=__doc__.splitlines()[0], epilog=EPILOG)
     _arguments(parser, undeploy=undeploy)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``deploy ARGS`` (the default) or ``undeploy ARGS``; the exit code (1 on a reported error)."""
+    """``deploy ARGS`` (the default) or ``undeploy ARGS``; the exit code (2 on a reported error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     undeploy = argv[:1] == ["undeploy"]
     rest = argv[1:] if argv[:1] in (["deploy"], ["undeploy"]) else argv
