@@ -178,7 +178,7 @@ undeploy: $(SETUP_STAMP) ## Stop what `make deploy` started (TARGET=embedded|doc
 	$(PY) -m nnunet_triton.cli undeploy --target $(TARGET) $(DEPLOY_ARGS)
 
 container-engine: $(SETUP_STAMP) ## As root without Docker: install podman (apt), write its containers.conf drop-in, make the Debian base image and the cpu image's wheels
-	$(PY) -m nnunet_triton.server.deploy.engine
+	$(PY) -m tools.container_host
 
 clean: ## Stop a running server and remove build outputs and caches (keeps .venv)
 	@if [ -x $(SERVER) ]; then $(SERVER) stop; fi

@@ -37,7 +37,7 @@ from recovery_support import RECOVERY_LIMIT_S, REQUEST_TIMEOUT_S, paused, wait_u
 from nnunet_triton.cli import deploy as deploy_tool
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.server import health
-from nnunet_triton.server.deploy import engine as container_engine
+from tools import container_host
 
 CONTAINER = "nnunet-triton-test"
 POD = "nnunet-triton-kube"
@@ -97,9 +97,10 @@ def _assert_probe_answers(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def engine() -> str:
-    problem = container_engine.ensure_podman()
+    problem = container_host.ensure_podman()
     if problem:
         pytest.skip(f"podman cannot run here: {problem}")
+    container_host.ensure_base_image("podman")  # deploy only checks that it is there
     return "podman"
 
 

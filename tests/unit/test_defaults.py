@@ -142,10 +142,10 @@ RULES = {
 TIMEOUT = "client timeout 600 s"
 ALLOWED = {
     (TIMEOUT, "src/nnunet_triton/registry.py"): "waiting for the repository lock, not a request",
-    (TIMEOUT, "src/nnunet_triton/server/deploy/engine.py"): "apt-get update's time limit",
+    (TIMEOUT, "tools/container_host.py"): "apt-get update's time limit",
     (TIMEOUT, "src/nnunet_triton/server/deploy/image_check.py"):
         "how long the image check waits for the fixture's models to load",
-    (TIMEOUT, "src/nnunet_triton/cli/deploy.py"):
+    (TIMEOUT, "src/nnunet_triton/server/deploy/service.py"):
         "--ready-timeout (the server's start) and podman volume import's time limit",
     (TIMEOUT, "src/nnunet_triton/client/dicom/node.py"): "joining the node's worker at shutdown",
     (TIMEOUT, "tools/orthanc.py"): "installing Orthanc with apt-get",

@@ -16,8 +16,9 @@ from test_makefile_variables import _make, _value
 from nnunet_triton import io_names
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.cli import deploy as tool
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.numerics.model_folder import read_model_folder
-from nnunet_triton.server.deploy import docker, k8s, sizing
+from nnunet_triton.server.deploy import docker, k8s, service, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "Dataset901_SynthCT" / "nnUNetTrainer__nnUNetPlans__3d_tiny"
@@ -182,7 +183,8 @@ def test_deploy_tool_renders_k8s_files_when_repository_is_built(tmp_path: Path, 
 
 def test_deploy_tool_refuses_k8s_when_export_torch_is_newer(tmp_path: Path, caplog) -> None:
     repo = write_repository(tmp_path / "repo", torch_version="2.14.1")
-    assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1
+    argv = ["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]
+    assert tool.main(argv) == ExitCode.USAGE
     assert "exported with torch 2.14.1, newer than torch 2.10" in caplog.text
     assert not (tmp_path / "k8s").exists()
 
@@ -194,7 +196,7 @@ def _printed_commands(printed: str, engine: str = "docker") -> list[str]:
 def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
     tmp_path, monkeypatch, capsys
 ) -> None:
-    monkeypatch.setattr(tool, "_local_torch_fits", lambda args: False)  # whatever torch is here: a container
+    monkeypatch.setattr(service, "local_torch_fits", lambda plan: False)  # whatever torch here: a container
     out = tmp_path / "repo_gpu"
     assert tool.main(["--target", "docker", "--model-dir", str(FIXTURE), "--out", str(out), "--gpus", "1",
                       "--variant", "gpu", "--engine", "docker", "--dry-run"]) == 0
@@ -218,7 +220,7 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
 def test_deploy_tool_with_two_names_exports_each_endpoint_and_starts_one_container_for_both(
     tmp_path, monkeypatch, capsys
 ) -> None:
-    monkeypatch.setattr(tool, "_local_torch_fits", lambda args: False)
+    monkeypatch.setattr(service, "local_torch_fits", lambda plan: False)
     out = tmp_path / "repo_gpu"
     assert tool.main(["--target", "docker", "--model-dir", str(FIXTURE), str(FIXTURE),
                       "--endpoint", "liver", "lung",
@@ -275,7 +277,7 @@ def test_deploy_tool_refuses_names_or_configurations_that_do_not_pair_with_the_m
         caplog.clear()
         assert tool.main(["--target", target, "--model-dir", "/m/a", "/m/b", *argv,
                           "--out", str(tmp_path / "o"),
-                          "--dry-run"]) == 1
+                          "--dry-run"]) == ExitCode.USAGE
         assert re.search(message, caplog.text), caplog.text
     assert not (tmp_path / "o").exists()
 
@@ -337,7 +339,7 @@ def test_deploy_tool_renders_one_deployment_for_every_endpoint_of_a_repository(
 def test_deploy_tool_refuses_k8s_names_the_repository_does_not_hold(tmp_path: Path, caplog) -> None:
     repo = two_endpoints(tmp_path / "repo")
     assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s"),
-                      "--endpoint", "liver", "kidney"]) == 1
+                      "--endpoint", "liver", "kidney"]) == ExitCode.USAGE
     assert f"the repository {repo} has no endpoint(s) ['kidney'] (it holds ['liver', 'lung'])" in caplog.text
     assert not (tmp_path / "k8s").exists()
 
@@ -346,7 +348,8 @@ def test_deploy_tool_refuses_k8s_when_the_repository_mixes_targets(tmp_path: Pat
     repo = tmp_path / "repo"
     write_repository(repo, name="liver")
     write_repository(repo, BuildOptions(target="cpu"), name="lung")
-    assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1
+    argv = ["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]
+    assert tool.main(argv) == ExitCode.USAGE
     assert "the repository mixes targets ['cpu', 'gpu'] (liver v1: gpu, lung v1: cpu)" in caplog.text
     assert "build every endpoint with the same --target" in caplog.text
     assert not (tmp_path / "k8s").exists()
@@ -362,5 +365,6 @@ def test_deploy_tool_undeploy_prints_docker_stop_and_remove(capsys) -> None:
 
 def test_deploy_tool_refuses_k8s_when_repository_targets_cpu(tmp_path: Path, caplog) -> None:
     repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))
-    assert tool.main(["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]) == 1
+    argv = ["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]
+    assert tool.main(argv) == ExitCode.USAGE
     assert "was built for target 'cpu'; the pods get one GPU each" in caplog.text

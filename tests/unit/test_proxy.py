@@ -139,7 +139,7 @@ def test_serve_and_deploy_refuse_a_public_host_without_tls(tmp_path: Path, capsy
     assert "tritonserver would listen on '0.0.0.0' (beyond loopback) without TLS" in capsys.readouterr().err
     for target in ("embedded", "docker"):
         assert deploy.main(["--target", target, "--host", "0.0.0.0", "--model", str(tmp_path),
-                            "--out", str(tmp_path / "out")]) == 1
+                            "--out", str(tmp_path / "out")]) == 2  # like serve: one exit-code policy
     assert not (tmp_path / "out").exists()  # refused before building
     assert [r.message.split(" would ")[0].split(" publishes ")[0] for r in caplog.records
             if r.levelname == "ERROR"] == ["the embedded tritonserver", "--target docker"]

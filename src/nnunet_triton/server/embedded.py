@@ -23,10 +23,10 @@ from typing import BinaryIO
 
 from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.errors import DeployError, RepositoryError, ServerError
-from nnunet_triton.server import backends, preload, proxy, watchdog
+from nnunet_triton.server import backends, preload, proxy, readiness, watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
-from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, _http_ok, _tail
+from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, _tail
 from nnunet_triton.server.model_control import CONTROL_HEADER, RESTRICTED_APIS
 from nnunet_triton.server.restart import LaunchSpec
 from nnunet_triton.server.server_config import (
@@ -483,23 +483,18 @@ def _start_proxy(handle: ServerHandle, launch: _Launch, config: proxy.ProxyConfi
 
 
 def _wait_ready(handle: ServerHandle, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    url = f"http://{handle.http_url}/v2/health/ready"
-    while not _http_ok(url):
-        if not handle.is_running():
-            code = handle._process.returncode if handle._process is not None else None
-            handle.stop()
-            raise ServerError(
-                f"tritonserver exited (code {code}) before {url} was ready; "
-                f"last lines of {handle.log_file}:\n{_tail(Path(handle.log_file))}"
-            )
-        if time.monotonic() > deadline:
-            handle.stop()
-            raise ServerError(
-                f"tritonserver was not ready at {url} after {timeout_s:.0f} s; "
-                f"last lines of {handle.log_file}:\n{_tail(Path(handle.log_file))}"
-            )
-        time.sleep(0.2)
+    def gone() -> str | None:
+        if handle.is_running():
+            return None
+        code = handle._process.returncode if handle._process is not None else None
+        return f"tritonserver exited (code {code})"
+
+    try:
+        readiness.wait_ready(handle.http_url, timeout_s=timeout_s, gone=gone)
+    except readiness.NotReadyError as exc:
+        handle.stop()
+        tail = _tail(Path(handle.log_file))
+        raise ServerError(f"{exc}; last lines of {handle.log_file}:\n{tail}") from None
     LOGGER.info(
         "tritonserver ready: http %s grpc %s metrics %s", handle.http_url, handle.grpc_url, handle.metrics_url
     )

@@ -47,8 +47,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -56,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.errors import ServerError
+from nnunet_triton.server import readiness
 from nnunet_triton.server.health import (
     ModelHealth,
     StubProcess,
@@ -231,17 +230,14 @@ class Watchdog:
         return True
 
     def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + RESTART_READY_TIMEOUT_S
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        while not self._stop and self.server_alive() and time.monotonic() < deadline:
-            try:
-                with opener.open(f"http://{self.url}/v2/health/ready", timeout=2.0) as response:
-                    if response.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        return False
+        def gone() -> str | None:
+            return "stopping" if self._stop else None if self.server_alive() else "tritonserver died"
+
+        try:
+            readiness.wait_ready(self.url, timeout_s=RESTART_READY_TIMEOUT_S, gone=gone)
+        except readiness.NotReadyError:
+            return False
+        return True
 
     def _record_restart(self) -> None:
         """The new pid (and the restart count) in the launcher's pid and state files, for ``stop``/``status``

@@ -10,8 +10,11 @@ Pure functions of typed frozen specs; nothing here needs Docker or a cluster.
 * :mod:`.docker` -- tritonserver flags, Dockerfile build args, ``docker build``/``docker run`` lines.
 * :mod:`.k8s` -- Deployment, Service, HPA, ServiceMonitor (a kustomize base) as dicts and YAML.
 
+* :mod:`.service` -- :class:`DeployPlan` (typed, frozen) and the steps that carry it out: build, image, run,
+  wait until ready, kube play, undeploy (``DeployError`` when a deployment cannot work as asked).
+
 ``nnunet-triton deploy`` / ``undeploy`` (``cli.deploy``; ``make deploy`` / ``make undeploy``) is the
-command line; docs/deploy.md the guide.
+command line that parses the flags into a plan; docs/deploy.md the guide.
 """
 
 from __future__ import annotations

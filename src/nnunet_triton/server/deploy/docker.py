@@ -69,7 +69,7 @@ VARIANTS = ("gpu", "cpu")
 # torch NGC's -pyt-python-py3 base already holds (its libtorch's major.minor; no second torch is installed)
 IMAGE_TORCH = {"gpu": TRITON_RELEASES[GPU_TRITON_RELEASE].libtorch, "cpu": "2.13.0+cpu"}
 DEFAULT_RUNNER_TORCH = IMAGE_TORCH["gpu"]
-# any Debian bookworm (here: the debootstrapped localhost/debian:bookworm of server.deploy.engine)
+# any Debian bookworm (here: the debootstrapped localhost/debian:bookworm of tools.container_host)
 CPU_BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
 # a killed or crashed server is restarted (up to 5 times: docker and podman never reset the count); a
 # repository the entry point refuses exits with EXIT_BAD_REPOSITORY each time and then stays down

@@ -1,15 +1,11 @@
-"""A container engine and the cpu image's inputs here: podman, a Debian base image, a wheel directory.
+"""A container engine and the cpu image's inputs here: which engine works, the base image, a wheel directory.
 
-Used by ``nnunet-triton deploy --target docker|k8s`` and the container tests. Nothing here is needed on a
-host with a working Docker engine; on a Debian host without one, as root:
+Used by ``nnunet-triton deploy --target docker|k8s``. This module only looks: :func:`require_engine` and
+:func:`require_image` raise :class:`DeployError` saying how to get what is missing (console commands: install
+Docker or podman; a checkout's ``python -m tools.container_host`` provisions a Debian host as root: podman
+with apt, its host configuration, the debootstrapped base image). It makes only what the image build
+reads from the source tree:
 
-* :func:`ensure_podman` installs ``podman runc debootstrap catatonit`` with apt when one is missing and,
-  where root lacks CAP_SYS_RESOURCE (podman's default ulimits cannot be set) or the cgroup layout is
-  hybrid (crun fails there), writes the drop-in :data:`CONF_DROPIN` (``default_ulimits`` at this host's
-  own hard limits, ``runtime = "runc"``).
-* :func:`ensure_base_image` makes ``localhost/debian:bookworm`` when it is missing: ``debootstrap
-  --variant=minbase bookworm`` from the mirror apt uses, imported with ``podman import`` (there is no image
-  registry here). It stays in podman's store; later calls cost nothing.
 * :func:`fill_wheels` makes every wheel the cpu image installs (pip wheel) (requirements/image-cpu.txt and
   requirements/export.txt) with this machine's pip configuration into ``build/containers/wheels-cpu`` (the
   torch CPU build comes from local disk here), once per content of those files; docker/Dockerfile gets it as
@@ -23,25 +19,23 @@ it); a pip-installed package without that tree deploys ``--target embedded`` onl
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
-import resource
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 from nnunet_triton.errors import DeployError
 
 SOURCE_ENV = "NNUNET_TRITON_SOURCE"
 LOCAL_BASE_IMAGE = "localhost/debian:bookworm"
-CONF_DROPIN = Path("/etc/containers/containers.conf.d/50-nnunet-triton.conf")
-PACKAGES = ("podman", "runc", "debootstrap", "catatonit")  # catatonit: the pause process of kube play pods
 REQUIREMENT_FILES = ("requirements/image-cpu.txt", "requirements/export.txt")  # in the source tree
-_CAP_SYS_RESOURCE = 24
+GET_ENGINE = ("install Docker Engine (https://docs.docker.com/engine/install/) or podman (`apt-get install "
+              "podman`); on a Debian host, as root, a checkout of the project provisions podman with "
+              "`python -m tools.container_host`")
+GET_BASE_IMAGE = ("make it with `python -m tools.container_host` (as root, in a checkout of the project: "
+                  "debootstrap + podman import), or pass `--base-image debian:bookworm` where a registry "
+                  "is reachable")
 
 
 def source_root(start: Path | None = None, env: dict[str, str] | None = None) -> Path:
@@ -91,102 +85,29 @@ def find_engine(preferred: str = "auto") -> str | None:
     return next((engine for engine in candidates if engine_works(engine)), None)
 
 
-def _apt_install(packages: tuple[str, ...]) -> str | None:
-    argv = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if _run(argv, timeout=900, env=env).returncode == 0:
-        return None
-    _run(["apt-get", "update", "-q"], timeout=600, env=env)  # a fresh machine's lists may be missing or old
-    result = _run(argv, timeout=900, env=env)
-    if result.returncode == 0:
-        return None
-    return f"apt-get install {' '.join(packages)} failed: {result.stderr[-500:]}"
+def require_engine(preferred: str = "auto", *, why: str = "") -> str:
+    """The engine :func:`find_engine` finds.
 
-
-def _lacks_cap_sys_resource() -> bool:
-    status = Path("/proc/self/status").read_text()
-    match = re.search(r"^CapEff:\s*([0-9a-f]+)$", status, flags=re.MULTILINE)
-    return match is not None and not int(match.group(1), 16) & (1 << _CAP_SYS_RESOURCE)
-
-
-def _hybrid_cgroups() -> bool:
-    root = Path("/sys/fs/cgroup")
-    v1 = (root / "memory").is_dir() and not (root / "cgroup.controllers").exists()
-    return (root / "unified").is_dir() or v1
-
-
-def engine_config() -> str | None:
-    """The containers.conf drop-in this host needs, or None (a host where podman's defaults work)."""
-    lines = []
-    if _lacks_cap_sys_resource():
-        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
-        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-        nproc = pid_max if nproc == resource.RLIM_INFINITY else min(nproc, pid_max)
-        nofile = 1048576 if nofile == resource.RLIM_INFINITY else nofile
-        lines += ["[containers]", "# root lacks CAP_SYS_RESOURCE: podman's default ulimits exceed this host",
-                  f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]']
-    if _hybrid_cgroups() and shutil.which("runc"):
-        lines += ["[engine]", "# crun fails on this hybrid cgroup layout", 'runtime = "runc"']
-    return "\n".join(["# written by nnunet-triton (server.deploy.engine)", *lines, ""]) if lines else None
-
-
-def ensure_podman() -> str | None:
-    """Make podman usable here (installing it as root with apt); None when it works, else the reason."""
-    if any(shutil.which(tool) is None for tool in ("podman", "debootstrap", "catatonit")):
-        if os.geteuid() != 0 or shutil.which("apt-get") is None:
-            return "podman is not installed and cannot be installed here (needs root and apt-get)"
-        failed = _apt_install(PACKAGES)
-        if failed:
-            return failed
-    config = engine_config()
-    if config is not None and os.geteuid() == 0:
-        if not CONF_DROPIN.is_file() or CONF_DROPIN.read_text() != config:
-            CONF_DROPIN.parent.mkdir(parents=True, exist_ok=True)
-            CONF_DROPIN.write_text(config)
-    if not engine_works("podman"):
-        return "podman is installed but `podman info` fails: " + _run(["podman", "info"]).stderr[-500:]
-    return None
+    Raises:
+        DeployError: none works here; the message says how to get one.
+    """
+    found = find_engine(preferred)
+    if found is None:
+        asked = "docker or podman" if preferred == "auto" else preferred
+        raise DeployError(f"{why or 'this'} needs a working container engine ({asked}); none answers here "
+                          f"(docker: is the daemon running? podman: `podman info`): {GET_ENGINE}.")
+    return found
 
 
 def image_exists(engine: str, ref: str) -> bool:
     return _run([engine, "image", "exists" if engine == "podman" else "inspect", ref]).returncode == 0
 
 
-def ensure_base_image(engine: str = "podman", ref: str = LOCAL_BASE_IMAGE) -> float:
-    """Make ``ref`` (a minbase Debian bookworm) when it is missing; the seconds it took (0: it was there)."""
-    if image_exists(engine, ref):
-        return 0.0
-    if os.geteuid() != 0 or shutil.which("debootstrap") is None:
-        raise RuntimeError(f"{ref} is missing and debootstrap cannot run here (needs root and debootstrap)")
-    start = time.monotonic()
-    state = state_dir()
-    state.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=state, prefix="rootfs-") as tmp:
-        rootfs = Path(tmp) / "rootfs"
-        result = _run(["debootstrap", "--variant=minbase", "bookworm", str(rootfs), _debian_mirror()],
-                      timeout=1800)
-        if result.returncode != 0:
-            raise RuntimeError(f"debootstrap failed: {result.stdout[-1000:]}{result.stderr[-1000:]}")
-        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        imported = subprocess.run([engine, "import", "-", ref], stdin=tar.stdout, capture_output=True,
-                                  text=True, timeout=900, check=False)
-        tar.wait(60)
-        if imported.returncode != 0:
-            raise RuntimeError(f"{engine} import failed: {imported.stderr[-1000:]}")
-    return time.monotonic() - start
-
-
-def _debian_mirror() -> str:
-    """The mirror apt already uses (deb822 ``URIs:`` or a ``deb`` line), else deb.debian.org."""
-    sources = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]
-    for path in sources:
-        text = path.read_text(errors="replace") if path.is_file() else ""
-        for match in re.finditer(r"^(?:URIs:\s*|deb\s+(?:\[[^]]*\]\s+)?)(\S+)", text, flags=re.MULTILINE):
-            uri = match.group(1)
-            if "security" not in uri and uri.startswith("http"):
-                return uri
-    return "http://deb.debian.org/debian"
+def require_image(engine: str, ref: str) -> None:
+    """Raises DeployError when ``engine`` lacks the image ``ref`` (the local base image: how to make it)."""
+    if not image_exists(engine, ref):
+        how = GET_BASE_IMAGE if ref == LOCAL_BASE_IMAGE else f"`{engine} pull {ref}` or pass --base-image"
+        raise DeployError(f"the base image {ref} is not in {engine}'s store: {how}.")
 
 
 def _requirements() -> tuple[Path, ...]:
@@ -214,31 +135,13 @@ def fill_wheels(directory: Path | None = None) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     if sys.version_info[:2] != (3, 11):  # the image's Python: this interpreter's wheels are the image's
-        raise RuntimeError(f"fill_wheels needs Python 3.11 (the cpu image's), not {sys.version.split()[0]}")
+        raise DeployError(f"fill_wheels needs Python 3.11 (the cpu image's), not {sys.version.split()[0]}")
     # pip wheel: the wheels as they are, and the few sdist-only packages (acvl_utils, ...) built here once
     argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(staging),
             *(p for path in _requirements() for p in ("-r", str(path)))]
     result = _run(argv, timeout=1800)
     if result.returncode != 0:
-        raise RuntimeError(f"pip wheel of the image's wheels failed: {result.stderr[-2000:]}")
+        raise DeployError(f"pip wheel of the image's wheels failed: {result.stderr[-2000:]}")
     (staging / ".requirements.sha256").write_text(key)
     staging.rename(directory)
     return directory
-
-
-def main() -> int:
-    """``python -m nnunet_triton.server.deploy.engine``: podman, the base image and the wheels made."""
-    problem = ensure_podman()
-    if problem:
-        sys.stderr.write(f"{problem}\n")
-        return 1
-    seconds = ensure_base_image()
-    wheels = fill_wheels()
-    summary = {"engine": "podman", "base_image": LOCAL_BASE_IMAGE, "base_image_s": round(seconds, 1),
-               "wheels": str(wheels)}
-    sys.stdout.write(json.dumps(summary) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
