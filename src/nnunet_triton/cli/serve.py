@@ -5,7 +5,9 @@
     nnunet-triton stop | status
 
 ``serve`` detaches (``--foreground`` stays attached) and records pid and ports in ``<home>/run/server.json``
-for ``stop``, ``status`` and the clients. ``nnunet-triton-server start|stop|status`` is the same (``start`` =
+for ``stop``, ``status`` and the clients. Exit codes (both command lines): 0 ok, 1 ``status`` of a server
+that runs but is not healthy, 2 bad usage or a server that could not start (one already runs), 3 ``stop``
+or ``status`` with no server running. ``nnunet-triton-server start|stop|status`` is the same (``start`` =
 ``serve``), kept for existing scripts.
 """
 
@@ -19,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.cli import build
+from nnunet_triton.cli import build, exit_code, with_epilog
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server.embedded import DEFAULT_HOST, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
@@ -116,6 +119,7 @@ def _stop_status(commands: Any, *, home: bool = True) -> None:
                           help="seconds before SIGKILL (default: exit timeout + 10)")
     status_cmd = commands.add_parser("status", help="print the recorded server state and its health; exit 0 "
                                      "when healthy (1: running but not healthy, 3: not running)")
+    stop_cmd.help = "stop the server recorded in <home>/run/server.json (exit 3: none was running)"
     status_cmd.set_defaults(run=_cmd_status)
     if home:
         for command in (stop_cmd, status_cmd):
@@ -139,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     start_cmd.set_defaults(run=_cmd_start)
     _serve_arguments(start_cmd, build_first=False, home=False)
     _stop_status(commands, home=False)
-    return parser
+    return with_epilog(parser)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -158,7 +162,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         LOGGER.error(
             "a server is already running (pid %d, http %s); run `stop` first", running.pid, running.http_url
         )
-        return 1
+        return ExitCode.USAGE
     handle = start(
         args.model_repository,
         host=args.host,
@@ -181,12 +185,12 @@ def _cmd_start(args: argparse.Namespace) -> int:
     sys.stdout.write(json.dumps(_public_state(handle), indent=2) + "\n")
     sys.stdout.flush()
     if not args.foreground:
-        return 0
+        return ExitCode.OK
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt -> clean stop
     try:
         return handle._process.wait() if handle._process is not None else 0
     except KeyboardInterrupt:
-        return 0
+        return ExitCode.OK
     finally:
         handle.stop()
 
@@ -195,10 +199,14 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     handle = recorded_server(args.home)
     if handle is None:
         LOGGER.info("no server recorded under %s", resolve_home(args.home) / "run")
-        return 0
-    handle.stop(timeout_s=args.timeout)
+        return ExitCode.NOT_RUNNING
+    running = handle.is_running()
+    handle.stop(timeout_s=args.timeout)  # also clears the record of a server that died
+    if not running:
+        LOGGER.info("the recorded server (pid %d) was not running", handle.pid)
+        return ExitCode.NOT_RUNNING
     LOGGER.info("stopped (pid %d)", handle.pid)
-    return 0
+    return ExitCode.OK
 
 
 def _public_state(handle: ServerHandle) -> dict[str, Any]:
@@ -213,7 +221,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     handle = recorded_server(args.home)
     if handle is None:
         sys.stdout.write(json.dumps({"running": False, "ready": False}) + "\n")
-        return 3
+        return ExitCode.NOT_RUNNING
     state = _public_state(handle)
     running = handle.is_running()
     health = handle.health() if running else None
@@ -230,11 +238,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
         lines = Path(handle.events_file).read_text().splitlines()
         state["recoveries"] = [json.loads(line) for line in lines[-10:]]  # the last ten
     sys.stdout.write(json.dumps(state, indent=2) + "\n")
-    return 0 if state["healthy"] else (1 if running else 3)
+    if state["healthy"]:
+        return ExitCode.OK
+    return ExitCode.CHECK_FAILED if running else ExitCode.NOT_RUNNING
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``nnunet-triton-server start|stop|status``; exit code 0 on success."""
+    """``nnunet-triton-server start|stop|status``; exit codes as ``nnunet-triton``'s (:func:`exit_code`)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s"
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except (NnunetTritonError, ValueError) as exc:
         LOGGER.error("%s", exc)
-        return 1
+        return exit_code(exc) or ExitCode.USAGE
 
 
 if __name__ == "__main__":

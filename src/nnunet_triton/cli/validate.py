@@ -34,6 +34,7 @@ from nnunet_triton.cli.common import (
     request_options,
     url,
 )
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import InputValidationError
 from nnunet_triton.validate.compare import segmentation_labels
 from nnunet_triton.validate.references import IDENTITY_KEYS, RecordedReference, ReferenceWriter
@@ -153,7 +154,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
     verdict = "PASS" if result.passed else ("INTERRUPTED" if result.interrupted else "FAIL")
     sys.stderr.write(f"{verdict}: {sum(c.passed for c in result.cases)} of {result.total} case(s) passed; "
                      f"report {written['validation.html']}\n")
-    return 0 if result.passed else 1
+    return ExitCode.OK if result.passed else ExitCode.CHECK_FAILED
 
 
 def _finish_record(writer: ReferenceWriter | None, result: ValidationResult) -> None:

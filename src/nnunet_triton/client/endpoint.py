@@ -21,7 +21,7 @@ from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.client.tls import ClientTls, triton_client
-from nnunet_triton.errors import ClientError
+from nnunet_triton.errors import ClientError, ServerNotRunningError
 from nnunet_triton.parameters import DESCRIPTION_PARAMETER, PARAM_FOLD_MODELS
 from nnunet_triton.util.retry import RetryPolicy, is_retryable_error
 
@@ -113,6 +113,12 @@ def describe_endpoint(
     as ``NnunetClient``'s."""
     client = triton_client(url, protocol, timeout_s, tls)
     where = f"{protocol}://{url}"
+    try:
+        client.is_server_live()
+    except Exception as exc:  # connection refused, DNS, timeouts (as NnunetClient.check_ready decides)
+        client.close()
+        raise ServerNotRunningError(f"cannot describe model {model_name!r} on {where}: the server is not "
+                                    f"reachable ({type(exc).__name__}: {exc}); is it running?") from None
     try:
         server = (
             client.get_server_metadata(as_json=True) if protocol == "grpc" else client.get_server_metadata()
