@@ -5,7 +5,7 @@
     nnunet-triton versions / load / promote / rollback / remove --endpoint N [--endpoint-version V]
                                                                                         (cli.rollout)
     nnunet-triton export   --model-dir RESULTS_FOLDER --out DIR ...                         (cli.export)
-    nnunet-triton serve    [MODEL | --model-repository DIR] ... / stop / status          (cli.serve)
+    nnunet-triton serve    [--model-dir RESULTS_FOLDER | --model-repository DIR] / stop / status (cli.serve)
     nnunet-triton deploy   --model-dir RESULTS_FOLDER [--target embedded|docker|k8s] / undeploy  (cli.deploy)
     nnunet-triton predict  -i IN -o OUT [request options] ...  /  info [--json]          (cli.predict)
     nnunet-triton validate (--model-dir RESULTS_FOLDER | --against DIR) -i CASES ...        (cli.validate)

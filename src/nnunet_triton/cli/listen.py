@@ -6,15 +6,16 @@
         [--idle-timeout 10] [--retry-window 3600] [--retries N] [--retry-delay 5] [--max-retry-delay 300]
         [--max-spool-bytes 50G] [--max-instance-bytes 1G] [--max-instances-per-series 5000]
         [--done-retention 24h] [--failed-retention 7d] [--modality CT] [--url HOST:PORT] ...
-        [--model NAME] [--routes FILE]
+        [--endpoint NAME] [--routes FILE]
     nnunet-triton requeue --spool DIR [SERIES_UID ...]
     nnunet-triton node-status --spool DIR [--strict] [--max-age S]
 
-Which model (endpoint) segments a series: without ``--routes`` every series goes to ``--model`` (default
-``nnunet``). ``--routes FILE`` (JSON, :mod:`nnunet_triton.client.dicom.routing`) routes a series by the
-called AE title it was sent to (the node also answers to those titles), else by the first rule its
-Modality/BodyPartExamined/SeriesDescription/... match (``re.fullmatch``), else to the file's ``default``
-(``--model`` when the file names none; ``null``: none, and such a series is set aside)::
+Which model (endpoint) segments a series: without ``--routes`` every series goes to ``--endpoint``
+(default ``nnunet``; ``--model`` is its deprecated spelling). ``--routes FILE`` (JSON,
+:mod:`nnunet_triton.client.dicom.routing`) routes a series by the called AE title it was sent to (the node
+also answers to those titles), else by the first rule its Modality/BodyPartExamined/SeriesDescription/...
+match (``re.fullmatch``), else to the file's ``default`` (``--endpoint`` when the file
+names none; ``null``: none, and such a series is set aside)::
 
     {"default": "nnunet",
      "called_ae_titles": {"NNUNET_LIVER": "liver", "NNUNET_LUNG": "lung"},
@@ -47,7 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.cli.common import add_connection_arguments, connection_tls, endpoint_name, url
+from nnunet_triton.cli.common import (
+    DeprecatedAlias,
+    add_connection_arguments,
+    connection_tls,
+    endpoint_name,
+    url,
+)
 from nnunet_triton.cli.dicomweb import add_auth_arguments, add_modality_argument, auth_from_args
 from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import ClientError, InputValidationError
@@ -132,9 +139,11 @@ def add_parsers(sub: Any) -> None:
                    help="dataset.json naming the default model's segments (when the server does not publish "
                         "labels)")
     routing = p.add_argument_group("which model (endpoint) segments a series")
-    routing.add_argument("--model", type=endpoint_name, default=None, metavar="NAME",
+    routing.add_argument("--endpoint", dest="model", type=endpoint_name, default=None, metavar="NAME",
                          help=f"the endpoint every series goes to (default {io_names.ENDPOINT_MODEL}); with "
                               "--routes, the default model when the file names none")
+    routing.add_argument("--model", dest="model", type=endpoint_name, action=DeprecatedAlias,
+                         replacement="--endpoint", metavar="NAME", help="deprecated spelling of --endpoint")
     routing.add_argument("--routes", type=Path, default=None, metavar="FILE",
                          help="JSON routes: called AE titles and rules on the series' attributes -> models "
                               "(docs/clients.md, 'Routing series to models')")
@@ -215,11 +224,12 @@ def _access(args: argparse.Namespace) -> Any:
 
 
 def _routes(args: argparse.Namespace) -> Any:
-    """The node's routes: ``--routes FILE`` (checked here, before anything else), else all to ``--model``."""
+    """The node's routes: ``--routes FILE`` (checked here, before anything else), else all to
+    ``--endpoint``."""
     from nnunet_triton.client.dicom.routing import Routes
 
     if args.routes is None:
-        return Routes(default=args.model or io_names.ENDPOINT_MODEL, source="--model")
+        return Routes(default=args.model or io_names.ENDPOINT_MODEL, source="--endpoint")
     routes = Routes.load(args.routes, model=args.model)
     if routes.default is None and (args.modality or args.dataset_json):
         raise InputValidationError(
@@ -244,7 +254,7 @@ def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tupl
             settings = routes.settings_of(name)
             pinned = endpoint_model(name, settings.version)
             try:
-                description = describe_endpoint(server_url, args.protocol, model_name=pinned,
+                description = describe_endpoint(server_url, args.protocol, endpoint=pinned,
                                                 timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
             except ClientError as exc:
                 raise type(exc)(f"model {pinned!r} ({routes.where(name)}) cannot be used: {exc}",

@@ -227,7 +227,7 @@ def predict(args: argparse.Namespace) -> int:
         from nnunet_triton.client.endpoint import describe_endpoint
 
         def describe() -> Any:
-            return describe_endpoint(url(args), args.protocol, model_name=endpoint_model(args),
+            return describe_endpoint(url(args), args.protocol, endpoint=endpoint_model(args),
                                      timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
 
         return predict_over_dicomweb(args, _predict_folders, describe)
@@ -252,7 +252,7 @@ def _predict_folders(args: argparse.Namespace) -> int:
     ]
     todo = [j for j, done in zip(jobs, finished, strict=True) if not done]
     model = endpoint_model(args)
-    description = describe_endpoint(url(args), args.protocol, model_name=model,
+    description = describe_endpoint(url(args), args.protocol, endpoint=model,
                                     timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
     if args.concurrency is None:
         args.concurrency = default_concurrency(description)
@@ -285,7 +285,7 @@ def info(args: argparse.Namespace) -> int:
     registry = _registry(repository)
     names = [args.only] if args.only else (sorted(registry.endpoints) if registry is not None else
                                            _served_endpoints(server_url, local))
-    descriptions = [describe_endpoint(server_url, args.protocol, model_name=name,
+    descriptions = [describe_endpoint(server_url, args.protocol, endpoint=name,
                                       timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
                     for name in names]
     rows = _version_rows(repository, registry, server_url, local)

@@ -1,6 +1,6 @@
 """``nnunet-triton serve | stop | status``: start, stop and query the embedded tritonserver.
 
-    nnunet-triton serve RESULTS_FOLDER [...] [--model-repository DIR]   build the repository first, then serve
+    nnunet-triton serve --model-dir RESULTS_FOLDER [...] [--model-repository DIR]   build it first, then serve
     nnunet-triton serve --model-repository DIR                           serve a built repository
     nnunet-triton stop | status
 
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.cli import build, exit_code, with_epilog
+from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument
 from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server.embedded import DEFAULT_HOST, start
@@ -44,13 +45,16 @@ def _home_argument(parser: argparse.ArgumentParser) -> None:
 
 def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home: bool = True) -> None:
     if build_first:
-        serve.add_argument("model", nargs="*", type=Path, default=[],
-                           help="nnU-Net results folder(s) to build first (several: an ensemble); the "
-                                "builder's flags (--target, --folds, ...) apply (see build --help)")
+        add_model_dir_argument(serve, nargs="+", default=[],
+                               help="nnU-Net results folder(s) to build first (several: an ensemble); the "
+                                    "builder's flags (--target, --folds, ...) apply (see build --help)")
+        serve.add_argument("legacy_model_dir", nargs="*", type=Path, default=[], metavar="MODEL",
+                           action=DeprecatedAlias, replacement="--model-dir",
+                           help="deprecated spelling of --model-dir")
         serve.add_argument("--model-repository", type=Path, default=None,
-                           help=f"the repository to serve (built there from MODEL when given; default "
+                           help=f"the repository to serve (built there from --model-dir when given; default "
                                 f"{build.DEFAULT_OUT})")
-        builder = serve.add_argument_group("building (with MODEL)")
+        builder = serve.add_argument_group("building (with --model-dir)")
         build.add_arguments(builder, model_required=False, out=False)
     else:
         serve.add_argument("--model-repository", required=True, type=Path)
@@ -128,7 +132,7 @@ def _stop_status(commands: Any, *, home: bool = True) -> None:
 
 def add_parsers(sub: Any) -> None:
     """Mount ``serve``, ``stop`` and ``status`` on the ``nnunet-triton`` subparsers ``sub``."""
-    serve = sub.add_parser("serve", help="start tritonserver on a repository (built first from MODEL)")
+    serve = sub.add_parser("serve", help="start tritonserver on a repository (built first from --model-dir)")
     serve.set_defaults(run=_cmd_serve)
     _serve_arguments(serve, build_first=True)
     _stop_status(sub)
@@ -147,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    args.model = args.model or args.legacy_model_dir
     if args.model:
         args.out = args.model_repository or build.DEFAULT_OUT
         code = build.run(args)

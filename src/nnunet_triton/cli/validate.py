@@ -102,7 +102,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
     if not jobs:
         raise InputValidationError(f"--input {args.input}: no cases found (nnU-Net naming or DICOM series).")
     model = endpoint_model(args)
-    description = describe_endpoint(server_url, args.protocol, model_name=model,
+    description = describe_endpoint(server_url, args.protocol, endpoint=model,
                                     timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
     published = dict(description.published)
     folds = tuple(args.folds or published.get("folds") or ()) or None
