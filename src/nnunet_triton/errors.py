@@ -123,9 +123,10 @@ class ServerUnavailableError(ClientError):
     succeed later (``nnunet_triton.util.retry`` decides this from the status code)."""
 
 
-class ServerNotRunningError(ClientError):
+class ServerNotRunningError(ClientError, ServerError):
     """The server was not reached (connection refused, no such host, no answer in time): nothing runs
-    there, so there is no status; the command line exits 3 for it (``nnunet_triton.cli.exit_codes``)."""
+    there, so there is no status; the command line exits 3 for it (``nnunet_triton.cli.exit_codes``). A
+    :class:`ServerError` too, for the launcher's model-control calls."""
 
 
 class PacsError(ClientError):

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from deploy_support import write_repository
 
 from nnunet_triton import cli
 from nnunet_triton.cli import serve
@@ -45,13 +46,17 @@ def _node_spool(folder: Path, state: str) -> Path:
     return folder
 
 
-TABLE = [  # (code, argv); {w}: a scratch folder (with empty/ and case_0000.nii.gz), {url}: nothing listens
+TABLE = [  # (code, argv); {w}: a scratch folder (with empty/ and case_0000.nii.gz), {url}: nothing listens,
+    # {repo}: a built repository
     (ExitCode.USAGE, "build --model-dir {w}/missing --out {w}/out"),
     (ExitCode.USAGE, "export --model-dir {w}/missing --out {w}/out"),
     (ExitCode.USAGE, "versions --model-repository {w}/empty"),
     (ExitCode.NOT_RUNNING,
      "load --model-repository {w}/empty --home {w}/h --endpoint x --endpoint-version 1"),
     (ExitCode.USAGE, "promote --model-repository {w}/empty --endpoint x --endpoint-version 1"),
+    (ExitCode.NOT_RUNNING, "promote --model-repository {repo} --url {url} --endpoint nnunet "
+                           "--endpoint-version 1"),
+    (ExitCode.NOT_RUNNING, "versions --model-repository {repo} --url {url}"),
     (ExitCode.USAGE, "rollback --model-repository {w}/empty --endpoint x"),
     (ExitCode.USAGE, "remove --model-repository {w}/empty --endpoint x"),
     (ExitCode.USAGE, "serve --model-repository {w}/empty --home {w}/home --tls-cert {w}/cert.pem"),
@@ -75,12 +80,13 @@ TABLE = [  # (code, argv); {w}: a scratch folder (with empty/ and case_0000.nii.
 
 @pytest.mark.parametrize(("code", "argv"), TABLE, ids=[f"{a.split()[0]}-{int(c)}" for c, a in TABLE])
 def test_every_subcommand_exits_with_the_code_of_the_policy(code, argv, work, closed_url, capsys) -> None:
-    text = argv.format(w=work, url=closed_url, unhealthy=_node_spool(work / "sick", "unhealthy"),
+    repo = write_repository(work / "repo") if "{repo}" in argv else None
+    text = argv.format(w=work, url=closed_url, repo=repo, unhealthy=_node_spool(work / "sick", "unhealthy"),
                        ok=_node_spool(work / "fine", "ok"))
     assert cli.main(text.split()) == code
     if code == ExitCode.NOT_RUNNING and not argv.startswith(("stop", "status", "node-status")):
         err = capsys.readouterr().err
-        assert "not reachable" in err or "no running server" in err
+        assert "not reachable" in err or "no running server" in err, err
 
 
 @pytest.mark.parametrize("argv", [["predict", "-o", "out"], ["status", "--no-such-flag"]])
