@@ -193,7 +193,11 @@ def _cmd_start(args: argparse.Namespace) -> int:
         return ExitCode.OK
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt -> clean stop
     try:
-        return handle._process.wait() if handle._process is not None else 0
+        status = handle._process.wait() if handle._process is not None else 0
+        if status != 0:  # it died on its own (Ctrl-C and SIGTERM end here as KeyboardInterrupt)
+            LOGGER.error("tritonserver exited with status %d; see %s", status, handle.log_file)
+            return ExitCode.USAGE
+        return ExitCode.OK
     except KeyboardInterrupt:
         return ExitCode.OK
     finally:
