@@ -48,7 +48,7 @@ def _node_spool(folder: Path, state: str) -> Path:
 
 TABLE = [  # (code, argv); {w}: a scratch folder (with empty/ and case_0000.nii.gz), {url}: nothing listens,
     # {repo}: a built repository
-    (ExitCode.USAGE, "build --model-dir {w}/missing --out {w}/out"),
+    (ExitCode.USAGE, "build --model-dir {w}/missing --configuration 2d 3d_fullres --out {w}/out"),
     (ExitCode.USAGE, "export --model-dir {w}/missing --out {w}/out"),
     (ExitCode.USAGE, "versions --model-repository {w}/empty"),
     (ExitCode.NOT_RUNNING,
