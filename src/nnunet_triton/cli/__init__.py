@@ -91,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args.run(args))
-    except (NnunetTritonError, ValueError) as exc:
-        kind = "server error: " if isinstance(exc, ClientError) and not isinstance(
-            exc, ServerNotRunningError) else ""
-        say(f"nnunet-triton: {kind}{exc}")
-        return exit_code(exc) or ExitCode.USAGE
+    except Exception as exc:
+        code = exit_code(exc)
+        if code is None:
+            raise
+        answered = isinstance(exc, ClientError) and code != ExitCode.NOT_RUNNING
+        say(f"nnunet-triton: {'server error: ' if answered else ''}{exc}")
+        return code
     finally:
         signal.signal(signal.SIGTERM, previous)

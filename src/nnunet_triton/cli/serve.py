@@ -24,7 +24,6 @@ from typing import Any
 from nnunet_triton.cli import build, exit_code, with_epilog
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument
 from nnunet_triton.cli.exit_codes import ExitCode
-from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server.embedded import DEFAULT_HOST, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
 from nnunet_triton.server.proxy import TlsSettings, running_pid
@@ -260,9 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.run(args)
-    except (NnunetTritonError, ValueError) as exc:
+    except Exception as exc:
+        code = exit_code(exc)
+        if code is None:
+            raise
         LOGGER.error("%s", exc)
-        return exit_code(exc) or ExitCode.USAGE
+        return code
 
 
 if __name__ == "__main__":
