@@ -175,7 +175,7 @@ deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (MODEL="A B"
 		--metrics-port $(TRITON_METRICS_PORT) $(DEPLOY_ARGS)
 
 undeploy: $(SETUP_STAMP) ## Stop what `make deploy` started (TARGET=embedded|docker|k8s; DEPLOY_ARGS="--engine podman" or --kube-play)
-	$(PY) -m nnunet_triton.cli undeploy --target $(TARGET) $(DEPLOY_ARGS)
+	$(PY) -m nnunet_triton.cli undeploy --target $(TARGET) $(DEPLOY_ARGS) || [ $$? -eq 3 ]
 
 container-engine: $(SETUP_STAMP) ## As root without Docker: install podman (apt), write its containers.conf drop-in, make the Debian base image and the cpu image's wheels
 	$(PY) -m nnunet_triton.server.deploy.engine
