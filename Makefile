@@ -116,8 +116,8 @@ serve: $(SETUP_STAMP) ## Start tritonserver on MODEL_REPOSITORY (with MODEL=<res
 	$(SERVER) start --model-repository "$(MODEL_REPOSITORY)" --host $(TRITON_HOST) \
 		--http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT)
 
-stop: $(SETUP_STAMP) ## Stop the server started by `make serve`
-	$(SERVER) stop
+stop: $(SETUP_STAMP) ## Stop the server started by `make serve` (none running is fine: exit 3 is ignored)
+	$(SERVER) stop || [ $$? -eq 3 ]
 
 status: $(SETUP_STAMP) ## Print the state and health of the server started by `make serve` (exit 0 when every model can answer)
 	$(SERVER) status
@@ -175,12 +175,12 @@ deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (MODEL="A B"
 		--metrics-port $(TRITON_METRICS_PORT) $(DEPLOY_ARGS)
 
 undeploy: $(SETUP_STAMP) ## Stop what `make deploy` started (TARGET=embedded|docker|k8s; DEPLOY_ARGS="--engine podman" or --kube-play)
-	$(PY) -m nnunet_triton.cli undeploy --target $(TARGET) $(DEPLOY_ARGS)
+	$(PY) -m nnunet_triton.cli undeploy --target $(TARGET) $(DEPLOY_ARGS) || [ $$? -eq 3 ]
 
 container-engine: $(SETUP_STAMP) ## As root without Docker: install podman (apt), write its containers.conf drop-in, make the Debian base image and the cpu image's wheels
 	$(PY) -m tools.container_host
 
 clean: ## Stop a running server and remove build outputs and caches (keeps .venv)
-	@if [ -x $(SERVER) ]; then $(SERVER) stop; fi
+	@if [ -x $(SERVER) ]; then $(SERVER) stop || [ $$? -eq 3 ]; fi
 	rm -rf build .pytest_cache .ruff_cache
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -22,6 +22,7 @@ __all__ = [
     "DeployError",
     "PacsError",
     "ServerUnavailableError",
+    "ServerNotRunningError",
     "RepositoryError",
     "OlderRepositoryError",
     "RequestCancelledError",
@@ -120,6 +121,12 @@ class ClientError(NnunetTritonError):
 class ServerUnavailableError(ClientError):
     """The server answered UNAVAILABLE (or a composing model was not running): the same request may
     succeed later (``nnunet_triton.util.retry`` decides this from the status code)."""
+
+
+class ServerNotRunningError(ClientError, ServerError):
+    """The server was not reached (connection refused, no such host, no answer in time): nothing runs
+    there, so there is no status; the command line exits 3 for it (``nnunet_triton.cli.exit_codes``). A
+    :class:`ServerError` too, for the launcher's model-control calls."""
 
 
 class PacsError(ClientError):

@@ -167,9 +167,9 @@ def test_build_raises_when_configuration_differs_from_checkpoint(tmp_path: Path)
         build.build_repository(MODEL_DIR, tmp_path / "repo", folds=(0,), configuration="2d")
 
 
-def test_build_cli_returns_1_and_logs_when_model_folder_is_missing(tmp_path: Path,
+def test_build_cli_returns_2_and_logs_when_model_folder_is_missing(tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
-    assert repository_cli.main(["--model-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "repo")]) == 1
+    assert repository_cli.main(["--model-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "repo")]) == 2
     assert "has no dataset.json" in caplog.text
 
 

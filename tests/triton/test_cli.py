@@ -85,7 +85,7 @@ def test_predict_writes_good_cases_and_reports_corrupt_one_with_nonzero_exit(ser
     (tmp_path / "in" / "broken_0000.nii.gz").write_bytes(b"\x1f\x8b truncated")
     result = _cli(server, "predict", "-i", str(tmp_path / "in"), "-o", str(tmp_path / "out"), "--disable-tta")
 
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
     assert f"{len(names)} case(s) written" in result.stderr and "1 failed" in result.stderr
     assert "failed broken:" in result.stderr and "SimpleITK cannot read this image" in result.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(f"{n}.nii.gz" for n in names)
@@ -103,7 +103,7 @@ def test_predict_writes_good_cases_and_reports_corrupt_one_with_nonzero_exit(ser
         "--disable-tta",
     )
     assert (
-        again.returncode == 1
+        again.returncode == 2
         and f"0 case(s) written to {tmp_path / 'out'}, {len(names)} skipped" in again.stderr
     )
 
@@ -276,7 +276,7 @@ def test_info_prints_the_deployed_model(server):
     assert "FP32 [C=1, z, y, x]" in result.stdout and "PROBABILITIES FP32 [K=3" in result.stdout
 
 
-def test_predict_exits_2_with_clear_message_when_server_is_unreachable(tmp_path):
+def test_predict_exits_3_with_clear_message_when_server_is_unreachable(tmp_path):
     _copy_cases(tmp_path / "in")
     result = subprocess.run(
         [
@@ -297,7 +297,7 @@ def test_predict_exits_2_with_clear_message_when_server_is_unreachable(tmp_path)
         env=_env(),
         check=False,
     )
-    assert result.returncode == 2 and "cannot describe model 'nnunet' on http://127.0.0.1:9" in result.stderr
+    assert result.returncode == 3 and "cannot describe model 'nnunet' on http://127.0.0.1:9" in result.stderr
 
 
 def test_concurrent_predict_writes_the_same_files_as_a_sequential_run_and_reports_a_bad_case(
@@ -309,7 +309,7 @@ def test_concurrent_predict_writes_the_same_files_as_a_sequential_run_and_report
         out = tmp_path / f"out{concurrency}"
         result = _cli(server, "predict", "-i", str(tmp_path / "in"), "-o", str(out), "--disable-tta",
                       "--concurrency", concurrency)
-        assert result.returncode == 1, result.stderr
+        assert result.returncode == 2, result.stderr
         assert f"{len(names)} case(s) written" in result.stderr and "1 failed" in result.stderr
         assert "failed broken:" in result.stderr
         runs[concurrency] = {p.name: p.read_bytes() for p in out.iterdir()}

@@ -291,7 +291,7 @@ def test_predict_reports_a_study_without_an_eligible_series_and_a_rejected_stow(
 
     rejected = _cli(server, "predict", "-i", orthanc.dicomweb, "--study", study, "--disable-tta", "-o",
                     orthanc.dicomweb.replace("/dicom-web", "/no-such-dicomweb-root"))
-    assert rejected.returncode == 1, rejected.stderr
+    assert rejected.returncode == 2, rejected.stderr
     assert f"STOW-RS of the DICOM-SEG of series {series.series_uid} was rejected (HTTP 404" in rejected.stderr
     kept = Path(rejected.stderr.split("The SEG is kept in ")[1].split()[0].rstrip("."))
     assert kept.is_file() and pydicom.dcmread(kept).Modality == "SEG"
@@ -412,7 +412,7 @@ def test_listen_that_loses_its_spool_exits_3_and_its_status_says_unhealthy(serve
     probe = _cli_plain("node-status", "--spool", str(spool))
 
     assert code == 3 and "the DICOM node stopped: spool folders missing" in log
-    assert probe.returncode == 1 and json.loads(probe.stdout)["state"] == "unhealthy"
+    assert probe.returncode == 3 and json.loads(probe.stdout)["state"] == "unhealthy"  # no node runs
 
 
 def test_predict_never_writes_outside_its_output_folder_for_a_traversal_series_uid(server, tmp_path):

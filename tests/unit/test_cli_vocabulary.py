@@ -4,6 +4,10 @@ every subcommand, ``--model-dir`` a results folder; the old spellings (``--model
 
 from __future__ import annotations
 
+import ast
+import re
+from pathlib import Path
+
 import pytest
 
 from nnunet_triton import cli
@@ -87,3 +91,100 @@ def test_rollouts_need_an_endpoint_and_promote_a_version(capsys) -> None:
     err = capsys.readouterr().err
     assert "one of the arguments --endpoint --name is required" in err
     assert "one of the arguments --endpoint-version --version is required" in err
+
+
+def test_listen_takes_the_endpoint_as_endpoint_and_model_still_works(capsys) -> None:
+    listen = ["listen", "--spool", "s", "--destination", "A@h:1"]
+    assert cli.parser().parse_args([*listen, "--endpoint", "liver"]).model == "liver"
+    assert "deprecated" not in capsys.readouterr().err
+    assert cli.parser().parse_args([*listen, "--model", "liver"]).model == "liver"
+    assert "warning: --model is deprecated and will be removed in the next release; use --endpoint" in \
+        capsys.readouterr().err
+
+
+def test_serve_takes_the_results_folder_as_model_dir_and_the_positional_still_works(capsys) -> None:
+    for argv in (["--model-dir", "a", "b"], ["a", "b"], ["--model", "a", "b"]):
+        args = cli.parser().parse_args(["serve", *argv])
+        assert [str(m) for m in args.model or args.legacy_model_dir] == ["a", "b"]
+    err = capsys.readouterr().err
+    assert err.count("deprecated") == 2
+    assert "warning: MODEL as a positional argument is deprecated and will be removed in the next release; " \
+           "use --model-dir" in err
+    assert cli.parser().parse_args(["serve", "--model-repository", "r"]).legacy_model_dir == []
+    assert "deprecated" not in capsys.readouterr().err
+
+
+def test_describe_endpoint_takes_endpoint_and_model_name_is_deprecated() -> None:
+    import socket
+    import warnings
+
+    from nnunet_triton.client.endpoint import describe_endpoint
+    from nnunet_triton.errors import ServerNotRunningError
+
+    with socket.socket() as closed:  # bound, never listening: the call fails fast, after the arguments
+        closed.bind(("127.0.0.1", 0))
+        url = f"127.0.0.1:{closed.getsockname()[1]}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ServerNotRunningError, match="cannot describe model 'liver__v2' on http://"):
+                describe_endpoint(url, endpoint="liver__v2", timeout_s=5.0)
+        with pytest.warns(DeprecationWarning, match=r"describe_endpoint\(model_name=...\) is deprecated .* "
+                                                    "endpoint="), \
+                pytest.raises(ServerNotRunningError, match="cannot describe model 'liver'"):
+            describe_endpoint(url, model_name="liver", timeout_s=5.0)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
+        describe_endpoint(url, endpoint="lung", model_name="liver")
+
+
+REPO = Path(__file__).resolve().parents[2]
+_COMMAND = re.compile(r"(?:nnunet-triton|nnunet_triton\.cli)[\s\"',)]+([a-z][\w-]*)(.*)")
+_OLD_FLAGS = re.compile(r"--model(?![-\w])|--model-version|--name(?![-\w])|--version[\s=\"',]+[\d$]")
+
+
+def _command_lines() -> list[tuple[str, str]]:
+    """(where, line) of every text the project ships that runs ``nnunet-triton``: README, docs, Makefile,
+    tools (backslash-continued lines joined)."""
+    files = [REPO / "README.md", REPO / "Makefile", *sorted((REPO / "docs").glob("*.md")),
+             *sorted((REPO / "tools").rglob("*.py"))]
+    found = []
+    for path in files:
+        text = path.read_text().replace("\\\n", " ")
+        found += [(f"{path.relative_to(REPO)}: {line.strip()}", line) for line in text.splitlines()]
+    return found
+
+
+def _uses_an_old_spelling(line: str) -> bool:
+    match = _COMMAND.search(line)
+    if match is None or "deprecated" in line:  # a line naming an old spelling as such is allowed
+        return False
+    command, rest = match.groups()
+    positional = command == "serve" and re.match(r"\s+[^-\s|`]", rest) is not None  # serve RESULTS_FOLDER
+    return positional or _OLD_FLAGS.search(rest) is not None
+
+
+def test_the_old_spelling_check_finds_old_spellings_and_passes_new_ones() -> None:
+    old = ["nnunet-triton listen --spool s --model liver", "nnunet-triton serve results/ --folds 0",
+           "$(PY) -m nnunet_triton.cli build --model $(MODEL) --name $(NAME)",
+           "nnunet-triton promote --version 2",
+           '[str(bin_dir / "nnunet-triton"), "predict", "-i", "x", "--model-version", "2"]']
+    new = ["nnunet-triton listen --spool s --endpoint liver", "nnunet-triton serve --model-dir results/",
+           "nnunet-triton serve --model-repository r", "nnunet-triton --version",
+           "`nnunet-triton serve|stop`",
+           "nnunet-triton predict --endpoint liver (--model: deprecated spelling)"]
+    assert [_uses_an_old_spelling(line) for line in old + new] == [True] * len(old) + [False] * len(new)
+
+
+def test_readme_docs_makefile_and_tools_use_only_the_new_spellings() -> None:
+    assert [where for where, line in _command_lines() if _uses_an_old_spelling(line)] == []
+
+
+def test_the_projects_code_calls_the_client_with_endpoint_only() -> None:
+    deprecated = {"describe_endpoint": {"model_name"}, "NnunetClient": {"model", "model_name"}}
+    old = []
+    for path in [*sorted((REPO / "src").rglob("*.py")), *sorted((REPO / "tools").rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                old += [f"{path.relative_to(REPO)}:{node.lineno} {name}({k.arg}=)" for k in node.keywords
+                        if k.arg in deprecated.get(name, ())]
+    assert old == []

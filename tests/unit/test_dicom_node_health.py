@@ -89,4 +89,5 @@ def test_an_endpoint_that_accepts_and_never_answers_is_not_ready_in_the_nodes_st
         hung.close()
 
     assert status["state"] == "degraded"
-    assert "endpoint nnunet is not ready (ClientError: Triton server at http://127.0.0.1:" in status["reason"]
+    assert "endpoint nnunet is not ready (ServerNotRunningError: Triton server at http://127.0.0.1:" in \
+        status["reason"]

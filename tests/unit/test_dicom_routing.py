@@ -190,7 +190,7 @@ def test_the_default_comes_from_the_file_or_from_model_but_is_said_once():
     assert Routes.from_json(json.dumps(without)).default == "nnunet"
     assert Routes.from_json(json.dumps(without), model="lung").default == "lung"
     assert Routes.from_json(json.dumps(EXAMPLE), model="nnunet").default == "nnunet"
-    assert "default: 'nnunet' differs from --model 'lung'" in _error(json.dumps(EXAMPLE), model="lung")
+    assert "default: 'nnunet' differs from --endpoint 'lung'" in _error(json.dumps(EXAMPLE), model="lung")
     assert _routes(default=None).default is None  # a file without a default model is fine ...
     nothing = _error(json.dumps({"default": None}))  # ... unless it then routes nowhere
     assert nothing == "routes: default: no model to send series to (no default, no called AE title, no rule)"
@@ -374,7 +374,7 @@ def test_listen_without_routes_sends_everything_to_model(tmp_path):
     from nnunet_triton.cli.listen import _node_models, _routes
 
     with FakeTriton({"spleen": _published("CT", {"background": 0, "spleen": 1})}) as server:
-        args = _listen_args(tmp_path, server, "--model", "spleen")
+        args = _listen_args(tmp_path, server, "--endpoint", "spleen")
         routes = _routes(args)
         models, clients = _node_models(args, server.url, routes)
     for client in clients:
@@ -387,7 +387,7 @@ def test_listen_refuses_a_bad_model_name_and_default_model_settings_without_a_de
     from nnunet_triton.cli import main
 
     with pytest.raises(SystemExit):
-        main(["listen", "--spool", str(tmp_path), "--destination", "P@h:1", "--model", "Liver"])
+        main(["listen", "--spool", str(tmp_path), "--destination", "P@h:1", "--endpoint", "Liver"])
     assert "endpoint name must be lowercase letters" in capsys.readouterr().err
     routes = tmp_path / "routes.json"
     routes.write_text(json.dumps({**EXAMPLE, "default": None}))

@@ -5,7 +5,7 @@
     nnunet-triton versions / load / promote / rollback / remove --endpoint N [--endpoint-version V]
                                                                                         (cli.rollout)
     nnunet-triton export   --model-dir RESULTS_FOLDER --out DIR ...                         (cli.export)
-    nnunet-triton serve    [MODEL | --model-repository DIR] ... / stop / status          (cli.serve)
+    nnunet-triton serve    [--model-dir RESULTS_FOLDER | --model-repository DIR] / stop / status (cli.serve)
     nnunet-triton deploy   --model-dir RESULTS_FOLDER [--target embedded|docker|k8s] / undeploy  (cli.deploy)
     nnunet-triton predict  -i IN -o OUT [request options] ...  /  info [--json]          (cli.predict)
     nnunet-triton validate (--model-dir RESULTS_FOLDER | --against DIR) -i CASES ...        (cli.validate)
@@ -15,8 +15,11 @@
 Each module mounts its subcommands with ``add_parsers(sub)`` and sets ``run`` (``args -> exit code``);
 they are imported when the parser is made, not with this package, so ``python -m repository.build`` (which
 imports :mod:`.build`) runs where the DICOM packages are not installed (the serving image's export stage).
-The library (``client``, ``validate``, ``builder``, ``server``) imports nothing from here. Errors of the
-project end the command with exit code 2 and one line naming what was wrong.
+The library (``client``, ``validate``, ``builder``, ``server``) imports nothing from here.
+
+Exit codes follow one policy (:mod:`.exit_codes`, shown under every ``--help``): 0 ok, 1 a check failed,
+2 bad usage or a project error, 3 the server or node is not running. :func:`exit_code` maps the errors a
+command ends with to them, here only (``nnunet-triton-server`` uses it too); the error is one line.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from typing import Any
 
 from nnunet_triton import __version__
 from nnunet_triton.cli.common import say
-from nnunet_triton.errors import ClientError, NnunetTritonError
+from nnunet_triton.cli.exit_codes import EPILOG, ExitCode
+from nnunet_triton.errors import ClientError, NnunetTritonError, ServerNotRunningError
 
-__all__ = ["main", "parser"]
+__all__ = ["exit_code", "main", "parser", "with_epilog"]
 
 _COMMANDS = ("build", "rollout", "export", "serve", "deploy", "predict", "validate", "listen",
              "install_backend")
@@ -46,7 +50,28 @@ def parser() -> argparse.ArgumentParser:
     sub = root.add_subparsers(dest="command", required=True)
     for name in _COMMANDS:
         importlib.import_module(f"{__name__}.{name}").add_parsers(sub)
-    return root
+    return with_epilog(root)
+
+
+def with_epilog(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` and every subcommand under it with the exit-code policy as the ``--help`` epilog."""
+    parser.epilog = EPILOG
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in set(action.choices.values()):
+                with_epilog(command)
+    return parser
+
+
+def exit_code(exc: BaseException) -> ExitCode | None:
+    """The exit code of an error a command ended with: 3 when the server was not reached
+    (:class:`~nnunet_triton.errors.ServerNotRunningError`), 2 for the project's errors (the server's answers
+    included) and bad values; None for anything else (a bug: it propagates with its traceback)."""
+    if isinstance(exc, ServerNotRunningError):
+        return ExitCode.NOT_RUNNING
+    if isinstance(exc, (NnunetTritonError, ValueError)):
+        return ExitCode.USAGE
+    return None
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -66,11 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args.run(args))
-    except ClientError as exc:
-        say(f"nnunet-triton: server error: {exc}")
-        return 2
-    except NnunetTritonError as exc:
-        say(f"nnunet-triton: {exc}")
-        return 2
+    except Exception as exc:
+        code = exit_code(exc)
+        if code is None:
+            raise
+        answered = isinstance(exc, ClientError) and code != ExitCode.NOT_RUNNING
+        say(f"nnunet-triton: {'server error: ' if answered else ''}{exc}")
+        return code
     finally:
         signal.signal(signal.SIGTERM, previous)

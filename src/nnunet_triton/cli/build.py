@@ -14,6 +14,7 @@ from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner, Target
 from nnunet_triton.builder.repository import VersionChoice, build_ensemble_repository, build_repository
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, endpoint_name, endpoint_version
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import NnunetTritonError, PlansError
 from nnunet_triton.io_names import ENDPOINT_MODEL
 from nnunet_triton.numerics.model_folder import parse_fold, read_model_folder
@@ -138,7 +139,7 @@ def _configurations(models: Sequence[Path], given: Sequence[str] | None) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m repository.build``; returns 0 on success (built or up to date), 1 on a reported error."""
+    """``python -m repository.build``; returns 0 on success (built or up to date), 2 on a reported error."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build what ``args`` ask for; 0 on success (built or up to date), 1 on a reported error."""
+    """Build what ``args`` ask for; 0 on success (built or up to date), 2 on a reported error."""
     try:
         options = BuildOptions(
             target=Target(args.target), tile_batch_size=args.tile_batch_size, fold_runner=args.fold_runner,
@@ -173,9 +174,9 @@ def run(args: argparse.Namespace) -> int:
                                       previous_stage_model=args.previous_stage_model, endpoint=endpoint)
     except (NnunetTritonError, ValueError) as exc:
         LOGGER.error("%s", exc)
-        return 1
+        return ExitCode.USAGE
     sys.stdout.write(result.summary() + "\n")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

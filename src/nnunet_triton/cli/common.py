@@ -67,7 +67,9 @@ def endpoint_version(text: str) -> int:
 
 
 class DeprecatedAlias(argparse.Action):
-    """An old spelling of a flag, kept for one release: stores like the new one and warns on stderr."""
+    """An old spelling of a flag, kept for one release: stores like the new one and warns on stderr. On a
+    positional argument (an old spelling of a flag: ``serve MODEL`` for ``--model-dir``) it warns only when
+    the argument is given, and leaves the new flag's value alone when it is not."""
 
     def __init__(self, option_strings: list[str], dest: str, *, replacement: str, **kwargs: Any) -> None:
         self.replacement = replacement
@@ -75,7 +77,10 @@ class DeprecatedAlias(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        say(f"warning: {option_string} is deprecated and will be removed in the next release; "
+        if option_string is None and not values:  # an optional positional argument, not given
+            return
+        spelling = option_string or f"{self.metavar or self.dest} as a positional argument"
+        say(f"warning: {spelling} is deprecated and will be removed in the next release; "
             f"use {self.replacement}")
         setattr(namespace, self.dest, values)
 

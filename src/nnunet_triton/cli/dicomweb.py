@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.client.dicom.uids import require_uid
 from nnunet_triton.client.dicom.web import (
     DicomWebAuth,
@@ -151,4 +152,4 @@ def _store_all(location: DicomWebLocation, folder: Path) -> int:
             sys.stderr.write(f"nnunet-triton: kept {leftover} (not a DICOM-SEG)\n")
         if not any(folder.iterdir()):
             folder.rmdir()
-    return 1 if failed else 0
+    return ExitCode.USAGE if failed else ExitCode.OK

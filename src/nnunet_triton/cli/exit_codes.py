@@ -1,7 +1,8 @@
 """The exit codes of every ``nnunet-triton`` command: one policy, documented in ``--help``.
 
     0  OK           the command did what was asked
-    1  CHECK_FAILED a check ran and failed (validate below its goals, a health or self-check that did not pass)
+    1  CHECK_FAILED a check ran and failed (validate below its goals, a health or self-check that did not
+                    pass)
     2  USAGE        bad usage or a project error (a wrong argument, a folder that is not a results folder,
                     a server that answered with an error)
     3  NOT_RUNNING  the server or node the command needs is not running

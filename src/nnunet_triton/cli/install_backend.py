@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.cli.common import say
+from nnunet_triton.cli.exit_codes import ExitCode
 
 __all__ = ["add_parsers"]
 
@@ -37,4 +38,4 @@ def _run(args: argparse.Namespace) -> int:
     built = build_pytorch_backend(args.source, args.out, jobs=args.jobs)
     say(f"{'built' if built.compiled else 'cached'} {built.library} in {built.seconds:.0f} s "
         f"(key {built.key}); serve and deploy find it under {args.out}")
-    return 0
+    return ExitCode.OK

@@ -6,15 +6,16 @@
         [--idle-timeout 10] [--retry-window 3600] [--retries N] [--retry-delay 5] [--max-retry-delay 300]
         [--max-spool-bytes 50G] [--max-instance-bytes 1G] [--max-instances-per-series 5000]
         [--done-retention 24h] [--failed-retention 7d] [--modality CT] [--url HOST:PORT] ...
-        [--model NAME] [--routes FILE]
+        [--endpoint NAME] [--routes FILE]
     nnunet-triton requeue --spool DIR [SERIES_UID ...]
     nnunet-triton node-status --spool DIR [--strict] [--max-age S]
 
-Which model (endpoint) segments a series: without ``--routes`` every series goes to ``--model`` (default
-``nnunet``). ``--routes FILE`` (JSON, :mod:`nnunet_triton.client.dicom.routing`) routes a series by the
-called AE title it was sent to (the node also answers to those titles), else by the first rule its
-Modality/BodyPartExamined/SeriesDescription/... match (``re.fullmatch``), else to the file's ``default``
-(``--model`` when the file names none; ``null``: none, and such a series is set aside)::
+Which model (endpoint) segments a series: without ``--routes`` every series goes to ``--endpoint``
+(default ``nnunet``; ``--model`` is its deprecated spelling). ``--routes FILE`` (JSON,
+:mod:`nnunet_triton.client.dicom.routing`) routes a series by the called AE title it was sent to (the node
+also answers to those titles), else by the first rule its Modality/BodyPartExamined/SeriesDescription/...
+match (``re.fullmatch``), else to the file's ``default`` (``--endpoint`` when the file
+names none; ``null``: none, and such a series is set aside)::
 
     {"default": "nnunet",
      "called_ae_titles": {"NNUNET_LIVER": "liver", "NNUNET_LUNG": "lung"},
@@ -25,11 +26,12 @@ Every model the routes name must be served: ``listen`` describes each at start a
 when one is missing. ``--modality`` and ``--dataset-json`` are the default model's; the other models' are
 in the file's ``models``.
 
-``listen`` exits 0 on SIGTERM/Ctrl-C and 3 when the node cannot go on (its spool gone, its worker dead);
-``node-status`` prints the node's status as JSON and exits 0 when it is healthy (``ok``, or ``degraded``
-without ``--strict``), 1 otherwise (also when its worker has been on one series for longer than
-``--max-busy``): a probe for systemd or Kubernetes (``exec: nnunet-triton
-node-status --spool /var/spool/nnunet``). See docs/clients.md, "Security of the DICOM node".
+``listen`` exits 0 on SIGTERM/Ctrl-C and 3 when the node cannot go on (its spool gone, its worker dead:
+it is not running any more); ``node-status`` prints the node's status as JSON and exits 0 when it is
+healthy (``ok``, or ``degraded`` without ``--strict``), 1 when it runs but is not (also when its worker has
+been on one series for longer than ``--max-busy``), 3 when no node runs on the spool: a probe for systemd
+or Kubernetes (``exec: nnunet-triton node-status --spool /var/spool/nnunet``).
+See docs/clients.md, "Security of the DICOM node".
 """
 
 from __future__ import annotations
@@ -46,15 +48,22 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.cli.common import add_connection_arguments, connection_tls, endpoint_name, url
+from nnunet_triton.cli.common import (
+    DeprecatedAlias,
+    add_connection_arguments,
+    connection_tls,
+    endpoint_name,
+    url,
+)
 from nnunet_triton.cli.dicomweb import add_auth_arguments, add_modality_argument, auth_from_args
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import ClientError, InputValidationError
 from nnunet_triton.options import RequestOptions
 
 __all__ = ["add_parsers", "listen", "run_spool_command", "parse_bytes", "parse_duration"]
 
 LOGGER = logging.getLogger(__name__)
-EXIT_FATAL = 3
+EXIT_FATAL = ExitCode.NOT_RUNNING  # the node stopped itself: it cannot go on
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -130,9 +139,11 @@ def add_parsers(sub: Any) -> None:
                    help="dataset.json naming the default model's segments (when the server does not publish "
                         "labels)")
     routing = p.add_argument_group("which model (endpoint) segments a series")
-    routing.add_argument("--model", type=endpoint_name, default=None, metavar="NAME",
+    routing.add_argument("--endpoint", dest="model", type=endpoint_name, default=None, metavar="NAME",
                          help=f"the endpoint every series goes to (default {io_names.ENDPOINT_MODEL}); with "
                               "--routes, the default model when the file names none")
+    routing.add_argument("--model", dest="model", type=endpoint_name, action=DeprecatedAlias,
+                         replacement="--endpoint", metavar="NAME", help="deprecated spelling of --endpoint")
     routing.add_argument("--routes", type=Path, default=None, metavar="FILE",
                          help="JSON routes: called AE titles and rules on the series' attributes -> models "
                               "(docs/clients.md, 'Routing series to models')")
@@ -143,7 +154,8 @@ def add_parsers(sub: Any) -> None:
     requeue.set_defaults(run=run_spool_command)
     requeue.add_argument("--spool", type=Path, required=True)
     requeue.add_argument("series", nargs="*", help="SeriesInstanceUIDs (default: every failed series)")
-    status = sub.add_parser("node-status", help="the DICOM node's health (exit 0 healthy, 1 not)")
+    status = sub.add_parser("node-status", help="the DICOM node's health (exit 0 healthy, 1 not, 3 no node "
+                                                 "running on the spool)")
     status.set_defaults(run=run_spool_command)
     status.add_argument("--spool", type=Path, required=True)
     status.add_argument("--strict", action="store_true", help="'degraded' counts as unhealthy (readiness)")
@@ -153,6 +165,7 @@ def add_parsers(sub: Any) -> None:
 def run_spool_command(args: argparse.Namespace) -> int:
     """``requeue`` and ``node-status``."""
     from nnunet_triton.client.dicom.node import read_status, requeue
+    from nnunet_triton.util.process import pid_alive
 
     if args.command == "requeue":
         if not (args.spool / "failed").is_dir():
@@ -161,12 +174,15 @@ def run_spool_command(args: argparse.Namespace) -> int:
         sys.stderr.write(f"nnunet-triton: requeued {len(moved)} series\n")
         for uid in moved:
             sys.stdout.write(uid + "\n")
-        return 0
+        return ExitCode.OK
     healthy, status = read_status(args.spool, max_age_s=args.max_age)
     if args.strict and status.get("state") == "degraded":
         healthy = False
     sys.stdout.write(json.dumps(status, indent=1, sort_keys=True) + "\n")
-    return 0 if healthy else 1
+    if healthy:
+        return ExitCode.OK
+    pid = int(status.get("pid") or 0)  # none: the node never wrote a status
+    return ExitCode.CHECK_FAILED if pid > 0 and pid_alive(pid) else ExitCode.NOT_RUNNING
 
 
 def _redact_logs() -> None:
@@ -208,11 +224,12 @@ def _access(args: argparse.Namespace) -> Any:
 
 
 def _routes(args: argparse.Namespace) -> Any:
-    """The node's routes: ``--routes FILE`` (checked here, before anything else), else all to ``--model``."""
+    """The node's routes: ``--routes FILE`` (checked here, before anything else), else all to
+    ``--endpoint``."""
     from nnunet_triton.client.dicom.routing import Routes
 
     if args.routes is None:
-        return Routes(default=args.model or io_names.ENDPOINT_MODEL, source="--model")
+        return Routes(default=args.model or io_names.ENDPOINT_MODEL, source="--endpoint")
     routes = Routes.load(args.routes, model=args.model)
     if routes.default is None and (args.modality or args.dataset_json):
         raise InputValidationError(
@@ -237,7 +254,7 @@ def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tupl
             settings = routes.settings_of(name)
             pinned = endpoint_model(name, settings.version)
             try:
-                description = describe_endpoint(server_url, args.protocol, model_name=pinned,
+                description = describe_endpoint(server_url, args.protocol, endpoint=pinned,
                                                 timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
             except ClientError as exc:
                 raise type(exc)(f"model {pinned!r} ({routes.where(name)}) cannot be used: {exc}",
@@ -340,4 +357,4 @@ def listen(args: argparse.Namespace, server_url: str) -> int:
     if node.fatal is not None:
         sys.stderr.write(f"nnunet-triton: the DICOM node stopped: {node.fatal}\n")
         return EXIT_FATAL
-    return 0
+    return ExitCode.OK

@@ -14,7 +14,8 @@ recursively; one case per SeriesInstanceUID: ``nnunet_triton.client.jobs``). Fla
 ``--continue_prediction`` work too). ``--concurrency N`` requests are in flight at once (default: the
 deployed orchestrator instances + 1): worker threads read and send cases while the main thread writes
 finished ones, so reading, sending and writing overlap with inference; the files are identical to a
-sequential run. Outputs are written atomically; a failed case is reported at the end and the exit code is 1.
+sequential run. Outputs are written atomically; a failed case is reported at the end and the exit code is 2
+(:mod:`nnunet_triton.cli.exit_codes`; 3: no server at ``--url``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from nnunet_triton.cli.common import (
     url,
 )
 from nnunet_triton.cli.dicomweb import add_dicomweb_arguments, predict_over_dicomweb
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.client import imageio
 from nnunet_triton.client.dicom import volume as dicom
 from nnunet_triton.client.dicom.uids import child_path
@@ -225,7 +227,7 @@ def predict(args: argparse.Namespace) -> int:
         from nnunet_triton.client.endpoint import describe_endpoint
 
         def describe() -> Any:
-            return describe_endpoint(url(args), args.protocol, model_name=endpoint_model(args),
+            return describe_endpoint(url(args), args.protocol, endpoint=endpoint_model(args),
                                      timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
 
         return predict_over_dicomweb(args, _predict_folders, describe)
@@ -250,7 +252,7 @@ def _predict_folders(args: argparse.Namespace) -> int:
     ]
     todo = [j for j, done in zip(jobs, finished, strict=True) if not done]
     model = endpoint_model(args)
-    description = describe_endpoint(url(args), args.protocol, model_name=model,
+    description = describe_endpoint(url(args), args.protocol, endpoint=model,
                                     timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
     if args.concurrency is None:
         args.concurrency = default_concurrency(description)
@@ -267,7 +269,7 @@ def _predict_folders(args: argparse.Namespace) -> int:
     say(f"{written} case(s) written to {args.output}, {skipped} skipped (done before), {failed} failed.")
     for name, message in failures:
         say(f"  failed {name}: {message}")
-    return 1 if failures else 0
+    return ExitCode.USAGE if failures else ExitCode.OK
 
 
 def info(args: argparse.Namespace) -> int:
@@ -283,7 +285,7 @@ def info(args: argparse.Namespace) -> int:
     registry = _registry(repository)
     names = [args.only] if args.only else (sorted(registry.endpoints) if registry is not None else
                                            _served_endpoints(server_url, local))
-    descriptions = [describe_endpoint(server_url, args.protocol, model_name=name,
+    descriptions = [describe_endpoint(server_url, args.protocol, endpoint=name,
                                       timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
                     for name in names]
     rows = _version_rows(repository, registry, server_url, local)
@@ -293,7 +295,7 @@ def info(args: argparse.Namespace) -> int:
                      for d in descriptions]
         say(json.dumps({"url": server_url, "model_repository": str(repository) if repository else None,
                         **split, "endpoints": endpoints}, indent=2, default=str), sys.stdout)
-        return 0
+        return ExitCode.OK
     served = ", ".join(d.model_name for d in descriptions)
     lines = [f"{len(descriptions)} endpoint(s) on {server_url}: {served}"]
     lines += _split_lines(split)
@@ -305,7 +307,7 @@ def info(args: argparse.Namespace) -> int:
                                f"{'' if r['loaded'] in (True, None) else ' (not loaded)'}" for r in mine)
             lines.append(f"{'versions':<15} {listed}; pinned: {d.endpoint}__v<N>")
     say("\n".join(lines), sys.stdout)
-    return 0
+    return ExitCode.OK
 
 
 def _local_server(home: str | None, server_url: str) -> Any:

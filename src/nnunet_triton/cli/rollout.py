@@ -26,7 +26,8 @@ from typing import Any
 
 from nnunet_triton.cli.build import DEFAULT_OUT
 from nnunet_triton.cli.common import DeprecatedAlias, endpoint_name, endpoint_version, say
-from nnunet_triton.errors import ServerError
+from nnunet_triton.cli.exit_codes import ExitCode
+from nnunet_triton.errors import ServerNotRunningError
 from nnunet_triton.server import rollout
 from nnunet_triton.server.handle import recorded_server
 from nnunet_triton.server.model_control import ModelControl
@@ -92,7 +93,7 @@ def _versions(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps({"model_repository": str(repository), "versions": rows}, indent=2) + "\n")
     else:
         sys.stdout.write(f"{repository}\n{rollout.format_versions(rows)}\n")
-    return 0
+    return ExitCode.OK
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -101,9 +102,9 @@ def _run(args: argparse.Namespace) -> int:
     version = getattr(args, "endpoint_version", None)
     if args.action == "load":
         if control is None:
-            raise ServerError(f"no running server serves {repository} (start one with `nnunet-triton serve "
-                              f"--model-repository {repository}`, or give --url and the token): load needs "
-                              "one.")
+            raise ServerNotRunningError(
+                f"no running server serves {repository} (start one with `nnunet-triton serve "
+                f"--model-repository {repository}`, or give --url and the token): load needs one.")
         step = rollout.load_version(repository, args.name, version, control)
         say(step.summary("loaded") + f"; call it as {args.name}__v{version}")
     elif args.action == "promote":
@@ -112,4 +113,4 @@ def _run(args: argparse.Namespace) -> int:
         say(rollout.rollback(repository, args.name, control).summary("rolled back to"))
     else:
         say(rollout.remove(repository, args.name, version, control).summary("removed"))
-    return 0
+    return ExitCode.OK

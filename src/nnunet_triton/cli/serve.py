@@ -1,11 +1,13 @@
 """``nnunet-triton serve | stop | status``: start, stop and query the embedded tritonserver.
 
-    nnunet-triton serve RESULTS_FOLDER [...] [--model-repository DIR]   build the repository first, then serve
+    nnunet-triton serve --model-dir RESULTS_FOLDER [...] [--model-repository DIR]   build it first, then serve
     nnunet-triton serve --model-repository DIR                           serve a built repository
     nnunet-triton stop | status
 
 ``serve`` detaches (``--foreground`` stays attached) and records pid and ports in ``<home>/run/server.json``
-for ``stop``, ``status`` and the clients. ``nnunet-triton-server start|stop|status`` is the same (``start`` =
+for ``stop``, ``status`` and the clients. Exit codes (both command lines): 0 ok, 1 ``status`` of a server
+that runs but is not healthy, 2 bad usage or a server that could not start (one already runs), 3 ``stop``
+or ``status`` with no server running. ``nnunet-triton-server start|stop|status`` is the same (``start`` =
 ``serve``), kept for existing scripts.
 """
 
@@ -19,8 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.cli import build
-from nnunet_triton.errors import NnunetTritonError
+from nnunet_triton.cli import build, exit_code, with_epilog
+from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.server.embedded import DEFAULT_HOST, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
 from nnunet_triton.server.proxy import TlsSettings, running_pid
@@ -41,13 +44,16 @@ def _home_argument(parser: argparse.ArgumentParser) -> None:
 
 def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home: bool = True) -> None:
     if build_first:
-        serve.add_argument("model", nargs="*", type=Path, default=[],
-                           help="nnU-Net results folder(s) to build first (several: an ensemble); the "
-                                "builder's flags (--target, --folds, ...) apply (see build --help)")
+        add_model_dir_argument(serve, nargs="+", default=[],
+                               help="nnU-Net results folder(s) to build first (several: an ensemble); the "
+                                    "builder's flags (--target, --folds, ...) apply (see build --help)")
+        serve.add_argument("legacy_model_dir", nargs="*", type=Path, default=[], metavar="MODEL",
+                           action=DeprecatedAlias, replacement="--model-dir",
+                           help="deprecated spelling of --model-dir")
         serve.add_argument("--model-repository", type=Path, default=None,
-                           help=f"the repository to serve (built there from MODEL when given; default "
+                           help=f"the repository to serve (built there from --model-dir when given; default "
                                 f"{build.DEFAULT_OUT})")
-        builder = serve.add_argument_group("building (with MODEL)")
+        builder = serve.add_argument_group("building (with --model-dir)")
         build.add_arguments(builder, model_required=False, out=False)
     else:
         serve.add_argument("--model-repository", required=True, type=Path)
@@ -116,6 +122,7 @@ def _stop_status(commands: Any, *, home: bool = True) -> None:
                           help="seconds before SIGKILL (default: exit timeout + 10)")
     status_cmd = commands.add_parser("status", help="print the recorded server state and its health; exit 0 "
                                      "when healthy (1: running but not healthy, 3: not running)")
+    stop_cmd.help = "stop the server recorded in <home>/run/server.json (exit 3: none was running)"
     status_cmd.set_defaults(run=_cmd_status)
     if home:
         for command in (stop_cmd, status_cmd):
@@ -124,7 +131,7 @@ def _stop_status(commands: Any, *, home: bool = True) -> None:
 
 def add_parsers(sub: Any) -> None:
     """Mount ``serve``, ``stop`` and ``status`` on the ``nnunet-triton`` subparsers ``sub``."""
-    serve = sub.add_parser("serve", help="start tritonserver on a repository (built first from MODEL)")
+    serve = sub.add_parser("serve", help="start tritonserver on a repository (built first from --model-dir)")
     serve.set_defaults(run=_cmd_serve)
     _serve_arguments(serve, build_first=True)
     _stop_status(sub)
@@ -139,10 +146,11 @@ def _parser() -> argparse.ArgumentParser:
     start_cmd.set_defaults(run=_cmd_start)
     _serve_arguments(start_cmd, build_first=False, home=False)
     _stop_status(commands, home=False)
-    return parser
+    return with_epilog(parser)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    args.model = args.model or args.legacy_model_dir
     if args.model:
         args.out = args.model_repository or build.DEFAULT_OUT
         code = build.run(args)
@@ -158,7 +166,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         LOGGER.error(
             "a server is already running (pid %d, http %s); run `stop` first", running.pid, running.http_url
         )
-        return 1
+        return ExitCode.USAGE
     handle = start(
         args.model_repository,
         host=args.host,
@@ -181,12 +189,16 @@ def _cmd_start(args: argparse.Namespace) -> int:
     sys.stdout.write(json.dumps(_public_state(handle), indent=2) + "\n")
     sys.stdout.flush()
     if not args.foreground:
-        return 0
+        return ExitCode.OK
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt -> clean stop
     try:
-        return handle._process.wait() if handle._process is not None else 0
+        status = handle._process.wait() if handle._process is not None else 0
+        if status != 0:  # it died on its own (Ctrl-C and SIGTERM end here as KeyboardInterrupt)
+            LOGGER.error("tritonserver exited with status %d; see %s", status, handle.log_file)
+            return ExitCode.USAGE
+        return ExitCode.OK
     except KeyboardInterrupt:
-        return 0
+        return ExitCode.OK
     finally:
         handle.stop()
 
@@ -195,10 +207,14 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     handle = recorded_server(args.home)
     if handle is None:
         LOGGER.info("no server recorded under %s", resolve_home(args.home) / "run")
-        return 0
-    handle.stop(timeout_s=args.timeout)
+        return ExitCode.NOT_RUNNING
+    running = handle.is_running()
+    handle.stop(timeout_s=args.timeout)  # also clears the record of a server that died
+    if not running:
+        LOGGER.info("the recorded server (pid %d) was not running", handle.pid)
+        return ExitCode.NOT_RUNNING
     LOGGER.info("stopped (pid %d)", handle.pid)
-    return 0
+    return ExitCode.OK
 
 
 def _public_state(handle: ServerHandle) -> dict[str, Any]:
@@ -213,7 +229,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     handle = recorded_server(args.home)
     if handle is None:
         sys.stdout.write(json.dumps({"running": False, "ready": False}) + "\n")
-        return 3
+        return ExitCode.NOT_RUNNING
     state = _public_state(handle)
     running = handle.is_running()
     health = handle.health() if running else None
@@ -230,20 +246,25 @@ def _cmd_status(args: argparse.Namespace) -> int:
         lines = Path(handle.events_file).read_text().splitlines()
         state["recoveries"] = [json.loads(line) for line in lines[-10:]]  # the last ten
     sys.stdout.write(json.dumps(state, indent=2) + "\n")
-    return 0 if state["healthy"] else (1 if running else 3)
+    if state["healthy"]:
+        return ExitCode.OK
+    return ExitCode.CHECK_FAILED if running else ExitCode.NOT_RUNNING
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``nnunet-triton-server start|stop|status``; exit code 0 on success."""
+    """``nnunet-triton-server start|stop|status``; exit codes as ``nnunet-triton``'s (:func:`exit_code`)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s"
     )
     try:
         return args.run(args)
-    except (NnunetTritonError, ValueError) as exc:
+    except Exception as exc:
+        code = exit_code(exc)
+        if code is None:
+            raise
         LOGGER.error("%s", exc)
-        return 1
+        return code
 
 
 if __name__ == "__main__":

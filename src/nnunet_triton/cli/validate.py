@@ -34,6 +34,7 @@ from nnunet_triton.cli.common import (
     request_options,
     url,
 )
+from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import InputValidationError
 from nnunet_triton.validate.compare import segmentation_labels
 from nnunet_triton.validate.references import IDENTITY_KEYS, RecordedReference, ReferenceWriter
@@ -101,7 +102,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
     if not jobs:
         raise InputValidationError(f"--input {args.input}: no cases found (nnU-Net naming or DICOM series).")
     model = endpoint_model(args)
-    description = describe_endpoint(server_url, args.protocol, model_name=model,
+    description = describe_endpoint(server_url, args.protocol, endpoint=model,
                                     timeout_s=min(args.timeout, 60.0), tls=connection_tls(args))
     published = dict(description.published)
     folds = tuple(args.folds or published.get("folds") or ()) or None
@@ -153,7 +154,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
     verdict = "PASS" if result.passed else ("INTERRUPTED" if result.interrupted else "FAIL")
     sys.stderr.write(f"{verdict}: {sum(c.passed for c in result.cases)} of {result.total} case(s) passed; "
                      f"report {written['validation.html']}\n")
-    return 0 if result.passed else 1
+    return ExitCode.OK if result.passed else ExitCode.CHECK_FAILED
 
 
 def _finish_record(writer: ReferenceWriter | None, result: ValidationResult) -> None:

@@ -27,7 +27,12 @@ import numpy as np
 from nnunet_triton import io_names
 from nnunet_triton.client.tls import ClientTls, triton_client
 from nnunet_triton.dtypes import numpy_dtype
-from nnunet_triton.errors import ClientError, InputValidationError, ServerUnavailableError
+from nnunet_triton.errors import (
+    ClientError,
+    InputValidationError,
+    ServerNotRunningError,
+    ServerUnavailableError,
+)
 from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, RequestOptions
 from nnunet_triton.util.retry import is_retryable, triton_code
 
@@ -177,7 +182,7 @@ class NnunetClient:
         try:
             live = self._client.is_server_live()
         except Exception as exc:  # connection refused, DNS, timeouts: all mean "not reachable"
-            raise ClientError(
+            raise ServerNotRunningError(
                 f"Triton server at {where} is not reachable ({type(exc).__name__}: {exc}); is it running "
                 "and is this the right host:port for the protocol?"
             ) from None

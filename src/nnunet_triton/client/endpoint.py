@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.client.tls import ClientTls, triton_client
-from nnunet_triton.errors import ClientError
+from nnunet_triton.errors import ClientError, ServerNotRunningError
 from nnunet_triton.parameters import DESCRIPTION_PARAMETER, PARAM_FOLD_MODELS
 from nnunet_triton.util.retry import RetryPolicy, is_retryable_error
 
@@ -106,13 +107,37 @@ def _namespace(published: Mapping[str, Any]) -> str:
 
 
 def describe_endpoint(
-    url: str, protocol: str = "http", *, model_name: str = io_names.ENDPOINT_MODEL, timeout_s: float = 30.0,
-    tls: ClientTls | None = None,
+    url: str, protocol: str = "http", *, endpoint: str | None = None, timeout_s: float = 30.0,
+    tls: ClientTls | None = None, model_name: str | None = None,
 ) -> EndpointDescription:
-    """Ask the server for the endpoint's metadata and config (and the orchestrator's fold models); ``tls``:
-    as ``NnunetClient``'s."""
+    """Ask the server for the endpoint's metadata and config (and the orchestrator's fold models).
+
+    Args:
+        endpoint: the endpoint name (default ``nnunet``), or any Triton model of the server by its full name
+            (the pinned ``liver__v2``), as ``NnunetClient``'s.
+        tls: as ``NnunetClient``'s.
+        model_name: deprecated spelling of ``endpoint`` (kept for one release, with a DeprecationWarning).
+
+    Raises:
+        ServerNotRunningError: the server was not reached.
+        ClientError: it answered with an error.
+    """
+    if model_name is not None:
+        warnings.warn("describe_endpoint(model_name=...) is deprecated and will be removed in the next "
+                      "release: use endpoint=...", DeprecationWarning, stacklevel=2)
+        if endpoint is not None and endpoint != model_name:
+            raise ValueError(f"describe_endpoint: endpoint={endpoint!r} and its deprecated spelling "
+                             f"model_name={model_name!r} disagree; pass endpoint only.")
+        endpoint = model_name
+    model_name = io_names.ENDPOINT_MODEL if endpoint is None else endpoint
     client = triton_client(url, protocol, timeout_s, tls)
     where = f"{protocol}://{url}"
+    try:
+        client.is_server_live()
+    except Exception as exc:  # connection refused, DNS, timeouts (as NnunetClient.check_ready decides)
+        client.close()
+        raise ServerNotRunningError(f"cannot describe model {model_name!r} on {where}: the server is not "
+                                    f"reachable ({type(exc).__name__}: {exc}); is it running?") from None
     try:
         server = (
             client.get_server_metadata(as_json=True) if protocol == "grpc" else client.get_server_metadata()

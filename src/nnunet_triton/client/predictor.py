@@ -116,7 +116,7 @@ class TritonPredictor:
 
     def initialize_from_endpoint(self, use_folds: Sequence[int | str] | int | str | None = None) -> None:
         """No local model folder: take labels, channel names and file ending from the server's description."""
-        description = describe_endpoint(self.url, self.protocol, model_name=self.client.model_name)
+        description = describe_endpoint(self.url, self.protocol, endpoint=self.client.model_name)
         published = description.published
         self.dataset_json = {
             "labels": description.labels,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nnunet_triton.errors import ServerError
+from nnunet_triton.errors import ServerError, ServerNotRunningError
 from nnunet_triton.server import server_config
 
 __all__ = ["CONTROL_HEADER", "RESTRICTED_APIS", "TOKEN_ENV", "ModelControl", "restricted_api_args"]
@@ -56,7 +56,7 @@ class ModelControl:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()
         except (urllib.error.URLError, OSError) as exc:
-            raise ServerError(f"the server at {self.url} is not reachable: {exc}.") from None
+            raise ServerNotRunningError(f"the server at {self.url} is not reachable: {exc}.") from None
 
     @property
     def headers(self) -> dict[str, str]:

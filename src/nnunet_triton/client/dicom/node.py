@@ -85,6 +85,8 @@ from nnunet_triton.client.dicom.uids import shown, valid_uid
 from nnunet_triton.client.dicom.volume import DicomOptions, read_series, scan_folder
 from nnunet_triton.client.endpoint import is_unavailable
 from nnunet_triton.errors import ClientError, InputValidationError, NnunetTritonError, PacsError
+from nnunet_triton.util.durable import TEMP_MARKER
+from nnunet_triton.util.retry import RetryPolicy
 
 # the destinations and the spool commands are importable from here too (one module for the node)
 __all__ = ["StoreDestination", "DicomWebDestination", "parse_destination", "NodeConfig", "NodeModel",
@@ -161,6 +163,13 @@ class NodeConfig:
             raise PacsError("retry window, delays and waits must be >= 0 and the node's intervals > 0.")
         self.access.check_listening(self.host)
         self._check_models()
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """The backoff between a series' attempts: ``retry_delay_s`` doubling up to ``max_retry_delay_s``
+        (how many attempts: ``retries`` and ``retry_window_s``, which the node applies)."""
+        return RetryPolicy(retries=self.retries or 0, backoff_s=self.retry_delay_s,
+                           max_delay_s=self.max_retry_delay_s)
 
     def _check_models(self) -> None:
         routes = self.routes
@@ -439,7 +448,7 @@ class DicomNode(Receiving):
     def _resume(self) -> None:
         self.spool.clear_tmp()
         for folder in (self.spool.incoming, self.spool.outgoing, self.spool.done):
-            for leftover in folder.rglob(".*.partial-*"):  # one node per spool: nothing is being written
+            for leftover in folder.rglob(f".*{TEMP_MARKER}*"):  # one node per spool: nothing is being written
                 leftover.unlink(missing_ok=True)
         self._scan_incoming()
         for seg in sorted(self.spool.outgoing.glob("*.dcm")):
@@ -763,7 +772,7 @@ class DicomNode(Receiving):
             window = f", {time.time() - first:.0f} s after the first failure" if over_window else ""
             self._fail(uid, f"{message} (after {attempt} attempts{window})")
             return
-        delay = min(config.max_retry_delay_s, config.retry_delay_s * 2 ** (attempt - 1))
+        delay = config.retry_policy.delay(attempt - 1)
         with self._lock:
             entry.next_attempt = time.monotonic() + delay
         folder = self.spool.series_dir(uid)

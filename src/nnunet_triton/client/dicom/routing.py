@@ -224,13 +224,13 @@ class Routes:
 
         Args:
             source: names the input in error messages (``routes file /etc/nnunet/routes.json``).
-            model: the ``--model`` flag: the default model when the document has no ``default``; None when
+            model: the ``--endpoint`` flag: the default model when the document has no ``default``; None when
                 the flag was not given (then ``nnunet``). Given as well as a different ``default`` in the
                 document, it is an error (one default, said once).
             base: folder that relative ``dataset_json`` paths are relative to (default: as given).
         """
         if model is not None:
-            _endpoint(model, source="--model", where="the default model")
+            _endpoint(model, source="--endpoint", where="the default model")
         try:
             data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
         except ValueError as exc:
@@ -243,7 +243,7 @@ class Routes:
             if default is not None:
                 default = _endpoint(default, source=source, where="default")
             if model is not None and default != model:
-                raise _fail(source, "default", f"{default!r} differs from --model {model!r}: give the "
+                raise _fail(source, "default", f"{default!r} differs from --endpoint {model!r}: give the "
                                                "default model once")
         else:
             default = model or io_names.ENDPOINT_MODEL

@@ -15,11 +15,12 @@ Layout (every name below the folders is a validated UID, :mod:`.uids`)::
     tmp/                             instances being received (never acknowledged yet)
     status.json                      the node's health (see :mod:`.node`)
 
-:func:`durable_output` is the one way files are written: a temporary file in the same folder, flushed and
-``fsync``-ed, renamed onto the target, and the folder ``fsync``-ed, so a file that exists after a power
-cut is complete and its name is on disk. :func:`inflate_deflated` turns a Deflated Explicit VR Little
-Endian file into Explicit VR Little Endian in chunks, refusing it once it grows past a limit (a deflate
-bomb of 1 MB can inflate to 1 GB).
+:func:`durable_output` is the one way files are written: :func:`nnunet_triton.util.durable.durable_output`
+(a temporary file in the same folder, ``fsync``-ed, renamed onto the target, and the folder ``fsync``-ed,
+so a file that exists after a power cut is complete and its name is on disk), after the missing folders
+were made with each new name ``fsync``-ed in its parent. :func:`inflate_deflated` turns a Deflated
+Explicit VR Little Endian file into Explicit VR Little Endian in chunks, refusing it once it grows past a
+limit (a deflate bomb of 1 MB can inflate to 1 GB).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from typing import Any
 
 from nnunet_triton.client.dicom.uids import child_path, shown, valid_uid
 from nnunet_triton.errors import InputValidationError
+from nnunet_triton.util import durable
+from nnunet_triton.util.durable import fsync_dir
 
 __all__ = ["SpoolLimits", "Spool", "durable_output", "durable_json", "fsync_dir", "inflate_deflated",
            "InstanceTooLarge", "STATE", "EXPLICIT_LE"]
@@ -49,7 +52,6 @@ LOGGER = logging.getLogger(__name__)
 STATE = ".state.json"
 EXPLICIT_LE = "1.2.840.10008.1.2.1"
 CHUNK = 1 << 20
-_TEMP_MARK = ".partial-"
 
 
 class InstanceTooLarge(InputValidationError):
@@ -75,15 +77,6 @@ class SpoolLimits:
             raise InputValidationError(f"retention times must be >= 0 seconds, got {self}.")
 
 
-def fsync_dir(folder: Path) -> None:
-    """Make the names in ``folder`` durable (its entries, after a create, rename or unlink)."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _make_dirs(folder: Path) -> None:
     """``mkdir -p`` that makes each new folder's name durable in its parent."""
     missing = []
@@ -100,25 +93,16 @@ def _make_dirs(folder: Path) -> None:
 @contextlib.contextmanager
 def durable_output(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success it is fsync-ed and renamed onto ``path`` and the
-    folder fsync-ed. On any exception the temporary file is removed and ``path`` is left as it was."""
+    folder fsync-ed (:func:`nnunet_triton.util.durable.durable_output`, after the missing folders were made
+    durably). On any exception the temporary file is removed and ``path`` is left as it was."""
     _make_dirs(path.parent)
-    temp = path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-    try:
+    with durable.durable_output(path) as temp:
         yield temp
-        fd = os.open(temp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
-        fsync_dir(path.parent)
-    finally:
-        temp.unlink(missing_ok=True)
 
 
 def durable_json(path: Path, data: dict[str, Any]) -> None:
-    with durable_output(path) as temp:
-        temp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    _make_dirs(path.parent)
+    durable.write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def read_json(path: Path) -> dict[str, Any]:
