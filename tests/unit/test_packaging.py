@@ -32,6 +32,8 @@ SERVING_STEPS = (*build_inputs.ADAPTERS.values(), build_inputs.FOLD_RUNNER_ADAPT
                  build_inputs.COMBINE_ADAPTER)
 
 _DYNAMIC_IMPORTS = {"import_module", "__import__"}
+# offline and quiet: everything is local, and the version check would reach for the network
+PIP_QUIET = ("-q", "--no-index", "--disable-pip-version-check")
 
 
 def imported_top_levels(path: Path) -> set[str]:
@@ -88,7 +90,7 @@ def wheel(tmp_path_factory) -> Path:
         pytest.skip("needs a git checkout to know which files a build sees")
     source = _source_copy(tmp_path_factory.mktemp("source"))
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+    subprocess.run([sys.executable, "-m", "pip", "wheel", *PIP_QUIET, "--no-deps", "--no-build-isolation",
                     "-w", str(out), str(source)], check=True, capture_output=True, timeout=300)
     (built,) = out.glob("nnunet_triton-*.whl")
     return built
@@ -109,8 +111,8 @@ def test_wheel_holds_only_the_package_sources_and_its_metadata(wheel):
 @pytest.mark.slow
 def test_installed_wheel_finds_every_serving_step_outside_the_checkout(wheel, tmp_path):
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q", "--target",
-                    str(site), str(wheel)], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "pip", "install", *PIP_QUIET, "--no-deps", "--no-compile",
+                    "--target", str(site), str(wheel)], check=True, capture_output=True, timeout=300)
     child = (
         "import importlib.util, json, nnunet_triton\n"
         f"steps = {SERVING_STEPS!r}\n"
