@@ -1,4 +1,4 @@
-"""Where the nnU-Net-trained fixture models live (made by ``tools/make_fixture_model.py``).
+"""Where the nnU-Net-trained fixture models live (made by the one generator, ``python -m tools.fixtures``).
 
 Import as ``from tests.fixture_paths import SYNTH_CT, SYNTH_ANISO`` (needs the repository root on
 ``sys.path``, which ``python -m pytest`` provides). See ``tests/fixtures/README.md`` for provenance.
@@ -80,16 +80,26 @@ SYNTH_ANISO = FixtureModel("Dataset902_SynthAniso")
 ALL_FIXTURE_MODELS = (SYNTH_CT, SYNTH_ANISO)
 
 
-def require_fixture(path: Path, *, made_by: str) -> Path:
+def generator_command(path: Path) -> str:
+    """The command that regenerates the fixture holding ``path`` (from its dataset folder's name)."""
+    dataset = next((part for part in path.parts if part.startswith("Dataset")), None)
+    from tools.fixtures.specs import FIXTURES
+
+    which = next((key for key, spec in FIXTURES.items() if spec.dataset_name == dataset), "all")
+    return f"python -m tools.fixtures --out tests/fixtures --which {which}"
+
+
+def require_fixture(path: Path, *, made_by: str | None = None) -> Path:
     """``path`` (a committed fixture file or folder); fails the calling test when it is missing.
 
     Args:
         path: the fixture file or folder the test reads.
-        made_by: the generator that wrote it (``tools/make_fixture_model.py``), named in the failure.
+        made_by: how to regenerate it, named in the failure; default: the generator's command for the
+            fixture that holds ``path`` (:func:`generator_command`).
     """
     if not path.exists():
         shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
         pytest.fail(f"fixture {shown} is missing: the fixtures are committed (restore it with git, or "
-                    f"regenerate it with {made_by}); a missing fixture fails, it is not skipped",
-                    pytrace=False)
+                    f"regenerate it with `{made_by or generator_command(path)}`); a missing fixture fails, "
+                    "it is not skipped", pytrace=False)
     return path

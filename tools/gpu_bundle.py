@@ -1,8 +1,9 @@
 """``make gpu-bundle``: one file with everything the GPU test machine lacks, and its use there.
 
 The GPU test machine (Python 3.12, torch 2.11+cu130, cupy-cuda13x, numpy 2.5; no tritonserver, no
-SimpleITK, no network, 64 MiB carried per call) gets ``build/gpu-bundle/nnunet-gpu-bundle.tar.xz``
-(<= 50 MiB), built here from registries only:
+SimpleITK, no network, 64 MiB carried per call; its package list, and what the bundle carries for it,
+are data: ``tools/gpu_machine.toml``, read by :func:`load_machine`) gets
+``build/gpu-bundle/nnunet-gpu-bundle.tar.xz`` (<= 50 MiB), built here from registries only:
 
 ``site/`` (on ``sys.path`` and the stubs' ``PYTHONPATH``, both machines)
     ``pytriton/tritonserver/``: the tritonserver 2.51.0 binary, the Python backend, the local cache and
@@ -63,49 +64,46 @@ CACHE_DIR = REPO_ROOT / "build" / "gpu-bundle-cache"  # downloads and staging, n
 MAX_BUNDLE_BYTES = 50 * 2**20
 FORMAT = 1
 PYTRITON_VERSION = "0.7.0"
-STUB_PYTHONS = ("3.12", "3.11")  # the GPU machine's, this machine's (the dry run)
-DEVICE_PYTHON = "3.12"
 LOCK = REPO_ROOT / "requirements" / "constraints.txt"
 FIXTURE_DATASET = "Dataset901_SynthCT"
-# What the GPU test machine's image has (its package list as read there on 2026-11-17), as normalised
-# distribution names; a package listed here is never carried.
-DEVICE_PACKAGES = frozenset("""
-absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
-certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings
-cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils
-execnet filelock flax flatbuffers fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet
-httpcore httpx huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax
-jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader lightning
-lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe matplotlib
-mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals
-networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc
-nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver
-nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink
-nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript opencv-python-headless optax
-opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft pillow pip
-pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments
-pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout
-pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors
-scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools
-shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboard
-tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch
-torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
-typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl
-zipp
-""".split())
-# What the check imports there that the machine lacks (the dry run's device emulation fails on any other
-# import that is not in DEVICE_PACKAGES): wheels for any Python 3 (pure Python; tritonclient's also holds
-# its CUDA shared-memory helper), then cp312 wheels; versions from the lock.
-DEVICE_PURE = ("nnunetv2", "acvl-utils", "batchgenerators", "batchgeneratorsv2",
-               "dynamic-network-architectures", "nibabel", "tritonclient")
-DEVICE_COMPILED = ("blosc2", "numexpr", "ndindex", "connected-components-3d", "python-rapidjson")
-# Imported there inside try/except only (absent is a supported case of the importer): not carried.
-DEVICE_OPTIONAL = {
-    "brotli": "httpx's optional brotli decoder",
-    "imagecodecs": "tifffile's optional codecs",
-    "pydicom": "nibabel's optional DICOM support",
-    "pyjpegls": "pydicom's optional JPEG-LS plugin",
-}
+MACHINE_FILE = Path(__file__).with_name("gpu_machine.toml")  # the GPU machine's package list
+
+
+@dataclass(frozen=True)
+class DeviceMachine:
+    """The GPU test machine's package list (``gpu_machine.toml``): what it has, what the bundle carries."""
+
+    python: str  # major.minor
+    notable: dict[str, str]  # versions of note (torch, cupy, numpy), for the manifest
+    installed: frozenset[str]  # normalised distribution names; never carried
+    pure: tuple[str, ...]  # carried as wheels for any Python 3
+    compiled: tuple[str, ...]  # carried as wheels for the machine's Python
+    optional: dict[str, str]  # imported there inside try/except only: not carried, name -> why
+
+    @property
+    def abi(self) -> str:
+        """``cp312`` for Python 3.12."""
+        return "cp" + self.python.replace(".", "")
+
+
+def load_machine(path: Path = MACHINE_FILE) -> DeviceMachine:
+    """Read the GPU machine's package list; BundleError naming the file for a missing or wrong entry."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(path.read_text())
+        machine = DeviceMachine(
+            python=str(data["python"]), notable=dict(data["notable"]),
+            installed=frozenset(_normalise(n) for n in data["installed"]["packages"]),
+            pure=tuple(data["carried"]["pure"]), compiled=tuple(data["carried"]["compiled"]),
+            optional=dict(data["optional"]))
+    except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as exc:
+        raise BundleError(f"{path}: cannot read the GPU machine's package list ({exc!r}).") from exc
+    if not re.fullmatch(r"3\.\d+", machine.python):
+        raise BundleError(f"{path}: python must be major.minor like \"3.12\", got {machine.python!r}.")
+    return machine
+
+
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                    "manylinux2014_x86_64", "manylinux1_x86_64")
 
@@ -142,6 +140,18 @@ def _sha256(path: Path) -> str:
 
 def _normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# The GPU machine's package list, read once from tools/gpu_machine.toml (the names below are its fields).
+MACHINE = load_machine()
+DEVICE_PYTHON = MACHINE.python
+DEVICE_ABI = MACHINE.abi
+DEVICE_SITE = f"site-{DEVICE_ABI}"  # the bundle's folder of compiled packages
+STUB_PYTHONS = (DEVICE_PYTHON, "3.11")  # the GPU machine's, this machine's (the dry run)
+DEVICE_PACKAGES = MACHINE.installed
+DEVICE_PURE = MACHINE.pure
+DEVICE_COMPILED = MACHINE.compiled
+DEVICE_OPTIONAL = MACHINE.optional
 
 
 # --- building ---------------------------------------------------------------------------------------------
@@ -228,7 +238,7 @@ def _pip_download(requirements: Sequence[str], dest: Path, *, pure: bool) -> Non
                    *requirements]
     else:
         command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                   "--python-version", DEVICE_PYTHON, "--implementation", "cp", "--abi", "cp312", "--abi",
+                   "--python-version", DEVICE_PYTHON, "--implementation", "cp", "--abi", DEVICE_ABI, "--abi",
                    "abi3", *(f"--platform={p}" for p in WHEEL_PLATFORMS), "-d", str(dest), *requirements]
     LOGGER.info("pip %s %s", command[3], " ".join(requirements))
     subprocess.run(command, check=True, timeout=1800)
@@ -285,14 +295,14 @@ def _packages(stage: Path, cache: Path) -> dict[str, Any]:
         wheel = _wheel_for(wheels, name, version)
         pure = "-py3-none-" in wheel.name or "-py2.py3-none-" in wheel.name  # any Python 3 (3.11 and 3.12)
         if pure != (name in DEVICE_PURE):
-            kind = "py3-none" if name in DEVICE_PURE else "cp312"
+            kind = "py3-none" if name in DEVICE_PURE else DEVICE_ABI
             raise BundleError(f"{wheel.name}: expected a {kind} wheel.")
-        _install_wheel(wheel, stage / ("site" if pure else "site-cp312"))
+        _install_wheel(wheel, stage / ("site" if pure else DEVICE_SITE))
         if not pure:  # their debug symbols are half the bundle's compiled packages
-            for library in sorted((stage / "site-cp312").rglob("*.so*")):
+            for library in sorted((stage / DEVICE_SITE).rglob("*.so*")):
                 subprocess.run(["strip", "--strip-unneeded", str(library)], check=True)
         record[name] = {"version": version, "wheel": wheel.name, "sha256": _sha256(wheel),
-                        "folder": "site" if pure else "site-cp312", "stripped": not pure}
+                        "folder": "site" if pure else DEVICE_SITE, "stripped": not pure}
     return record
 
 
@@ -363,7 +373,7 @@ def inputs_digest() -> str:
     record = package.parent / f"nvidia_pytriton-{PYTRITON_VERSION}.dist-info" / "RECORD"
     images = workloads.fixture_model_dir().parent / "imagesTs"
     parts = {
-        "format": FORMAT, "tool": _sha256(Path(__file__)),
+        "format": FORMAT, "tool": _sha256(Path(__file__)), "machine": _sha256(MACHINE_FILE),
         "pins": lock_versions((*DEVICE_PURE, *DEVICE_COMPILED)), "libpython": asdict(LIBPYTHON_SOURCE),
         "pytriton_record": _sha256(record) if record.is_file()
         else importlib.metadata.version("nvidia-pytriton"),
@@ -412,6 +422,7 @@ def build(out_dir: Path = BUNDLE_DIR, cache: Path = CACHE_DIR, *, force: bool = 
     stage = staging / "nnunet-gpu-bundle"
     (stage / "site").mkdir(parents=True)
     manifest = {"format": FORMAT, "inputs_digest": digest, "device_python": DEVICE_PYTHON,
+                "device_notable": MACHINE.notable,
                 "triton": _copy_triton(stage / "site"), "packages": _packages(stage, cache),
                 "device_optional": DEVICE_OPTIONAL, "libpython_fallback": _libpython(stage, cache),
                 "fixture": {"dataset": FIXTURE_DATASET, "cases": _fixture_cases(stage)},
@@ -514,7 +525,7 @@ def activation_env(root: Path, *, libpython: str = "auto", base: dict[str, str] 
     when needed, on ``LD_LIBRARY_PATH``. A new process gets it (nothing of the running one's paths is
     changed): :func:`check_active` in that process confirms it."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    paths = [root / "site"] + ([root / "site-cp312"] if version == DEVICE_PYTHON else [])
+    paths = [root / "site"] + ([root / DEVICE_SITE] if version == DEVICE_PYTHON else [])
     paths += [REPO_ROOT / "src", REPO_ROOT]
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *filter(None, [env.get("PYTHONPATH")])])

@@ -55,7 +55,7 @@ def cube_case(model_dir: Path, *, seed: int = 0, extra_voxels: int = 0) -> Any:
     target spacing once resampled; its spacing is coarser than the target
     (``workloads.CASE_SPACING_FACTOR``), as with scans."""
     from nnunet_triton.numerics.model_folder import read_model_folder
-    from tools.make_fixture_model import CaseGeometry, synthesize_case
+    from tools.fixtures.synthct import CaseGeometry, synthesize_case
     from tools.perf.workloads import CASE_SPACING_FACTOR, Case
 
     config = read_model_folder(model_dir)

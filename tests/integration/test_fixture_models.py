@@ -1,6 +1,6 @@
 """nnU-Net itself loads, preprocesses and segments the committed fixture models.
 
-The fixtures under ``tests/fixtures/`` are made by ``tools/make_fixture_model.py`` (see the README there).
+The fixtures under ``tests/fixtures/`` are made by ``python -m tools.fixtures`` (see the README there).
 These tests pin the properties later tests rely on: folder layout, slim checkpoints, plans, which cases
 are cropped / resampled with separate z / smaller than the patch, and that nnU-Net's own
 ``nnUNetPredictor`` (CPU, step 0.5, Gaussian, all folds) segments every held-out case with Dice > 0.7.

@@ -30,7 +30,7 @@ MODEL_DIR = Path(os.environ.get(
 
 @pytest.fixture(autouse=True)
 def _committed_fixture() -> None:
-    require_fixture(MODEL_DIR / "plans.json", made_by="tools/make_fixture_model.py")
+    require_fixture(MODEL_DIR / "plans.json")
 
 
 def _nnunet_network(fold: int) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """The committed ``Dataset903_SynthMulti`` fixture is what the model-variety tests assume.
 
-Made by ``tools/make_variety_fixtures.py`` with nnU-Net's own planners and trainers (see the README in
+Made by ``python -m tools.fixtures --which multi`` with nnU-Net's own planners and trainers (see the README in
 the dataset folder). Pinned here: the four model folders with slim checkpoints naming their trainer,
 the planned network classes, two channels with CT + ZScore-with-mask normalization, region labels with
 an ignore label, and the postprocessing.pkl nnU-Net determined (readable by our safe loader).
@@ -32,7 +32,7 @@ MODELS = {
 
 @pytest.fixture(autouse=True)
 def _committed_fixture() -> None:
-    require_fixture(DATASET, made_by="tools/make_variety_fixtures.py")
+    require_fixture(DATASET)
 
 
 @pytest.mark.parametrize("folder", MODELS)

@@ -59,7 +59,7 @@ def model_dir(dataset: str) -> Path:
     path = Path(dataset) if Path(dataset).is_absolute() else FIXTURES / dataset
     if not (path / "plans.json").is_file():
         path = path / MODEL_FOLDER
-    require_fixture(path / "plans.json", made_by="tools/make_fixture_model.py")
+    require_fixture(path / "plans.json")
     return path
 
 

@@ -1,6 +1,6 @@
 """A cascade (low-res stage -> cascade stage) runs inside ONE ``nnunet`` call and equals nnU-Net's cascade.
 
-Fixture ``Dataset904_SynthCascade`` (``tools/make_cascade_fixture.py``): ``3d_lowres_tiny`` and
+Fixture ``Dataset904_SynthCascade`` (``tools/fixtures``, spec ``cascade``): ``3d_lowres_tiny`` and
 ``3d_cascade_tiny`` (``previous_stage``), both trained by nnU-Net on fold ``all``. nnU-Net's way as the
 reference: ``nnUNetPredictor`` of the low-res stage segments the image; its segmentation, as
 ``nnUNetv2_predict -prev_stage_predictions`` reads it back from the written file (``SimpleITKIO.read_seg``:
@@ -34,7 +34,7 @@ def cascade_server(triton_server):
     from nnunet_triton.builder.model_specs import BuildOptions
     from nnunet_triton.builder.repository import build_repository
 
-    require_fixture(FIXTURES / CASCADE / "plans.json", made_by="tools/make_cascade_fixture.py")
+    require_fixture(FIXTURES / CASCADE / "plans.json")
     options = BuildOptions(tile_batch_size=4, per_sample_forward=True)
     result = build_repository(FIXTURES / CASCADE, BUILD_ROOT / "cascade", options=options, folds=FOLDS)
     with triton_server(result.out) as handle:

@@ -32,7 +32,7 @@ def ensemble_server(triton_server):
     from nnunet_triton.builder.repository import build_ensemble_repository
 
     for member in MEMBERS:
-        require_fixture(FIXTURES / member / "plans.json", made_by="tools/make_variety_fixtures.py")
+        require_fixture(FIXTURES / member / "plans.json")
     options = BuildOptions(tile_batch_size=4, per_sample_forward=True)
     result = build_ensemble_repository([FIXTURES / m for m in MEMBERS], BUILD_ROOT / "ensemble-2d-3d",
                                        options=options)

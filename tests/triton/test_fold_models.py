@@ -36,7 +36,7 @@ QUEUE_DELAY_US = 300_000
 
 @pytest.fixture(autouse=True)
 def _committed_fixture() -> None:
-    require_fixture(MODEL_DIR / "plans.json", made_by="tools/make_fixture_model.py")
+    require_fixture(MODEL_DIR / "plans.json")
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def test_make_serve_with_two_models_serves_nnunets_ensemble(tmp_path):
     if shutil.which("make") is None:
         pytest.skip("GNU make is not installed")
     for member in MEMBERS:
-        require_fixture(FIXTURES / member / "plans.json", made_by="tools/make_variety_fixtures.py")
+        require_fixture(FIXTURES / member / "plans.json")
     env = {**os.environ, "NNUNET_TRITON_HOME": str(tmp_path / "home"), "MAKEFLAGS": ""}
     ports = {name: _free_port() for name in ("HTTP", "GRPC", "METRICS")}
     variables = [f"MODEL={' '.join(str(FIXTURES / m) for m in MEMBERS)}",

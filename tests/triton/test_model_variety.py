@@ -1,6 +1,6 @@
 """Every kind of model in ``Dataset903_SynthMulti`` gives nnU-Net's result through the ``nnunet`` endpoint.
 
-The fixture (``tools/make_variety_fixtures.py``) is planned and trained by nnU-Net itself: two input
+The fixture (``tools/fixtures``, spec ``multi``) is planned and trained by nnU-Net itself: two input
 channels (CT -> CTNormalization, MR -> ZScore with ``use_mask_for_norm``), region-based labels with
 ``regions_class_order`` and an ignore label, and four model folders: 3D PlainConvUNet, 2D PlainConvUNet
 (slice-wise on 3D volumes), ResidualEncoderUNet (``nnUNetPlannerResEncM``) and a custom trainer that

@@ -7,7 +7,7 @@ The previous stage's segmentation is handed over as ``SimpleITKIO.read_seg`` ret
 (1, *spatial)), which is what ``nnUNetv2_predict -prev_stage_predictions`` does. Synthetic plans cover
 resampling, separate z, a non-identity transpose, zero margins with foreground of the previous stage
 outside the nonzero mask (the -1 of ``crop_to_nonzero`` and the ``seg >= 0`` ZScore mask), and no
-resampling. The fixture ``tests/fixtures/Dataset904_SynthCascade`` (tools/make_cascade_fixture.py) adds
+resampling. The fixture ``tests/fixtures/Dataset904_SynthCascade`` (spec `cascade`, tools/fixtures) adds
 its held-out cases with the low-res stage's real predictions and an end-to-end cascade prediction.
 """
 
@@ -255,8 +255,7 @@ def test_load_inference_config_counts_one_hot_channels_like_nnunet_when_cascade_
 
 @pytest.fixture
 def _committed_cascade() -> None:
-    require_fixture(CASCADE_DIR / "fold_all" / "checkpoint_final.pth",
-                    made_by="tools/make_cascade_fixture.py")
+    require_fixture(CASCADE_DIR / "fold_all" / "checkpoint_final.pth")
 
 
 needs_fixture = pytest.mark.usefixtures("_committed_cascade")

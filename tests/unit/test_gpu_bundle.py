@@ -112,6 +112,37 @@ def test_an_unpinned_package_names_itself_and_the_lock(tmp_path):
         gpu_bundle.lock_versions(["numpy", "nnunetv2"], lock)
 
 
+
+def test_the_bundle_takes_the_gpu_machines_package_list_from_its_data_file():
+    machine = gpu_bundle.load_machine(gpu_bundle.MACHINE_FILE)
+    assert gpu_bundle.MACHINE_FILE.name == "gpu_machine.toml"
+    assert (gpu_bundle.DEVICE_PYTHON, gpu_bundle.DEVICE_ABI, gpu_bundle.DEVICE_SITE) == (
+        "3.12", "cp312", "site-cp312")
+    assert gpu_bundle.STUB_PYTHONS == ("3.12", "3.11")
+    assert gpu_bundle.DEVICE_PACKAGES == machine.installed
+    assert {"torch", "cupy-cuda13x", "numpy"} <= machine.installed and len(machine.installed) == 197
+    assert (gpu_bundle.DEVICE_PURE, gpu_bundle.DEVICE_COMPILED) == (machine.pure, machine.compiled)
+    assert gpu_bundle.DEVICE_OPTIONAL == machine.optional
+    assert machine.notable == {"torch": "2.11+cu130", "cupy": "cupy-cuda13x", "numpy": "2.5"}
+
+
+def test_another_gpu_machine_is_a_change_of_the_data_file_only(tmp_path):
+    machine_file = tmp_path / "gpu_machine.toml"
+    machine_file.write_text(
+        gpu_bundle.MACHINE_FILE.read_text().replace('python = "3.12"', 'python = "3.13"')
+        .replace('numpy = "2.5"', 'numpy = "2.6"').replace('"nibabel", ', ''))
+    machine = gpu_bundle.load_machine(machine_file)
+    assert (machine.python, machine.abi, machine.notable["numpy"]) == ("3.13", "cp313", "2.6")
+    assert "nibabel" not in machine.pure and "nnunetv2" in machine.pure
+
+
+def test_a_gpu_machine_file_without_a_section_names_the_file_and_the_section(tmp_path):
+    machine_file = tmp_path / "gpu_machine.toml"
+    machine_file.write_text('python = "3.12"\n[notable]\n')
+    with pytest.raises(gpu_bundle.BundleError, match=r"gpu_machine.toml: cannot read .*'installed'"):
+        gpu_bundle.load_machine(machine_file)
+
+
 @pytest.fixture
 def import_cache_restored(monkeypatch):
     """The emulation drops every module of a refused distribution from the import cache (pytest's own,

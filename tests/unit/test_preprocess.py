@@ -284,7 +284,7 @@ def test_preprocess_case_does_not_modify_its_input_when_called(xp):
 
 
 def _fixture_cases() -> list[tuple[Path, Path]]:
-    """(model folder, held-out ``*_0000`` image) pairs of the fixtures from tools/make_fixture_model.py."""
+    """(model folder, held-out ``*_0000`` image) pairs of the CT fixtures (tools/fixtures/synthct.py)."""
     cases = []
     for plans_file in sorted(FIXTURES.glob("*/*/plans.json")):
         model_dir = plans_file.parent

@@ -383,7 +383,7 @@ def _fixture_model_dirs() -> list[Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize("model_dir", _fixture_model_dirs(), ids=lambda p: p.name)
 def test_predict_sliding_window_equals_nnunet_when_fixture_model(model_dir):
-    require_fixture(model_dir / "plans.json", made_by="tools/make_fixture_model.py")
+    require_fixture(model_dir / "plans.json")
     predictor = nnunet_predictor(model_dir)
     patch = tuple(predictor.configuration_manager.patch_size)
     n_in = len(predictor.dataset_json["channel_names"])

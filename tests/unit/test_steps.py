@@ -43,7 +43,7 @@ SOURCE_ADAPTERS = {
 
 @pytest.fixture(autouse=True)
 def _committed_fixture() -> None:
-    require_fixture(SYNTHCT_MODEL / "plans.json", made_by="tools/make_fixture_model.py")
+    require_fixture(SYNTHCT_MODEL / "plans.json")
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 * ``fixture``: ``tests/fixtures/Dataset901_SynthCT`` (3d_tiny, patch 24x32x32, two trained folds) and
   its first held-out case. Cheap: the quick mode and the test use it.
 * ``realistic``: nnU-Net's own fingerprint extractor and default ``ExperimentPlanner`` run on a few
-  synthetic CT-like volumes (``tools/make_fixture_model.synthesize_case``) in a temporary nnUNet_raw;
+  synthetic CT-like volumes (``tools.fixtures.synthct.synthesize_case``) in a temporary nnUNet_raw;
   the resulting ``3d_fullres`` configuration is untouched (default patch size and PlainConvUNet).
   The network gets randomly initialised weights (nnU-Net's own He init, seeded) saved as an nnU-Net
   ``checkpoint_final.pth``: the outputs are meaningless but the cost is that of a trained model. The
@@ -120,7 +120,7 @@ def fixture_model_dir(fixtures_root: Path = REPO_ROOT / "tests" / "fixtures") ->
     """The committed 3d_tiny results folder (raises FileNotFoundError naming the generator if absent)."""
     path = fixtures_root / FIXTURE_DATASET / FIXTURE_MODEL_FOLDER
     if not (path / "plans.json").is_file():
-        raise FileNotFoundError(f"fixture model {path} is missing; run tools/make_fixture_model.py")
+        raise FileNotFoundError(f"fixture model {path} is missing; run: make fixtures")
     return path
 
 
@@ -181,7 +181,7 @@ def _write_nifti(array: np.ndarray, spacing_zyx: Sequence[float], path: Path) ->
 
 
 def _write_training_data(raw: Path, recipe: RealisticRecipe) -> None:
-    from tools.make_fixture_model import LABELS, CaseGeometry, synthesize_case
+    from tools.fixtures.synthct import LABELS, CaseGeometry, synthesize_case
 
     rng = np.random.default_rng(recipe.seed)
     for index, shape in enumerate(recipe.training_shapes):
@@ -272,7 +272,7 @@ def build_realistic_model(root: Path, recipe: RealisticRecipe = RECIPE) -> Path:
 
 def realistic_case(model_dir: Path, volume: str, *, seed: int = 0) -> Case:
     """A synthetic CT-like case whose preprocessed extent is ``VOLUME_SCALES[volume]`` x patch - 2 voxels."""
-    from tools.make_fixture_model import CaseGeometry, synthesize_case
+    from tools.fixtures.synthct import CaseGeometry, synthesize_case
 
     if volume not in VOLUME_SCALES:
         raise ValueError(f"volume must be one of {sorted(VOLUME_SCALES)}, got {volume!r}.")
