@@ -12,4 +12,6 @@ Modules (each a CLI with ``main(argv)`` where it makes sense):
 - ``monolith``: the one-model baseline repository (``repository/monolith/model.py``).
 - ``run``: the whole benchmark (``--quick`` for the fixture only); ``report``: Markdown, plots,
   BENCHMARKS.md.
+- ``benchmarks_md``: the one writer of BENCHMARKS.md's generated blocks (``report``, ``defaults``,
+  ``two_models``).
 """
