@@ -102,8 +102,7 @@ _NAMESPACED = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*?)__v(?P<version>[1-9][0-9]
                          r"(?:__(?P<role>.+)|(?P<typed>_[a-z0-9]+)?)$")
 # names a user's endpoint must not take: the unprefixed models of the default name's version 1
 _RESERVED_PREFIXES = ("fold_", "member", "previous_stage_")
-_RESERVED_NAMES = frozenset({"preprocess_model", "orchestrator_model", "stitch_model", "combine_model",
-                             "nnunet_monolith"})
+_RESERVED_NAMES = frozenset({"preprocess_model", "orchestrator_model", "stitch_model", "combine_model"})
 
 
 def check_endpoint_name(name: str) -> str:

@@ -67,7 +67,7 @@ def test_importing_client_does_not_import_tritonclient():
 def test_the_endpoint_is_named_by_endpoint_and_version_and_old_spellings_warn():
     assert NnunetClient("127.0.0.1:1").model_name == "nnunet"
     assert NnunetClient("127.0.0.1:1", endpoint="liver", version=2).model_name == "liver__v2"
-    assert NnunetClient("127.0.0.1:1", endpoint="nnunet_monolith").model_name == "nnunet_monolith"
+    assert NnunetClient("127.0.0.1:1", endpoint="liver__v2__fold_0").model_name == "liver__v2__fold_0"
     with pytest.warns(DeprecationWarning, match=r"NnunetClient\(model=...\) is deprecated .* use endpoint="):
         assert NnunetClient("127.0.0.1:1", model="liver", version=3).model_name == "liver__v3"
     with pytest.warns(DeprecationWarning, match=r"NnunetClient\(model_name=...\) is deprecated .* endpoint="):

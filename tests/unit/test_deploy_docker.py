@@ -319,7 +319,6 @@ def test_runtime_modules_are_python_3_10_compatible_for_the_image_stub() -> None
         "repository/orchestrator/model.py",
         "network_models/python_runner/model.py",
         "repository/ensemble_combine/model.py",
-        "repository/monolith/model.py",
     ]
     child = f"""
 import importlib.util, json, sys, types

@@ -126,13 +126,14 @@ TOP_LEVEL = PACKAGE.parents[1]
 MODEL_FILES = sorted(p for folder in ("preprocess_model", "stitch_model", "network_models", "repository")
                      for p in (TOP_LEVEL / folder).rglob("model.py"))
 ENTRY_FILES = [TOP_LEVEL / "repository" / "build.py", TOP_LEVEL / "network_models" / "export.py"]
+# the benchmarks' own Triton model (``nnunet_monolith``), copied whole into the perf repository
+BENCHMARK_MODEL = TOP_LEVEL / "tools" / "perf" / "monolith_step.py"
 
 
-def test_the_top_level_folders_hold_the_six_model_files_and_two_entry_points():
+def test_the_top_level_folders_hold_the_five_model_files_and_two_entry_points():
     assert [str(p.relative_to(TOP_LEVEL)) for p in MODEL_FILES] == [
         "network_models/python_runner/model.py", "preprocess_model/model.py",
-        "repository/ensemble_combine/model.py",
-        "repository/monolith/model.py", "repository/orchestrator/model.py", "stitch_model/model.py"]
+        "repository/ensemble_combine/model.py", "repository/orchestrator/model.py", "stitch_model/model.py"]
     assert all(p.is_file() for p in ENTRY_FILES)
 
 
@@ -157,8 +158,27 @@ def _stub_numpy_api_calls(tree: ast.AST) -> list[str]:
 
 def test_no_model_passes_tensors_through_the_stubs_numpy_api():
     serving = sorted((PACKAGE / "serving").rglob("*.py"))
-    found = {str(p.relative_to(TOP_LEVEL)): calls for p in (*serving, *MODEL_FILES)
+    found = {str(p.relative_to(TOP_LEVEL)): calls for p in (*serving, *MODEL_FILES, BENCHMARK_MODEL)
              if (calls := _stub_numpy_api_calls(ast.parse(p.read_text())))}
     assert found == {}
     example = "pb_utils.Tensor('Y', t.as_numpy())\npb_utils.Tensor.from_dlpack('Y', a)"
     assert _stub_numpy_api_calls(ast.parse(example)) == ["line 1: .Tensor(...)", "line 1: .as_numpy(...)"]
+
+
+def test_the_package_does_not_know_the_benchmarks_monolith():
+    mentions = sorted(str(p.relative_to(TOP_LEVEL)) for p in PACKAGE.rglob("*")
+                      if p.is_file() and p.suffix in {".py", ".pbtxt", ".json", ".md", ".txt"}
+                      and "monolith" in p.read_text().lower())
+    assert mentions == []
+
+
+def test_the_benchmark_model_imports_the_serving_layer_and_below_never_tools():
+    # its model.py is this file, copied into a repository: the Triton stub has the package, not tools/
+    tree = ast.parse(BENCHMARK_MODEL.read_text())
+    roots = {alias.name.split(".")[0] for node in _runtime_nodes(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    roots |= {node.module.split(".")[0] for node in _runtime_nodes(tree)
+              if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    assert "tools" not in roots
+    layers = {layer_of(t) for t in imports_of(BENCHMARK_MODEL)}
+    assert "serving" in layers and layers <= ALLOWED["serving"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.perf import defaults
+from tools.perf import benchmarks_md, defaults
 
 
 def _results(latency_ratio: float, folder_ratio: float) -> dict:
@@ -35,6 +35,7 @@ def test_report_judges_each_goal_from_its_ratio():
 
 def test_benchmarks_block_is_replaced_between_its_markers(tmp_path: Path):
     page = tmp_path / "BENCHMARKS.md"
-    page.write_text(f"intro\n{defaults.BEGIN}\nold\n{defaults.END}\nrest\n")
+    begin, end = benchmarks_md.markers(defaults.BLOCK)
+    page.write_text(f"intro\n{begin}\nold\n{end}\nrest\n")
     defaults.update_benchmarks_md("new table\n", page)
-    assert page.read_text() == f"intro\n{defaults.BEGIN}\nnew table\n{defaults.END}\nrest\n"
+    assert page.read_text() == f"intro\n{begin}\nnew table\n{end}\nrest\n"

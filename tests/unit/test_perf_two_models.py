@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from nnunet_triton import io_names
-from tools.perf import analyzer, two_models
+from tools.perf import analyzer, benchmarks_md, two_models
 from tools.perf.workloads import Case
 
 
@@ -138,19 +138,10 @@ def test_failed_measurements_are_shown_not_hidden():
     assert "failed: perf_analyzer exit 99" in report and "- `perf_analyzer -m ct`" in report
 
 
-def test_section_is_replaced_between_its_markers_and_appended_when_missing():
-    begin, end = two_models.BEGIN, two_models.END
-    page = f"# Benchmarks\n\nintro\n\n## Several\n\n{begin}\nold numbers\n{end}\n\nrest\n"
-    replaced = two_models.replace_section(page, "new numbers\n")
-    assert replaced == f"# Benchmarks\n\nintro\n\n## Several\n\n{begin}\nnew numbers\n{end}\n\nrest\n"
-    assert two_models.replace_section(replaced, "new numbers\n") == replaced
-    appended = two_models.replace_section("# Benchmarks\n", "first\n")
-    assert appended == f"# Benchmarks\n\n{two_models.SECTION_TITLE}\n\n{begin}\nfirst\n{end}\n"
-
-
 def test_only_a_full_run_without_failures_rewrites_benchmarks_md(tmp_path: Path):
     page = tmp_path / "BENCHMARKS.md"
-    original = f"top\n{two_models.BEGIN}\nnot measured yet\n{two_models.END}\n"
+    begin, end = benchmarks_md.markers(two_models.BLOCK)
+    original = f"top\n{begin}\nnot measured yet\n{end}\n"
     page.write_text(original)
     two_models._finish(_meta(mode="quick"), _rows(), tmp_path, page)
     assert page.read_text() == original and (tmp_path / "report.md").is_file()

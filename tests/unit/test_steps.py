@@ -37,7 +37,6 @@ SOURCE_ADAPTERS = {
     "fold_runner": "network_models/python_runner/model.py",
     "stitch": "stitch_model/model.py",
     "combine": "repository/ensemble_combine/model.py",
-    "monolith": "repository/monolith/model.py",
 }
 
 

@@ -9,7 +9,10 @@ Modules (each a CLI with ``main(argv)`` where it makes sense):
 - ``server_stats``: per-model statistics (Triton's ``/v2/models/stats``) diffed around a run.
 - ``resources``: CPU and peak RSS of a process tree (tritonserver + Python stubs), sampled with psutil.
 - ``baselines``: nnUNetPredictor in-process latency and the network-only floor (subprocesses).
-- ``monolith``: the one-model baseline repository (``repository/monolith/model.py``).
+- ``monolith``: the one-model baseline repository; ``monolith_step``: its model.py (nnUNetPredictor
+  whole), copied into it: the benchmarks' own model, not part of the package.
 - ``run``: the whole benchmark (``--quick`` for the fixture only); ``report``: Markdown, plots,
   BENCHMARKS.md.
+- ``benchmarks_md``: the one writer of BENCHMARKS.md's generated blocks (``report``, ``defaults``,
+  ``two_models``).
 """

@@ -48,6 +48,7 @@ from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S
 from nnunet_triton.server import embedded as embedded_server
 from nnunet_triton.server.exactness import cpu_identity
+from tools.perf import benchmarks_md
 from tools.perf.baselines import BaselineWorker, Job
 from tools.perf.workloads import ensure_realistic_model, fixture_case, fixture_model_dir, realistic_case
 
@@ -177,7 +178,7 @@ def _transfer(fixture: Path, shape: tuple[int, int, int], reps: int) -> dict[str
             **{k: v for k, v in times.items() if k.endswith("median_s")}}
 
 
-BEGIN, END = "<!-- perf-defaults:begin -->", "<!-- perf-defaults:end -->"
+BLOCK = "perf-defaults"  # its markers in BENCHMARKS.md (tools/perf/benchmarks_md.py)
 
 
 def _row(name: str, value: str, goal: str, met: bool | None) -> str:
@@ -255,9 +256,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def update_benchmarks_md(text: str, path: Path = REPO_ROOT / "BENCHMARKS.md") -> None:
-    content = path.read_text()
-    start, end = content.index(BEGIN) + len(BEGIN), content.index(END)
-    path.write_text(content[:start] + "\n" + text + content[end:])
+    benchmarks_md.replace_block(path, BLOCK, text)
 
 
 def main(argv: list[str] | None = None) -> int:

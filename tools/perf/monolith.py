@@ -1,4 +1,4 @@
-"""Build the one-model baseline repository: ``nnunet_monolith`` (``repository/monolith/model.py``).
+"""Build the one-model baseline repository ``nnunet_monolith`` (its model.py: ``monolith_step.py`` here).
 
 Its config is generated like every other one (``nnunet_triton.builder.config_gen``), with the endpoint's
 tensors taken from ``model_specs.ensemble_spec`` so the two cannot drift apart. The results folder
@@ -23,18 +23,17 @@ from nnunet_triton.builder import (
     config_gen,
     model_specs,
 )
-from nnunet_triton.builder.build_inputs import adapter_source
 from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME, parse_fold, read_model_folder
 from nnunet_triton.numerics.plans import InferenceConfig
 from nnunet_triton.parameters import FORCE_CPU_ONLY_INPUT_TENSORS, PARAM_TORCH_NUM_THREADS
+from tools.perf.monolith_step import MODEL_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["MONOLITH_MODEL", "ADAPTER", "monolith_spec", "build_monolith_repository", "main"]
+__all__ = ["MONOLITH_MODEL", "STEP_FILE", "monolith_spec", "build_monolith_repository", "main"]
 
 MONOLITH_MODEL = "nnunet_monolith"
-ADAPTER = "monolith"  # the serving step its model.py imports
-MODEL_DIR = "nnunet_model"
+STEP_FILE = Path(__file__).with_name("monolith_step.py")  # copied whole as the model's model.py
 
 
 def monolith_spec(config: InferenceConfig, *, instances: int = 1, torch_threads: int = 0, device: str = "cpu"
@@ -78,7 +77,7 @@ def build_monolith_repository(model_dir: Path, out: Path, *, folds: Sequence[int
     config_gen.write_config(spec, model_root)
     version = model_root / "1"
     version.mkdir(parents=True, exist_ok=True)
-    (version / "model.py").write_text(adapter_source(ADAPTER))
+    shutil.copyfile(STEP_FILE, version / "model.py")
     config.save(version)
     for name in ("plans.json", "dataset.json"):
         _link_or_copy(model_dir / name, version / MODEL_DIR / name)

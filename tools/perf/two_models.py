@@ -56,18 +56,17 @@ import numpy as np
 
 from nnunet_triton import io_names
 from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S
-from tools.perf import analyzer
+from tools.perf import analyzer, benchmarks_md
 from tools.perf.input_data import tensor_entry
 from tools.perf.workloads import Case, read_image
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["MODELS", "SITUATIONS", "BEGIN", "END", "ModelSpec", "Measurement", "schedule", "input_document",
-           "summarize", "ratios", "render_section", "render_report", "replace_section", "main"]
+__all__ = ["MODELS", "SITUATIONS", "BLOCK", "ModelSpec", "Measurement", "schedule", "input_document",
+           "summarize", "ratios", "render_section", "render_report", "main"]
 
 LOGGER = logging.getLogger("tools.perf.two_models")
-BEGIN, END = "<!-- perf-two-models:begin -->", "<!-- perf-two-models:end -->"
-SECTION_TITLE = "## Several models on one server (`make perf-two-models`)"
+BLOCK = "perf-two-models"  # its markers in BENCHMARKS.md (tools/perf/benchmarks_md.py)
 SITUATIONS = ("alone", "both", "two-servers")
 SITUATION_LABELS = {"alone": "alone (one server, only this model loaded)",
                     "both": "both loaded, one server",
@@ -323,15 +322,6 @@ def render_report(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) ->
     return "\n".join(lines) + "\n"
 
 
-def replace_section(text: str, block: str) -> str:
-    """``text`` with the block between the markers replaced (the section appended when it is absent)."""
-    body = f"{BEGIN}\n{block.rstrip()}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        return head + body + rest.split(END, 1)[1]
-    return f"{text.rstrip()}\n\n{SECTION_TITLE}\n\n{body}\n"
-
-
 # --- the run: repositories, servers, perf_analyzer -------------------------------------------------------
 
 
@@ -446,18 +436,17 @@ def _model_info(spec: ModelSpec, model_dir: Path, cases: Sequence[Case], reposit
 
 
 def _finish(meta: dict[str, Any], rows: Sequence[Mapping[str, Any]], out_dir: Path,
-            benchmarks_md: Path | None) -> None:
+            page: Path | None) -> None:
     (out_dir / "report.md").write_text(render_report(meta, rows))
     LOGGER.info("wrote %s", out_dir / "report.md")
-    if benchmarks_md is None:
+    if page is None:
         return
     if meta["mode"] != "full" or not rows or not all(r["ok"] for r in rows):
         LOGGER.warning("not updating %s: only a full run whose measurements all succeeded does",
-                       benchmarks_md)
+                       page)
         return
-    text = benchmarks_md.read_text() if benchmarks_md.is_file() else "# Benchmarks\n"
-    benchmarks_md.write_text(replace_section(text, render_section(meta, rows)))
-    LOGGER.info("updated %s", benchmarks_md)
+    benchmarks_md.replace_block(page, BLOCK, render_section(meta, rows).rstrip() + "\n")
+    LOGGER.info("updated %s", page)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -486,10 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     """Build, serve, measure the three situations, write results.json, report.md and BENCHMARKS.md."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    benchmarks_md = None if args.no_benchmarks_md else args.benchmarks_md
+    page = None if args.no_benchmarks_md else args.benchmarks_md
     if args.report_only is not None:
         document = json.loads(args.report_only.read_text())
-        _finish(document["meta"], document["measurements"], args.report_only.parent, benchmarks_md)
+        _finish(document["meta"], document["measurements"], args.report_only.parent, page)
         return 0
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.window_s = args.window_s or (8.0 if args.quick else 15.0)
@@ -547,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                 finished=dt.datetime.now().isoformat(timespec="seconds"))
     _write(results_path, meta, rows)
     LOGGER.info("wrote %s (%d measurements, %.0f s)", results_path, len(rows), meta["wall_s"])
-    _finish(meta, [asdict(r) for r in rows], out_dir, benchmarks_md)
+    _finish(meta, [asdict(r) for r in rows], out_dir, page)
     sys.stdout.write(render_section(meta, [asdict(r) for r in rows]))
     return 0 if all(r.ok for r in rows) else 1
 

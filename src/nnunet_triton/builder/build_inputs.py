@@ -59,7 +59,6 @@ _WHAT = {
     "fold_runner": ("fold_<k>", "INPUT__0 -> OUTPUT__0, one fold's TorchScript network (Python backend)"),
     "stitch": ("stitch_model", "LOGITS + CASE_PROPERTIES -> SEGMENTATION (+ PROBABILITIES)"),
     "combine": ("combine_model", "the members' PROBABILITIES -> SEGMENTATION (ensemble of configurations)"),
-    "monolith": ("nnunet_monolith", "nnUNetPredictor whole, the benchmarks' one-model baseline"),
 }
 # the modules whose code decides what a build writes: their import closure is hashed into input_hash
 _BUILDER_ENTRIES = ("nnunet_triton.builder.repository", "nnunet_triton.builder.build_inputs")

@@ -116,7 +116,7 @@ class NnunetClient:
         protocol: ``"http"`` or ``"grpc"``.
         timeout_s: end-to-end limit of one inference (HTTP network timeout, gRPC client deadline).
         endpoint: the endpoint name (``nnunet``, ``liver``, ...: ``nnunet-triton build --endpoint``), or any
-            Triton model of the server by its full name (``liver__v2``, ``nnunet_monolith``).
+            Triton model of the server by its full name (``liver__v2``, ``liver__v2__fold_0``).
         version: call exactly this version of ``endpoint`` (its pinned endpoint ``<endpoint>__v<version>``);
             default: the version the server promoted for ``endpoint``.
         native_dtype: send FP16/INT16/UINT16/UINT8 images as they are, to the typed endpoint

@@ -17,7 +17,7 @@ once they are all back and accumulates tiles in tile order (:class:`LogitAccumul
 :func:`predict_sliding_window` here and the orchestrator's asynchronous
 ``pipeline.orchestration.predict_fold_async`` (several batches in flight) are both this pair.
 
-Array types: NumPy (the CPU path of the monolith and the validator), CuPy, or torch tensors on any
+Array types: NumPy (the reference path of the tests and the GPU parity check), CuPy, or torch tensors on any
 device (the orchestrator's path on CPU and GPU: the data stays where it is, and torch's own ``op=``
 arithmetic is nnU-Net's, so CPU tensors give the same bits as the NumPy emulation below).
 

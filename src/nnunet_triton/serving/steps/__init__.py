@@ -5,7 +5,6 @@
     3. fold_runner   INPUT__0 -> OUTPUT__0: one fold's TorchScript network         fold_<k> (Python runner)
     4. stitch        LOGITS + CASE_PROPERTIES -> SEGMENTATION (+ PROBABILITIES)    stitch_model
     5. combine       PROBABILITIES_<i> -> SEGMENTATION (ensembles of configurations) combine_model
-       monolith      the benchmarks' one-model baseline (nnUNetPredictor whole)    nnunet_monolith
 
 Each module defines its step on :class:`.base.Step` (the pb_utils lifecycle, once) and the
 ``TritonPythonModel`` Triton loads. The ``model.py`` of a repository's model is a few lines that import

@@ -2,15 +2,16 @@
 
 What a user would write without this project: one Python model whose ``execute`` calls
 ``nnUNetPredictor.predict_single_npy_array`` (nnunetv2/inference/predict_from_raw_data.py) per
-request, on CPU. It exists to be benchmarked against the ``nnunet`` ensemble (tools/perf), so it has
-the endpoint's I/O (IMAGE FP32 [C, z, y, x], SPACING FP64 [3] -> SEGMENTATION, PROBABILITIES only when
-asked) and reads the same request parameters (``mirroring``, ``tile_step_size``, ``folds``,
-``probabilities``, validated by ``nnunet_triton.options.RequestOptions.from_parameters``). Requests run
-one after another per instance: preprocessing, every fold's sliding window and the export share one
-thread of control, as in nnU-Net.
+request, on CPU. It exists only to be benchmarked against the ``nnunet`` ensemble (``make perf``), so it
+lives with the benchmarks, not in the package; it has the endpoint's I/O (IMAGE FP32 [C, z, y, x],
+SPACING FP64 [3] -> SEGMENTATION, PROBABILITIES only when asked) and reads the same request parameters
+(``mirroring``, ``tile_step_size``, ``folds``, ``probabilities``, validated by
+``nnunet_triton.options.RequestOptions.from_parameters``). Requests run one after another per instance:
+preprocessing, every fold's sliding window and the export share one thread of control, as in nnU-Net.
 
-Files next to the model's model.py (written by ``tools/perf/monolith.py``): ``inference_config.json`` (the
-deployed folds) and ``nnunet_model/`` (plans.json, dataset.json, fold_<k>/checkpoint_final.pth).
+This file is the model's ``model.py``: ``tools/perf/monolith.py`` copies it whole into the repository,
+so it imports the installed package only, never ``tools``. Files next to it: ``inference_config.json``
+(the deployed folds) and ``nnunet_model/`` (plans.json, dataset.json, fold_<k>/checkpoint_final.pth).
 
 Config parameters: ``torch_num_threads`` ("0" keeps torch's default, one thread per core, like an
 nnU-Net process). The device follows the instance kind: KIND_GPU runs nnUNetPredictor on that GPU
