@@ -123,13 +123,13 @@ status: $(SETUP_STAMP) ## Print the state and health of the server started by `m
 	$(SERVER) status
 
 demo: $(SETUP_STAMP) ## From nothing: build the fixture model's repository, serve it, segment one image with one endpoint call, stop
-	$(PY) tools/demo.py $(if $(MODEL),--model $(MODEL)) $(if $(FOLDS),--folds $(FOLDS))
+	$(PY) tools/demo.py $(if $(MODEL),--model-dir $(MODEL)) $(if $(FOLDS),--folds $(FOLDS))
 
 pacs-demo: $(SETUP_STAMP) ## A real Orthanc PACS (apt), the served fixture and `nnunet-triton listen`: route a CT study to the node, see the DICOM-SEG arrive, then the same over DICOMweb (PACS_ARGS=--keep)
 	$(PY) -m tools.pacs_demo $(PACS_ARGS)
 
 validate: $(SETUP_STAMP) ## Build MODEL=<results folder>, serve it, compare it with nnU-Net on INPUT=<cases> [FOLDS="0 1"] [VALIDATE_ARGS="--exact"] -> build/validate/report, stop
-	$(PY) -m tools.validate --model "$(MODEL)" --input "$(INPUT)" $(if $(FOLDS),--folds $(FOLDS)) -- $(VALIDATE_ARGS)
+	$(PY) -m tools.validate --model-dir "$(MODEL)" --input "$(INPUT)" $(if $(FOLDS),--folds $(FOLDS)) -- $(VALIDATE_ARGS)
 
 perf: $(SETUP_STAMP) $(PERF_STAMP) ## perf_analyzer benchmark vs nnUNetPredictor/monolith/network floor -> benchmarks/results, BENCHMARKS.md (QUICK=1: a few minutes)
 	$(PY) -m tools.perf.run $(if $(QUICK),--quick) $(PERF_ARGS)

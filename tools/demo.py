@@ -1,6 +1,6 @@
 """End-to-end demo: committed fixture model -> Triton repository -> embedded server -> one segmentation.
 
-    python tools/demo.py [--model tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny]
+    python tools/demo.py [--model-dir tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny]
         [--image <case>_0000.nii.gz] [--out build/demo] [--protocol http|grpc] [--no-mirroring]
 
 Steps: build the model repository with ``repository/build.py`` (a no-op when it is up to date), start
@@ -32,7 +32,7 @@ DEFAULT_OUT = Path("build/demo")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, nargs="+", default=[DEFAULT_MODEL],
+    p.add_argument("--model-dir", "--model", dest="model", type=Path, nargs="+", default=[DEFAULT_MODEL],
                    help="nnU-Net results folder; several folders: an ensemble of configurations")
     p.add_argument("--folds", nargs="+", default=None, help="folds to serve (default: all found)")
     p.add_argument("--image", type=Path, default=None,

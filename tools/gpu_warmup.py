@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True, help="the server's host:port for --protocol")
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc", help="default grpc")
-    p.add_argument("--model", default=None, help="the endpoint name (default: the client's, nnunet)")
+    p.add_argument("--endpoint", "--model", dest="model", default=None,
+                   help="the endpoint name (default: the client's, nnunet)")
     p.add_argument("--case", dest="cases", action="append", type=_case_arg, required=True,
                    help="ZxYxX@sz,sy,sx: one expected scan shape and spacing (repeat the flag for more)")
     p.add_argument("--channels", type=int, default=1, help="input channels of the model (default 1)")

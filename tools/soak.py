@@ -407,7 +407,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="soak", description=__doc__.splitlines()[0])
     parser.add_argument(
+        "--model-dir",
         "--model",
+        dest="model",
         type=Path,
         default=DEFAULT_MODEL,
         help="nnU-Net results folder (with its "

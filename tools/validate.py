@@ -1,6 +1,6 @@
 """``make validate``: build MODEL's repository, serve it, validate INPUT against nnU-Net, stop.
 
-    python -m tools.validate --model RESULTS_FOLDER --input CASES [--folds 0 1] [--out build/validate]
+    python -m tools.validate --model-dir RESULTS_FOLDER --input CASES [--folds 0 1] [--out build/validate]
         [-- validate options, e.g. --exact --disable-tta --record DIR]
 
 The repository goes to ``<out>/model_repository`` (a no-op rebuild when up to date), the server starts on
@@ -22,7 +22,8 @@ LOGGER = logging.getLogger("validate")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, required=True, help="nnU-Net results folder")
+    p.add_argument("--model-dir", "--model", dest="model", type=Path, required=True,
+                   help="nnU-Net results folder")
     p.add_argument("--input", type=Path, required=True, help="cases (nnU-Net naming) or a DICOM folder")
     p.add_argument("--folds", nargs="+", type=parse_fold, default=None,
                    help="folds to serve and compare (default: all found)")

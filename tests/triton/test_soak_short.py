@@ -22,7 +22,7 @@ def test_short_soak_gives_only_right_answers_and_writes_report(tmp_path):
     build(SYNTHCT)
     code = soak.main(
         [
-            "--model",
+            "--model-dir",
             str(model_dir(SYNTHCT)),
             "--duration",
             "45",

@@ -129,7 +129,7 @@ def test_make_validate_tool_builds_serves_validates_and_stops(tmp_path):
     from tools import validate as tool
 
     cases = model_dir(SYNTHCT).parent / "imagesTs"
-    code = tool.main(["--model", str(model_dir(SYNTHCT)), "--input", str(cases), "--folds", "0",
+    code = tool.main(["--model-dir", str(model_dir(SYNTHCT)), "--input", str(cases), "--folds", "0",
                       "--out", str(tmp_path / "out"), "--", "--exact", "--disable-tta"])
     assert code == 0
     report = json.loads((tmp_path / "out" / "report" / "validation.json").read_text())

@@ -96,7 +96,7 @@ def test_deploy_and_demo_pass_every_model_and_fold(tmp_path: Path) -> None:
     assert _value(deploy, "--model-dir") == ["/m/a", "/m/b"] and _value(deploy, "--folds") == ["0", "1"]
     (demo,) = _make(tmp_path, "demo", "MODEL=/m/a /m/b", "FOLDS=0 1")
     assert demo[0] == "tools/demo.py"
-    assert _value(demo, "--model") == ["/m/a", "/m/b"] and _value(demo, "--folds") == ["0", "1"]
+    assert _value(demo, "--model-dir") == ["/m/a", "/m/b"] and _value(demo, "--folds") == ["0", "1"]
 
 
 def test_perf_passes_its_arguments_word_by_word(tmp_path: Path) -> None:
@@ -108,6 +108,6 @@ def test_validate_passes_model_input_folds_and_its_arguments(tmp_path: Path) -> 
     (validate,) = _make(tmp_path, "validate", "MODEL=/m/a b", "INPUT=/cases/x y", "FOLDS=0 1",
                         "VALIDATE_ARGS=--exact --disable-tta")
     assert validate[:2] == ["-m", "tools.validate"]
-    assert _value(validate, "--model") == ["/m/a b"] and _value(validate, "--input") == ["/cases/x y"]
+    assert _value(validate, "--model-dir") == ["/m/a b"] and _value(validate, "--input") == ["/cases/x y"]
     assert _value(validate, "--folds") == ["0", "1"]
     assert validate[validate.index("--", 2):] == ["--", "--exact", "--disable-tta"]

@@ -15,7 +15,7 @@ given on the command line (``--job``), or one JSON line at a time on stdin (``--
 
 Usage::
 
-    python -m tools.perf.baselines predictor --model <results folder> \
+    python -m tools.perf.baselines predictor --model-dir <results folder> \
         --job case.npz 0 false 3 [--job ...] --out predictor.json
     python -m tools.perf.baselines floor --repository <built repository> \
         --job case.npz 0,1 true 3 [--job ...] --out floor.json
@@ -273,7 +273,8 @@ def _parser() -> argparse.ArgumentParser:
     for kind in KINDS:
         sub = commands.add_parser(kind)
         if kind == "predictor":
-            sub.add_argument("--model", type=Path, required=True, help="nnU-Net results folder")
+            sub.add_argument("--model-dir", "--model", dest="model", type=Path, required=True,
+                             help="nnU-Net results folder")
         else:
             sub.add_argument("--repository", type=Path, required=True, help="built model repository")
         sub.add_argument("--job", nargs=4, action="append", default=[],
@@ -337,7 +338,7 @@ class BaselineWorker:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
         self.kind = kind
         self.command = [sys.executable, "-m", "tools.perf.baselines", kind,
-                        "--model" if kind == "predictor" else "--repository", str(source),
+                        "--model-dir" if kind == "predictor" else "--repository", str(source),
                         "--folds", ",".join(str(f) for f in folds), "--warmup-case", str(warmup_case),
                         "--device", device, "--warmup", str(warmup), "--serve"]
         log_path.parent.mkdir(parents=True, exist_ok=True)

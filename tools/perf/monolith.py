@@ -7,7 +7,7 @@ into ``1/nnunet_model`` so the repository is self-contained.
 
 Usage::
 
-    python -m tools.perf.monolith --model <results folder> --out build/perf/repos/monolith [--folds 0 1]
+    python -m tools.perf.monolith --model-dir <results folder> --out build/perf/repos/monolith [--folds 0 1]
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def build_monolith_repository(model_dir: Path, out: Path, *, folds: Sequence[int
 def main(argv: list[str] | None = None) -> int:
     """Write the monolith repository; exit 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True, help="nnU-Net results folder")
+    parser.add_argument("--model-dir", "--model", dest="model", type=Path, required=True,
+                        help="nnU-Net results folder")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--folds", nargs="+", type=parse_fold, default=None)
     parser.add_argument("--instances", type=int, default=1)
