@@ -13,6 +13,8 @@ Used by the launchers (thread budget, backends), the health probe, rollouts and 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from nnunet_triton.builder.config_gen import ModelConfigInfo, ModelSpec
 
 __all__ = ["ModelRepository"]
+
+LOGGER = logging.getLogger(__name__)
 
 
 class ModelRepository:
@@ -110,6 +114,15 @@ class ModelRepository:
         except (OSError, ValueError) as exc:
             raise RepositoryError(f"cannot read the config of model {model!r} in {str(self.path)!r}: "
                                   f"{exc}") from None
+
+    def readable_configs(self, reader: str) -> Iterator[tuple[str, ModelConfigInfo]]:
+        """``(model, config)`` of every model folder whose config reads; one that does not is skipped with a
+        warning naming ``reader`` (a launch check: Triton refuses that model itself, naming the error)."""
+        for model in self.model_dirs():
+            try:
+                yield model, self.config(model)
+            except RepositoryError as exc:
+                LOGGER.warning("%s: skipping model %s: %s", reader, model, exc)
 
     def configs(self) -> list[ModelConfigInfo]:
         """Every model folder's parsed config, in folder order."""

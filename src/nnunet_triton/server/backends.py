@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from nnunet_triton.builder.model_repository import ModelRepository
-from nnunet_triton.errors import RepositoryError, ServerError
+from nnunet_triton.errors import ServerError
 from nnunet_triton.server.backend_build import DEFAULT_OUT
 
 __all__ = ["BUILD_HINTS", "available_backends", "check_backends", "default_backend_dirs",
@@ -53,12 +53,7 @@ def required_backends(repositories: Iterable[str | Path]) -> dict[str, list[str]
     """
     found: dict[str, list[str]] = {}
     for repository in map(ModelRepository, repositories):
-        for model in repository.model_dirs():
-            try:
-                config = repository.config(model)
-            except RepositoryError as exc:
-                LOGGER.warning("backend check: skipping model %s: %s", model, exc)
-                continue
+        for _model, config in repository.readable_configs("backend check"):
             backend = config.backend or _PLATFORM_BACKENDS.get(config.platform or "")
             if backend:
                 found.setdefault(backend, []).append(config.name)

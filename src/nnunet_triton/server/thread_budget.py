@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nnunet_triton.builder.model_repository import ModelRepository
-from nnunet_triton.errors import RepositoryError, ThreadBudgetError
+from nnunet_triton.errors import ThreadBudgetError
 from nnunet_triton.io_names import FOLD_SLOT_RESOURCE, VERSION_DIR
 from nnunet_triton.parameters import PARAM_TORCH_NUM_THREADS, FoldRunnerParameters
 from nnunet_triton.pipeline.threads import (
@@ -181,12 +181,7 @@ def repository_folds(model_repository: str | Path) -> FoldModels:
     networks (a config that cannot be read is skipped with a warning: Triton refuses that model itself)."""
     repository = ModelRepository(model_repository)
     total, largest, networks, libtorch = 0, 0, [], False
-    for model in repository.model_dirs():
-        try:
-            config = repository.config(model)
-        except RepositoryError as exc:
-            LOGGER.warning("thread budget: skipping model %s: %s", model, exc)
-            continue
+    for model, config in repository.readable_configs("thread budget"):
         # a Python fold runner's config (model_specs.python_fold_spec), a libtorch fold's (libtorch_fold_spec)
         on_libtorch = config.platform == "pytorch_libtorch"
         if PARAM_TORCH_NUM_THREADS not in config.parameters and not on_libtorch:
