@@ -37,6 +37,8 @@ from recovery_support import RECOVERY_LIMIT_S, REQUEST_TIMEOUT_S, paused, wait_u
 from nnunet_triton.cli import deploy as deploy_tool
 from nnunet_triton.client.client import NnunetClient
 from nnunet_triton.server import health
+from nnunet_triton.server.deploy import service
+from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from tools import container_host
 
 CONTAINER = "nnunet-triton-test"
@@ -183,10 +185,10 @@ def test_repository_volume_is_read_only_inside_the_container(cpu_container):
 def test_bad_repository_container_exits_with_a_clear_line_instead_of_restarting_forever(cpu_container,
                                                                                           tmp_path):
     repo = tmp_path / "bad"
-    shutil.copytree(REPO_ROOT / deploy_tool.CPU_IMAGE_OUT, repo, ignore=shutil.ignore_patterns("fold_1"))
+    shutil.copytree(REPO_ROOT / service.CPU_IMAGE_OUT, repo, ignore=shutil.ignore_patterns("fold_1"))
     spec = deploy_tool.docker.replace_spec(
-        deploy_tool._docker_spec(_args(), deploy_tool.deploy.RepositoryInfo.from_repository(
-            REPO_ROOT / deploy_tool.CPU_IMAGE_OUT), variant="cpu", engine="podman"),
+        service._docker_spec(_plan(), RepositoryInfo.from_repository(REPO_ROOT / service.CPU_IMAGE_OUT),
+                             variant="cpu", engine="podman"),
         repository=str(repo), container_name=f"{CONTAINER}-bad", http_port=_free_ports(1)[0],
         grpc_port=_free_ports(1)[0], metrics_port=_free_ports(1)[0])
     podman("rm", "-f", spec.container_name)
@@ -205,10 +207,10 @@ def test_bad_repository_container_exits_with_a_clear_line_instead_of_restarting_
         podman("rm", "-f", spec.container_name)
 
 
-def _args():
+def _plan() -> service.DeployPlan:
     args = deploy_tool._parser(False).parse_args([])
-    args.out = REPO_ROOT / deploy_tool.CPU_IMAGE_OUT
-    return args
+    args.out = REPO_ROOT / service.CPU_IMAGE_OUT
+    return deploy_tool._plan(args, undeploy=False)
 
 
 def test_kube_play_runs_the_deployment_with_truthful_probes_a_healed_kill_and_a_restart(
