@@ -14,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_monolith_repository_holds_the_step_as_model_py_the_config_and_the_deployed_folds(tmp_path: Path):
-    require_fixture(SYNTH_CT.model_dir / "plans.json", made_by="tools/make_fixture_model.py")
+    require_fixture(SYNTH_CT.model_dir / "plans.json")
     out = monolith.build_monolith_repository(SYNTH_CT.model_dir, tmp_path / "repo", folds=(1,))
     version = out / monolith.MONOLITH_MODEL / "1"
     assert (version / "model.py").read_text() == monolith.STEP_FILE.read_text()
