@@ -108,6 +108,12 @@ class Admission:
         try:
             sock.setblocking(False)
             sock.send(struct.pack(">BBLBBBB", A_ASSOCIATE_RJ, 0, 4, 0, *rsd))
+            # Discard what the peer already sent (its A-ASSOCIATE-RQ), without waiting and at most 256 KiB:
+            # closing a socket with unread bytes sends a reset, which can destroy the RJ before the peer
+            # reads it (a loaded node accepts late, when the request is already there).
+            for _ in range(4):
+                if not sock.recv(65536):
+                    break
         except OSError:
             pass
         now = time.monotonic()
