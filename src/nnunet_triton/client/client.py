@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from nnunet_triton import io_names
+from nnunet_triton.client.deprecation import renamed_keyword
 from nnunet_triton.client.tls import ClientTls, triton_client
 from nnunet_triton.dtypes import numpy_dtype
 from nnunet_triton.errors import (
@@ -94,13 +95,7 @@ def endpoint_model(model: str = io_names.ENDPOINT_MODEL, version: int | None = N
 
 def _endpoint_argument(endpoint: str | None, model: str | None, model_name: str | None) -> str:
     """``endpoint`` (default ``nnunet``) with the deprecated spellings ``model`` / ``model_name`` warned."""
-    if model is not None:
-        warnings.warn("NnunetClient(model=...) is deprecated and will be removed in the next release: use "
-                      "endpoint=...", DeprecationWarning, stacklevel=3)
-        if endpoint is not None and endpoint != model:
-            raise ValueError(f"NnunetClient: endpoint={endpoint!r} and its deprecated spelling "
-                             f"model={model!r} disagree; pass endpoint only.")
-        endpoint = model
+    endpoint = renamed_keyword("NnunetClient", "model", model, "endpoint", endpoint, stacklevel=3)
     if model_name is not None:
         warnings.warn("NnunetClient(model_name=...) is deprecated and will be removed in the next release: "
                       "use endpoint=... (a full Triton model name works, without version)",

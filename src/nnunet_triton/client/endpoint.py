@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from nnunet_triton import io_names
+from nnunet_triton.client.deprecation import renamed_keyword
 from nnunet_triton.client.tls import ClientTls, triton_client
 from nnunet_triton.errors import ClientError, ServerNotRunningError
 from nnunet_triton.parameters import DESCRIPTION_PARAMETER, PARAM_FOLD_MODELS
@@ -122,13 +122,7 @@ def describe_endpoint(
         ServerNotRunningError: the server was not reached.
         ClientError: it answered with an error.
     """
-    if model_name is not None:
-        warnings.warn("describe_endpoint(model_name=...) is deprecated and will be removed in the next "
-                      "release: use endpoint=...", DeprecationWarning, stacklevel=2)
-        if endpoint is not None and endpoint != model_name:
-            raise ValueError(f"describe_endpoint: endpoint={endpoint!r} and its deprecated spelling "
-                             f"model_name={model_name!r} disagree; pass endpoint only.")
-        endpoint = model_name
+    endpoint = renamed_keyword("describe_endpoint", "model_name", model_name, "endpoint", endpoint)
     model_name = io_names.ENDPOINT_MODEL if endpoint is None else endpoint
     client = triton_client(url, protocol, timeout_s, tls)
     where = f"{protocol}://{url}"

@@ -22,7 +22,6 @@ import logging
 import os
 import pickle
 import re
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import numpy as np
 
 from nnunet_triton import io_names
 from nnunet_triton.client.client import NnunetClient
+from nnunet_triton.client.deprecation import renamed_keyword
 from nnunet_triton.client.endpoint import describe_endpoint, segment_with_retry
 from nnunet_triton.errors import InputValidationError, UnsupportedModelError
 from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_TILE_STEP_SIZE
@@ -84,13 +84,7 @@ class TritonPredictor:
             )
         self.tile_step_size, self.use_mirroring = tile_step_size, use_mirroring
         self.verbose, self.allow_tqdm, self.retries = verbose, allow_tqdm, retries
-        if model is not None:
-            warnings.warn("TritonPredictor(model=...) is deprecated and will be removed in the next release: "
-                          "use endpoint=...", DeprecationWarning, stacklevel=2)
-            if endpoint is not None and endpoint != model:
-                raise ValueError(f"TritonPredictor: endpoint={endpoint!r} and its deprecated spelling "
-                                 f"model={model!r} disagree; pass endpoint only.")
-            endpoint = model
+        endpoint = renamed_keyword("TritonPredictor", "model", model, "endpoint", endpoint)
         self.client = NnunetClient(url, protocol=protocol, timeout_s=timeout_s,
                                    endpoint=endpoint or io_names.ENDPOINT_MODEL, version=version)
         self.url, self.protocol = url, protocol
