@@ -175,3 +175,35 @@ def test_the_embedded_launcher_logs_the_warning_of_where_it_binds(caplog: pytest
     assert len(warnings) == 2
     assert "listens on 127.0.0.1 only" in warnings[0]
     assert "CVEs that its TLS proxy does not fully mitigate" in warnings[1]
+
+
+def test_an_older_release_names_the_cves_it_still_has_and_the_default_base_none(
+        table: tuple[cves.Cve, ...]) -> None:
+    assert cves.open_in(GPU_TRITON_RELEASE, table) == []
+    old = [c.id for c in cves.open_in("25.12", table)]
+    assert old[:2] == ["CVE-2026-24207", "CVE-2026-47627"]  # both 9.8s of 2026 first
+    assert "CVE-2025-23310" not in old and "CVE-2026-47625" in old
+    # the data agrees with itself: what 24.10 still has is what the table marks exposed in 2.51
+    assert {c.id for c in cves.open_in(cves.EMBEDDED_NGC, table)} == {
+        c.id for c in table if c.embedded_2_51_exposed}
+    assert {c.component for c in table if not c.embedded_2_51_exposed} == {
+        *cves.ABSENT_COMPONENTS, "model loading API"}  # CVE-2024-53880: its range is 24.11 alone
+
+
+def test_deploying_the_gpu_image_on_an_older_release_warns_which_fixes_it_lacks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from deploy_support import REPO_ROOT
+
+    from nnunet_triton.cli import deploy as tool
+    from nnunet_triton.server.deploy import service
+
+    fixture = REPO_ROOT / "tests" / "fixtures" / "Dataset901_SynthCT" / "nnUNetTrainer__nnUNetPlans__3d_tiny"
+    monkeypatch.setattr(service, "local_torch_fits", lambda plan: False)
+    caplog.set_level(logging.WARNING)
+    for release in ("25.12", GPU_TRITON_RELEASE):
+        assert tool.main(["--target", "docker", "--model-dir", str(fixture), "--out", str(tmp_path / release),
+                          "--variant", "gpu", "--engine", "docker", "--triton-release", release,
+                          "--dry-run"]) == 0
+    warned = [r.getMessage() for r in caplog.records if "lacks the fixes" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("--triton-release 25.12: NGC 25.12 lacks the fixes of ")
+    assert "9.8: CVE-2026-24207, CVE-2026-47627;" in warned[0]

@@ -31,6 +31,7 @@ from typing import Any
 from nnunet_triton.builder.torch_compat import GPU_TRITON_RELEASE
 
 __all__ = [
+    "ABSENT_COMPONENTS",
     "DATA",
     "EMBEDDED_NGC",
     "STATUSES",
@@ -41,6 +42,8 @@ __all__ = [
     "docs_section",
     "load",
     "markdown_table",
+    "open_in",
+    "older_release_warning",
     "problems",
     "release_key",
     "startup_warnings",
@@ -51,6 +54,9 @@ DATA = Path(__file__).with_name("cves.json")
 EMBEDDED_NGC = "24.10"  # tritonserver 2.51.0 of the nvidia-pytriton 0.7.0 wheel
 STATUSES = ("mitigated", "reduced", "exposed", "not-applicable")
 UNMITIGATED = ("reduced", "exposed")  # what the startup warning names
+# components some bulletins name that none of our servers carries (the wheel has the Python backend only, the
+# gpu image is NGC's -pyt-python-py3 flavour; tests/unit/test_cves.py checks both)
+ABSENT_COMPONENTS = ("DALI backend", "TensorRT backend", "MLflow plugin")
 CVE_ID = re.compile(r"CVE-\d{4}-\d{4,7}")
 RELEASE = re.compile(r"(\d{2})\.(\d{2})")
 VERSION = re.compile(r"\d+\.\d+\.\d+")
@@ -221,6 +227,28 @@ def unmitigated(cves: Iterable[Cve], *, local: bool) -> list[Cve]:
     proxy) or on loopback against other local users (``local=True``), highest CVSS first."""
     return by_severity(c for c in cves if c.embedded_2_51_exposed
                        and (c.mitigation.local if local else c.mitigation.status) in UNMITIGATED)
+
+
+def open_in(release: str, cves: Iterable[Cve] | None = None) -> list[Cve]:
+    """The CVEs our server on NGC ``release`` still has, by severity: fixed in a later release, ``release``
+    inside the bulletin's range (a one-release range, like CVE-2024-53880's 24.11, counts only there), and in
+    a component our servers carry (not :data:`ABSENT_COMPONENTS`)."""
+    key = release_key(release)
+    return by_severity(c for c in (load() if cves is None else cves)
+                       if release_key(c.fixed_ngc) > key and c.component not in ABSENT_COMPONENTS
+                       and (not RELEASE.fullmatch(c.affected) or release_key(c.affected) == key))
+
+
+def older_release_warning(release: str, cves: Sequence[Cve] | None = None,
+                          patched_release: str = GPU_TRITON_RELEASE) -> str | None:
+    """The warning for a gpu image built on ``release`` when it lacks fixes the default base has (None when
+    it has them all): no silent step back to a release with published CVEs."""
+    open_ = open_in(release, cves)
+    if not open_:
+        return None
+    return (f"NGC {release} lacks the fixes of {len(open_)} published Triton CVEs (by CVSS, "
+            f"{_named(open_)}); the default base NGC {patched_release} has every fix of the table in "
+            "docs/security.md")
 
 
 def _named(cves: Sequence[Cve]) -> str:
