@@ -398,12 +398,12 @@ def test_a_path_ending_in_an_encoded_line_feed_is_refused_by_the_proxy(
 
 
 def _limited_proxy(server: ServerHandle, certs: Certificates, run_dir: Path, **limits: int) -> Any:
-    from nnunet_triton.server.proxy import ProxyConfig, public_model_pattern, start_proxy
+    from nnunet_triton.server.proxy import ClientLimits, ProxyConfig, public_model_pattern, start_proxy
 
     return start_proxy(ProxyConfig(
         listen_host="127.0.0.1", listen_port=_free_port(), upstream_port=server.http_port,
         tls=TlsSettings(certs.server_cert, certs.server_key, client_ca=certs.ca),
-        model_pattern=public_model_pattern([ENDPOINT]), run_dir=run_dir, **limits))
+        model_pattern=public_model_pattern([ENDPOINT]), run_dir=run_dir, limits=ClientLimits(**limits)))
 
 
 def test_a_client_over_its_request_rate_or_concurrency_gets_429(server: ServerHandle, certs: Certificates,
@@ -412,7 +412,7 @@ def test_a_client_over_its_request_rate_or_concurrency_gets_429(server: ServerHa
     other = (certs.other_client_cert, certs.other_client_key)
     # rate: 1 a minute with a burst of 2 lets 3 requests through at once, then 429; another client's
     # certificate (same address) has its own allowance
-    rate = _limited_proxy(server, certs, tmp_path / "rate", requests_per_minute=1, request_burst=2)
+    rate = _limited_proxy(server, certs, tmp_path / "rate", requests_per_minute=1, burst=2)
     try:
         port = int(rate.url.rsplit(":", 1)[1])
         statuses = [_raw_request(port, certs, ready)[0] for _ in range(4)]
@@ -420,7 +420,7 @@ def test_a_client_over_its_request_rate_or_concurrency_gets_429(server: ServerHa
     finally:
         rate.stop()
     # concurrency: 1 request in progress per client; one whose body is still arriving holds the slot
-    busy = _limited_proxy(server, certs, tmp_path / "busy", concurrent_requests=1)
+    busy = _limited_proxy(server, certs, tmp_path / "busy", concurrent=1)
     try:
         port = int(busy.url.rsplit(":", 1)[1])
         context = _context(certs, client=(certs.client_cert, certs.client_key))

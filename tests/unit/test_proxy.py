@@ -14,6 +14,7 @@ from nnunet_triton.cli import deploy
 from nnunet_triton.cli import main as cli_main
 from nnunet_triton.server import embedded
 from nnunet_triton.server.proxy_config import (
+    ClientLimits,
     ExposureError,
     ProxyConfig,
     ProxyError,
@@ -233,7 +234,7 @@ def test_the_allow_list_does_not_match_before_a_final_line_feed(tls: TlsSettings
 
 def test_each_client_is_limited_by_its_certificate_else_its_address(tls: TlsSettings, tmp_path: Path) -> None:
     lines = [line.strip() for line in render_config(_config(
-        tls, tmp_path, requests_per_minute=120, request_burst=7, concurrent_requests=3)).splitlines()]
+        tls, tmp_path, limits=ClientLimits(requests_per_minute=120, burst=7, concurrent=3))).splitlines()]
     key = lines[lines.index("map $ssl_client_fingerprint $nnunet_client {") + 1:][:2]
     assert key == ['"" $binary_remote_addr;', "default $ssl_client_fingerprint;"]
     assert {"limit_req_zone $nnunet_client zone=nnunet_rate:2m rate=120r/m;",
@@ -242,11 +243,21 @@ def test_each_client_is_limited_by_its_certificate_else_its_address(tls: TlsSett
             "limit_conn nnunet_busy 3;"} <= set(lines)
 
 
-@pytest.mark.parametrize(("field", "value"), [("requests_per_minute", 0), ("request_burst", -1),
-                                              ("concurrent_requests", 0), ("concurrent_requests", 2.5),
-                                              ("requests_per_minute", True)])
-def test_a_limit_out_of_range_is_refused_with_its_name(tls: TlsSettings, tmp_path: Path, field: str,
-                                                       value: object) -> None:
+@pytest.mark.parametrize(("field", "flag", "value"), [
+    ("requests_per_minute", "--proxy-requests-per-minute", 0), ("burst", "--proxy-burst", -1),
+    ("concurrent", "--proxy-concurrent-requests", 0), ("concurrent", "--proxy-concurrent-requests", 2.5),
+    ("requests_per_minute", "--proxy-requests-per-minute", True)])
+def test_a_limit_out_of_range_is_refused_with_its_name(field: str, flag: str, value: object) -> None:
     got = re.escape(repr(value))
-    with pytest.raises(ProxyError, match=rf"proxy {field} must be an integer >= \d \(got {got}\)"):
-        _config(tls, tmp_path, **{field: value})
+    with pytest.raises(ProxyError, match=rf"the proxy's {field} per client \({flag}\) must be an integer "
+                                         rf">= \d \(got {got}\)"):
+        ClientLimits(**{field: value})  # type: ignore[arg-type]
+
+
+def test_serve_refuses_a_proxy_limit_out_of_range_before_starting(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["serve", "--model-repository", str(tmp_path), "--home", str(tmp_path / "home"),
+                     "--proxy-concurrent-requests", "0"]) == 2
+    assert "the proxy's concurrent per client (--proxy-concurrent-requests) must be an integer >= 1 (got 0)" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "home").exists()

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from nnunet_triton.server.proxy_config import (
     DEFAULT_MAX_BODY_BYTES,
+    ClientLimits,
     ExposureError,
     ProxyConfig,
     ProxyError,
@@ -61,6 +62,7 @@ from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "ClientLimits",
     "ExposureError",
     "ProxyConfig",
     "ProxyError",

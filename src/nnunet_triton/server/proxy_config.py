@@ -15,6 +15,7 @@ from pathlib import Path
 from nnunet_triton.errors import NnunetTritonError
 
 __all__ = [
+    "ClientLimits",
     "DEFAULT_CONCURRENT_REQUESTS",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_REQUESTS_PER_MINUTE",
@@ -31,9 +32,10 @@ __all__ = [
 
 # A 512x512x1000 float32 CT is 1000 MiB; JSON headers and a probability request's margin fit in 100 MiB more.
 DEFAULT_MAX_BODY_BYTES = 1100 * 2**20
-# Per client (its certificate, else its address): one segmentation takes seconds, a client polls health and
-# metadata between requests; 600 a minute (10/s) with a burst of 60 and 16 requests at once are far above
-# what the client library and perf_analyzer's usual concurrencies send, and far below what floods Triton.
+# Per client (its certificate, else its address): one segmentation takes seconds and a client polls health
+# and metadata between requests; 600 a minute (10/s) with a burst of 60 and 16 requests at once are far above
+# what the client library and the DICOM node send. perf_analyzer through the proxy at high rates needs more
+# (--proxy-requests-per-minute, --proxy-burst, --proxy-concurrent-requests).
 DEFAULT_REQUESTS_PER_MINUTE = 600
 DEFAULT_REQUEST_BURST = 60
 DEFAULT_CONCURRENT_REQUESTS = 16
@@ -120,6 +122,28 @@ def public_model_pattern(endpoints: Sequence[str] = (), models: Sequence[str] = 
 
 
 @dataclass(frozen=True)
+class ClientLimits:
+    """What one client may have the proxy forward: ``requests_per_minute`` on average, ``burst`` more at
+    once, and ``concurrent`` requests in progress; beyond either nginx answers 429. A client is its TLS
+    certificate where client certificates authenticate (two processes of one host with different
+    certificates are two clients), else its address (with a bearer token alone, every process of a host
+    shares that host's allowance)."""
+
+    requests_per_minute: int = DEFAULT_REQUESTS_PER_MINUTE
+    burst: int = DEFAULT_REQUEST_BURST
+    concurrent: int = DEFAULT_CONCURRENT_REQUESTS
+
+    def __post_init__(self) -> None:
+        for name, flag, minimum in (("requests_per_minute", "--proxy-requests-per-minute", 1),
+                                    ("burst", "--proxy-burst", 0),
+                                    ("concurrent", "--proxy-concurrent-requests", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ProxyError(f"the proxy's {name} per client ({flag}) must be an integer >= {minimum} "
+                                 f"(got {value!r}).")
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     """One proxy: where it listens, the loopback Triton HTTP port it forwards to and what it lets through."""
 
@@ -131,16 +155,7 @@ class ProxyConfig:
     run_dir: Path
     allow_statistics: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    requests_per_minute: int = DEFAULT_REQUESTS_PER_MINUTE
-    request_burst: int = DEFAULT_REQUEST_BURST
-    concurrent_requests: int = DEFAULT_CONCURRENT_REQUESTS
-
-    def __post_init__(self) -> None:
-        for name, minimum in (("max_body_bytes", 1), ("requests_per_minute", 1), ("request_burst", 0),
-                              ("concurrent_requests", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ProxyError(f"proxy {name} must be an integer >= {minimum} (got {value!r}).")
+    limits: ClientLimits = ClientLimits()
 
     @property
     def config_file(self) -> Path:
@@ -201,26 +216,24 @@ def _guards() -> list[str]:
     ]
 
 
-def _limits(config: ProxyConfig) -> tuple[list[str], list[str]]:
-    """(http lines, server lines): each client, keyed on its certificate's SHA-1 fingerprint when client
-    certificates authenticate (two processes of one host with different certificates are two clients), else
-    on its address, gets ``requests_per_minute`` (``request_burst`` at once) and ``concurrent_requests``
-    requests in progress; beyond either nginx answers 429. Refused requests (401, 403, 400, 415) never count:
-    nginx answers them before the limits' phase."""
+def _limits(limits: ClientLimits) -> tuple[list[str], list[str]]:
+    """(http lines, server lines) of ``limits``: the client is keyed on its certificate's SHA-1 fingerprint
+    (empty without client certificates), else on its address. Refused requests (401, 403, 400, 415) never
+    count: nginx answers them before the limits' phase."""
     http = [
         "map $ssl_client_fingerprint $nnunet_client {",
         '    "" $binary_remote_addr;',
         "    default $ssl_client_fingerprint;",
         "}",
-        f"limit_req_zone $nnunet_client zone=nnunet_rate:2m rate={config.requests_per_minute}r/m;",
+        f"limit_req_zone $nnunet_client zone=nnunet_rate:2m rate={limits.requests_per_minute}r/m;",
         "limit_conn_zone $nnunet_client zone=nnunet_busy:2m;",
         "limit_req_status 429;",
         "limit_conn_status 429;",
         "limit_req_log_level warn;",
         "limit_conn_log_level warn;",
     ]
-    server = [f"limit_req zone=nnunet_rate burst={config.request_burst} nodelay;",
-              f"limit_conn nnunet_busy {config.concurrent_requests};"]
+    server = [f"limit_req zone=nnunet_rate burst={limits.burst} nodelay;",
+              f"limit_conn nnunet_busy {limits.concurrent};"]
     return http, server
 
 
@@ -251,7 +264,7 @@ def render_config(config: ProxyConfig, *, worker_user: str | None = None,
         body += [f"location ~ {pattern} {{", f"    limit_except {method} {{ deny all; }}",
                  *(f"    {line}" for line in forward), "}"]
     body += ["location / { return 403; }"]
-    limits_http, limits_server = _limits(config)
+    limits_http, limits_server = _limits(config.limits)
     server = [
         f"listen {_listen(config.listen_host, config.listen_port)} ssl;",
         f"ssl_certificate {Path(config.tls.cert).absolute()};",
