@@ -357,17 +357,18 @@ def test_compressed_bodies_are_refused_by_the_proxy_and_triton_memory_stays_flat
     assert server.is_ready()
 
 
-@pytest.mark.parametrize("encodings", [("gzip, chunked",), ("identity",), ("chunked", "chunked"),
-                                       ("chunked, identity",), ("deflate",)],
-                         ids=["gzip,chunked", "identity", "two-chunked-headers", "chunked,identity",
-                              "deflate"])
+@pytest.mark.parametrize(("encodings", "status"), [
+    (("gzip, chunked",), 501), (("identity",), 501), (("chunked", "chunked"), 400),
+    (("chunked, identity",), 501), (("deflate",), 501)],
+    ids=["gzip,chunked", "identity", "two-chunked-headers", "chunked,identity", "deflate"])
 def test_transfer_encodings_other_than_chunked_are_refused_through_the_proxy(
-        server: ServerHandle, certs: Certificates, encodings: tuple[str, ...]) -> None:
+        server: ServerHandle, certs: Certificates, encodings: tuple[str, ...], status: int) -> None:
+    """nginx 1.22 itself answers these (501 unknown coding, 400 a repeated header) before the config's own
+    check (tests/unit/test_proxy.py); either way nothing reaches Triton."""
     body = _chunked(_infer_body(3), 16)
     head = (f"POST /v2/models/{ENDPOINT}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             + "".join(f"Transfer-Encoding: {value}\r\n" for value in encodings) + "Connection: close\r\n")
-    status, _ = _raw_request(_proxy_port(server), certs, head, body)
-    assert status in (400, 501)
+    assert _raw_request(_proxy_port(server), certs, head, body)[0] == status
     assert server.is_ready()
 
 
