@@ -261,3 +261,15 @@ def test_serve_refuses_a_proxy_limit_out_of_range_before_starting(tmp_path: Path
     assert "the proxy's concurrent per client (--proxy-concurrent-requests) must be an integer >= 1 (got 0)" \
         in capsys.readouterr().err
     assert not (tmp_path / "home").exists()
+
+
+@pytest.mark.skipif(shutil.which("useradd") is None and not Path("/usr/sbin/useradd").exists(),
+                    reason="useradd is not installed")
+def test_a_worker_user_that_cannot_be_created_is_a_clear_error() -> None:
+    from nnunet_triton.server.proxy import worker_account
+
+    with pytest.raises(ProxyError, match=r"the TLS proxy's workers run as the system user 'no such user!', "
+                                         r"which could not be created \(useradd exit code [1-9].*: create it "
+                                         r"\(useradd --system .*\) or start the server as a user other than "
+                                         r"root"):
+        worker_account("no such user!")

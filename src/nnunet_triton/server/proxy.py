@@ -62,6 +62,7 @@ from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "PROXY_USER",
     "ClientLimits",
     "ExposureError",
     "ProxyConfig",
@@ -69,7 +70,6 @@ __all__ = [
     "ProxyProcess",
     "TlsSettings",
     "check_exposure",
-    "PROXY_USER",
     "find_nginx",
     "is_loopback",
     "kill_orphaned_workers",
