@@ -303,6 +303,7 @@ def start(
     tls: proxy.TlsSettings | None = None,
     proxy_port: int | None = None,
     allow_statistics: bool = False,
+    proxy_limits: proxy.ClientLimits | None = None,
 ) -> ServerHandle:
     """Start tritonserver on ``host`` and wait until ``GET /v2/health/ready`` answers 200.
 
@@ -337,6 +338,7 @@ def start(
             Required when ``host`` is not loopback (``proxy.ExposureError``).
         proxy_port: the proxy's port (default: a free one).
         allow_statistics: the proxy also lets the statistics API through (off by default).
+        proxy_limits: what one client may send through the proxy (default ``proxy.ClientLimits()``).
 
     The server's environment carries the thread budget (``nnunet_triton.server.thread_budget``: fold threads
     from the CPUs really available and the repository's fold instances, ``OMP_WAIT_POLICY=PASSIVE``),
@@ -407,7 +409,7 @@ def start(
             if tls is not None:
                 _start_proxy(handle, launch, _proxy_config(
                     host, proxy_port, handle.http_port, tls, (repo, *extra_repositories),
-                    launch.log_file.parent, allow_statistics))
+                    launch.log_file.parent, allow_statistics, proxy_limits or proxy.ClientLimits()))
             if recovery:
                 _start_watchdog(handle, launch)
             return handle
@@ -453,7 +455,8 @@ def _warn_known_cves(host: str) -> None:
 
 
 def _proxy_config(host: str, port: int | None, upstream_port: int, tls: proxy.TlsSettings,
-                  repositories: Sequence[Path], run_dir: Path, allow_statistics: bool) -> proxy.ProxyConfig:
+                  repositories: Sequence[Path], run_dir: Path, allow_statistics: bool,
+                  limits: proxy.ClientLimits) -> proxy.ProxyConfig:
     """The proxy of a server: the public endpoints of every repository (registry), else every model."""
     endpoints: list[str] = []
     models: list[str] = []
@@ -466,7 +469,7 @@ def _proxy_config(host: str, port: int | None, upstream_port: int, tls: proxy.Tl
     return proxy.ProxyConfig(
         listen_host=host, listen_port=port or _free_port(host), upstream_port=upstream_port, tls=tls,
         model_pattern=proxy.public_model_pattern(endpoints, models), run_dir=run_dir / "proxy",
-        allow_statistics=allow_statistics)
+        allow_statistics=allow_statistics, limits=limits)
 
 
 def _start_proxy(handle: ServerHandle, launch: _Launch, config: proxy.ProxyConfig) -> None:
