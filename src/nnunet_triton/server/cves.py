@@ -5,8 +5,8 @@ One data file, one entry (one line) per CVE, read by three places so that they c
 - the embedded launcher's startup warning (:func:`startup_warnings`, called by ``server.embedded``): beyond
   loopback it names the CVEs the TLS proxy does not fully mitigate, highest CVSS first; on loopback the ones
   another local user of the host can still exploit against tritonserver's own ports;
-- docs/security.md's CVE section (:func:`markdown_table`, written by ``python -m tools.security_table``; a
-  unit test keeps the page equal to the rendering);
+- docs/security.md's CVE section (rendered and written by ``python -m tools.security_table``; a unit test
+  keeps the page equal to the rendering);
 - ``tests/unit/test_cves.py``, which checks every entry (:func:`problems`) and that each test it names exists.
 
 Fields of an entry: ``id``; ``bulletins`` (NVIDIA's ids, first is where it was published); ``published``;
@@ -39,9 +39,7 @@ __all__ = [
     "Cve",
     "Mitigation",
     "by_severity",
-    "docs_section",
     "load",
-    "markdown_table",
     "open_in",
     "older_release_warning",
     "problems",
@@ -279,50 +277,3 @@ def startup_warnings(host: str, *, loopback: bool, cves: Sequence[Cve] | None = 
     return [f"the embedded tritonserver 2.51.0 (NGC {EMBEDDED_NGC}) has {len(open_)} published CVEs that its "
             f"TLS proxy does not fully mitigate (by CVSS, {_named(open_)}); it now serves {host} through the "
             f"TLS proxy and gRPC SSL only{way_out}; see docs/security.md for what each mitigation covers"]
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _tests(refs: Sequence[str]) -> str:
-    return "<br>".join(f"`{ref.split('::')[1]}`" for ref in refs) or "none"
-
-
-def markdown_table(cves: Sequence[Cve]) -> str:
-    """The docs/security.md table: one row per CVE in bulletin order, statuses in bold when not mitigated."""
-    def status(value: str) -> str:
-        return f"**{value}**" if value in UNMITIGATED else value
-
-    rows = [
-        "| CVE | Bulletin | CVSS | Component: what | Fixed in NGC (Triton) | 2.51 exposed | Beyond loopback "
-        "(TLS proxy) | Local users (loopback) | How | Tests |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for c in cves:
-        score = c.score if c.cvss_source.startswith("NVIDIA bulletin") else f"{c.score} (third-party)"
-        rows.append(
-            f"| {c.id} | {', '.join(c.bulletins)} | {score} | {_cell(c.component)}: {_cell(c.summary)} | "
-            f"{c.fixed_ngc} ({c.fixed_triton}) | {'yes' if c.embedded_2_51_exposed else 'no'} | "
-            f"{status(c.mitigation.status)} | {status(c.mitigation.local)} | {_cell(c.mitigation.how)} | "
-            f"{_tests(c.mitigation.tests)} |")
-    return "\n".join(rows) + "\n"
-
-
-def docs_section(cves: Sequence[Cve], patched_release: str = GPU_TRITON_RELEASE) -> str:
-    """docs/security.md's generated block: the counts, then :func:`markdown_table`."""
-    exposed = [c for c in cves if c.embedded_2_51_exposed]
-
-    def count(field: str) -> str:
-        values = [getattr(c.mitigation, field) for c in exposed]
-        return ", ".join(f"{values.count(s)} {s}" for s in STATUSES if values.count(s))
-
-    bulletins = sorted({b for c in cves for b in c.bulletins})
-    newest = max((c.fixed_ngc for c in cves), key=release_key)
-    return (
-        f"{len(cves)} CVEs from {len(bulletins)} bulletins ({', '.join(bulletins)}; published "
-        f"{min(c.published for c in cves)} .. {max(c.published for c in cves)}). The embedded "
-        f"tritonserver 2.51.0 (NGC {EMBEDDED_NGC}) is exposed to {len(exposed)} of them; of those, beyond "
-        f"loopback (through the TLS proxy): {count('status')}; on loopback, against another local user of "
-        f"the host: {count('local')}. Every one is fixed in NGC {newest} and later: the gpu image's base is "
-        f"NGC {patched_release}.\n\n" + markdown_table(cves))
