@@ -5,7 +5,7 @@
 #   /src    this source tree (read-only)        /models the results folder's parent (read-only: a cascade
 #                                                       stage needs its sibling previous-stage folder)
 #   /out    parent of the output repository     REPOSITORY_OUT  the repository path under /out
-#   TORCH_VERSION / TORCHVISION_VERSION          2.10.0 / 0.25.0 for Triton 25.12 (libtorch 2.10)
+#   TORCH_VERSION / TORCHVISION_VERSION          2.14.1 / 0.29.1 for Triton 26.09 (libtorch 2.14)
 #   HOST_UID / HOST_GID                          owner of the result on the host
 # Arguments are passed to `python -m repository.build` (e.g. --model /models/<folder> --target gpu).
 set -euo pipefail

@@ -50,8 +50,8 @@ def _pins(name: str) -> dict[str, str]:
 
 def test_dockerfile_build_args_are_declared_with_matching_defaults(tmp_path: Path) -> None:
     rendered = docker.dockerfile_build_args(docker_spec(tmp_path))
-    assert rendered == {"VARIANT": "gpu", "TRITON_RELEASE": "25.12",
-                        "BASE_IMAGE": "nvcr.io/nvidia/tritonserver:25.12-pyt-python-py3"}
+    assert rendered == {"VARIANT": "gpu", "TRITON_RELEASE": "26.09",
+                        "BASE_IMAGE": "nvcr.io/nvidia/tritonserver:26.09-pyt-python-py3"}
     declared = _dockerfile_args()
     assert {name: declared.get(name) for name in rendered} == rendered  # defaults = what deploy renders
 
@@ -77,7 +77,7 @@ def test_the_cpu_image_pins_torch_the_gpu_image_takes_its_bases_torch_and_both_p
     cpu, gpu = _pins("image-cpu.txt"), _pins("image-gpu.txt")
     assert cpu["torch"] == docker.IMAGE_TORCH["cpu"]
     assert "torch" not in gpu  # the -pyt-python-py3 base holds it: no second torch and CUDA stack
-    assert docker.IMAGE_TORCH["gpu"] == TRITON_RELEASES[GPU_TRITON_RELEASE].libtorch == "2.10"
+    assert docker.IMAGE_TORCH["gpu"] == TRITON_RELEASES[GPU_TRITON_RELEASE].libtorch == "2.14"
     lock = dict(line.split("==") for line in (REQUIREMENTS / "constraints.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
     assert {name: version for name, version in cpu.items() if lock.get(name, version) != version} == {
@@ -88,11 +88,12 @@ def test_the_cpu_image_pins_torch_the_gpu_image_takes_its_bases_torch_and_both_p
 
 
 def test_the_gpu_image_is_on_a_current_ngc_release_and_pip_into_its_system_python_says_why() -> None:
-    """NGC 25.x has Python 3.12 under PEP 668: pip into it needs --break-system-packages, said why; the base
-    must already hold torch (checked in the build); the release is >= 25.07 (older: published CVEs)."""
+    """NGC 25.x/26.x have Python 3.12 under PEP 668: pip into it needs --break-system-packages, said why; the
+    base must already hold torch (checked in the build); the release is >= 26.07 (older: published CVEs, every
+    fix of server/cves.json is in 26.07)."""
     text = DOCKERFILE.read_text()
     release = _dockerfile_args()["TRITON_RELEASE"]
-    assert tuple(int(part) for part in release.split(".")) >= (25, 7) and release == GPU_TRITON_RELEASE
+    assert tuple(int(part) for part in release.split(".")) >= (26, 7) and release == GPU_TRITON_RELEASE
     assert _dockerfile_args()["BASE_IMAGE"].endswith("-pyt-python-py3")
     assert TRITON_RELEASES[release].python == "3.12"
     installs = re.findall(r"python3 -m pip install ([^\n]*)", text)
@@ -156,11 +157,11 @@ def test_docker_build_command_equals_expected_when_libtorch_runner(tmp_path: Pat
         "--build-arg",
         "VARIANT=gpu",
         "--build-arg",
-        "TRITON_RELEASE=25.12",
+        "TRITON_RELEASE=26.09",
         "--build-arg",
-        "BASE_IMAGE=nvcr.io/nvidia/tritonserver:25.12-pyt-python-py3",
+        "BASE_IMAGE=nvcr.io/nvidia/tritonserver:26.09-pyt-python-py3",
         "--tag",
-        "nnunet-triton:0.1.0-triton25.12",
+        "nnunet-triton:0.1.0-triton26.09",
         ".",
     )
 
@@ -251,9 +252,9 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
 
 
 def test_docker_run_command_refuses_when_fold_models_need_a_newer_libtorch(tmp_path: Path) -> None:
-    info = RepositoryInfo.from_repository(write_repository(tmp_path, torch_version="2.14.1+cu130"))
+    info = RepositoryInfo.from_repository(write_repository(tmp_path, torch_version="2.15.0+cu130"))
     spec = docker.DeploySpec(info=info, plan=sizing.plan_memory(info, sizing.VolumeSpec()), repository="/r")
-    with pytest.raises(DeployError, match=r"fold_0/1/model.pt was exported with torch 2.14.1\+cu130"):
+    with pytest.raises(DeployError, match=r"fold_0/1/model.pt was exported with torch 2.15.0\+cu130"):
         docker.docker_run_command(spec)
 
 
@@ -293,9 +294,9 @@ def test_export_container_command_runs_the_builder_with_torch_2_10_on_the_model_
         "--env",
         "HOST_GID=100",
         "--env",
-        "TORCH_VERSION=2.10.0",
+        "TORCH_VERSION=2.14.1",
         "--env",
-        "TORCHVISION_VERSION=0.25.0",
+        "TORCHVISION_VERSION=0.29.1",
         "python:3.11-slim",
         "bash",
         "/src/docker/export_in_container.sh",
@@ -399,16 +400,16 @@ def test_each_endpoint_version_is_checked_against_the_torch_of_its_own_fold_runn
     """The image's pip torch loads the Python runner's folds, its libtorch the libtorch runner's."""
     python_runner = BuildOptions(target="gpu", fold_precision="fp16", fold_runner="python",
                                  orchestrator_instances=1)
-    write_repository(tmp_path / "ok", GPU_OPTIONS, torch_version="2.10.0", name="liver")
-    write_repository(tmp_path / "ok", python_runner, torch_version="2.11.0", name="lung")
-    write_repository(tmp_path / "bad", GPU_OPTIONS, torch_version="2.11.0", name="liver")
-    write_repository(tmp_path / "bad", python_runner, torch_version="2.11.0", name="lung")
-    pip_torch_2_11 = {"runner_torch_version": "2.11.0"}  # libtorch stays 2.10 (Triton 25.12)
-    docker.check_image_compatible(docker_spec(tmp_path / "ok", built=True, **pip_torch_2_11))
-    refused = (r"^liver__v1__fold_0/1/model.pt was exported with torch 2.11.0, newer than torch 2.10 "
-               r"\(libtorch of nvcr.io/nvidia/tritonserver:25.12-pyt-python-py3\)")
+    write_repository(tmp_path / "ok", GPU_OPTIONS, torch_version="2.14.1", name="liver")
+    write_repository(tmp_path / "ok", python_runner, torch_version="2.15.0", name="lung")
+    write_repository(tmp_path / "bad", GPU_OPTIONS, torch_version="2.15.0", name="liver")
+    write_repository(tmp_path / "bad", python_runner, torch_version="2.15.0", name="lung")
+    pip_torch_2_15 = {"runner_torch_version": "2.15.0"}  # libtorch stays 2.14 (Triton 26.09)
+    docker.check_image_compatible(docker_spec(tmp_path / "ok", built=True, **pip_torch_2_15))
+    refused = (r"^liver__v1__fold_0/1/model.pt was exported with torch 2.15.0, newer than torch 2.14 "
+               r"\(libtorch of nvcr.io/nvidia/tritonserver:26.09-pyt-python-py3\)")
     with pytest.raises(DeployError, match=refused):
-        docker.check_image_compatible(docker_spec(tmp_path / "bad", built=True, **pip_torch_2_11))
+        docker.check_image_compatible(docker_spec(tmp_path / "bad", built=True, **pip_torch_2_15))
 
 
 def test_the_container_refuses_a_repository_whose_endpoints_mix_targets(tmp_path: Path, capsys) -> None:

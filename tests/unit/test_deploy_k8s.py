@@ -182,10 +182,10 @@ def test_deploy_tool_renders_k8s_files_when_repository_is_built(tmp_path: Path, 
 
 
 def test_deploy_tool_refuses_k8s_when_export_torch_is_newer(tmp_path: Path, caplog) -> None:
-    repo = write_repository(tmp_path / "repo", torch_version="2.14.1")
+    repo = write_repository(tmp_path / "repo", torch_version="2.15.0")
     argv = ["--target", "k8s", "--repository", str(repo), "--out", str(tmp_path / "k8s")]
     assert tool.main(argv) == ExitCode.USAGE
-    assert "exported with torch 2.14.1, newer than torch 2.10" in caplog.text
+    assert "exported with torch 2.15.0, newer than torch 2.14" in caplog.text
     assert not (tmp_path / "k8s").exists()
 
 
@@ -208,7 +208,7 @@ def test_deploy_tool_prints_export_build_and_run_commands_when_docker_target(
     ]
     assert (f"bash /src/docker/export_in_container.sh --model-dir /models/{FIXTURE.name} --target gpu "
             "--precision fp16") in lines[0]
-    assert "--serving-torch 2.10" in lines[0]  # the image's libtorch: the builder there checks its torch
+    assert "--serving-torch 2.14" in lines[0]  # the image's libtorch: the builder there checks its torch
     assert lines[0].endswith("--endpoint nnunet")
     assert f"--volume {out}:/models:ro" in lines[2] and "--gpus device=1" in lines[2]
     options = BuildOptions(target="gpu", fold_precision="fp16")

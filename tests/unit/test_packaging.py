@@ -1,5 +1,6 @@
 """What users install: ``nnunet_triton`` never imports the checkout's developer folders, and the wheel
-holds the package and nothing else (no ``tools/``, no ``tests/``, no fixtures or other developer data).
+holds the package and its data (``server/cves.json``) and nothing else (no ``tools/``, no ``tests/``, no
+fixtures or other developer data).
 
 A repository's ``model.py`` files are written by the builder (``builder.build_inputs.adapter_source``),
 so the Triton model folders of the source tree (``preprocess_model/``, ``repository/`` ...) are not
@@ -101,8 +102,8 @@ def test_wheel_holds_only_the_package_sources_and_its_metadata(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     dist_info = {n for n in names if n.split("/")[0].endswith(".dist-info")}
     package = set(names) - dist_info
-    expected = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
-                if "__pycache__" not in p.parts}
+    expected = {str(p.relative_to(PACKAGE.parent)) for pattern in ("*.py", "*.json")
+                for p in PACKAGE.rglob(pattern) if "__pycache__" not in p.parts}
     assert package == expected
     assert {n.split("/", 1)[1] for n in dist_info} == {
         "METADATA", "WHEEL", "RECORD", "top_level.txt", "entry_points.txt"}

@@ -169,17 +169,6 @@ def test_serve_and_deploy_refuse_a_public_host_without_tls(tmp_path: Path, capsy
             if r.levelname == "ERROR"] == ["the embedded tritonserver", "--target docker"]
 
 
-def test_binding_beyond_loopback_warns_of_the_known_cves_of_tritonserver_2_51(
-        caplog: pytest.LogCaptureFixture) -> None:
-    for host in ("127.0.0.1", "0.0.0.0"):
-        embedded._warn_known_cves(host)
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1
-    assert warnings[0].startswith("the embedded tritonserver 2.51.0 (NGC 24.10) has published CVEs fixed in "
-                                  "Triton 25.07 and later (CVE-2025-23310, CVE-2025-23311, ")
-    assert "it now serves 0.0.0.0 through the TLS proxy" in warnings[0]
-
-
 @pytest.mark.parametrize(("value", "refused"), [
     ("", False), ("chunked", False), ("Chunked", False),
     ("gzip, chunked", True), ("identity", True), ("chunked, chunked", True),  # nginx >= 1.23 joins repeats

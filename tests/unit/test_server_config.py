@@ -10,11 +10,13 @@ import pytest
 from deploy_support import write_repository
 
 from nnunet_triton.builder.model_specs import BuildOptions
+from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE, GPU_TRITON_RELEASE
 from nnunet_triton.server import embedded, health, preload, watchdog
 from nnunet_triton.server.deploy import docker, image_check, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.restart import LaunchSpec
 from nnunet_triton.server.server_config import (
+    CLIENT_SHM_FLAG_SINCE,
     CONTAINER,
     EMBEDDED,
     IMAGE_CHECK,
@@ -22,6 +24,7 @@ from nnunet_triton.server.server_config import (
     GrpcTls,
     MemoryPools,
     TritonServerConfig,
+    client_shm_setting,
     server_config,
 )
 from nnunet_triton.server.thread_budget import CpuQuota, plan_budget
@@ -103,6 +106,7 @@ def _full_config(token: str) -> TritonServerConfig:
         allow_metrics=True, allow_gpu_metrics=False,
         memory_pools=MemoryPools(((0, 5), (1, 5)), 6), rate_limit_resources=(("slot", 1),),
         grpc_tls=GrpcTls("/c.pem", "/k.pem", "/ca.pem"), extra_args=("--log-verbose=1",),
+        triton_release="26.09", client_shm=True,
     ).with_restricted_apis(("model-repository", "logging"), "triton-grpc-protocol-x", token)
 
 
@@ -139,7 +143,8 @@ def test_no_module_but_server_config_builds_a_tritonserver_flag() -> None:
     flags, bare = _tritonserver_flags()
     assert "--disable-auto-complete-config" in bare
     assert {"--model-repository", "--http-port", "--exit-timeout-secs", "--backend-config", "--rate-limit",
-            "--cuda-memory-pool-byte-size", "--grpc-use-ssl", "--http-restricted-api"} <= flags
+            "--cuda-memory-pool-byte-size", "--grpc-use-ssl", "--http-restricted-api",
+            "--allow-client-shm"} <= flags
     builders = []
     for path in sorted(SRC.rglob("*.py")):
         if path.name == "server_config.py":
@@ -153,6 +158,33 @@ def test_no_module_but_server_config_builds_a_tritonserver_flag() -> None:
                 if text in bare or any(text.startswith(f"{f}=") for f in flags):
                     builders.append(f"{path.relative_to(SRC)}:{node.lineno}: {text}")
     assert builders == []
+
+
+def test_client_shared_memory_is_allowed_only_where_our_tools_ask_and_the_server_knows_the_flag(
+        tmp_path: Path) -> None:
+    """--allow-client-shm (NGC >= 26.05, client shared memory off by default there): true only when one of
+    our tools asks (perf_analyzer --shared-memory system) on such a release; never rendered for an older
+    server (the embedded 2.51 would refuse to start), left out otherwise (Triton's default: off)."""
+    def shm(**kwargs: object) -> list[str]:
+        argv = server_config("/models", CONTAINER, load_models=(), **kwargs).to_args()
+        return [a for a in argv if a.startswith("--allow-client-shm")]
+
+    assert shm(triton_release="26.09", client_shm=True) == ["--allow-client-shm=true"]
+    assert shm(triton_release=CLIENT_SHM_FLAG_SINCE, client_shm=True) == ["--allow-client-shm=true"]
+    for release in (None, "24.10", "25.12", "26.04"):
+        assert shm(triton_release=release, client_shm=True) == [], release
+    assert shm(triton_release=GPU_TRITON_RELEASE) == []  # the gpu image's server: off unless asked
+    assert client_shm_setting("26.09", False) is None and client_shm_setting(None, True) is None
+    repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))
+    info = RepositoryInfo.from_repository(repo)
+    plan = sizing.plan_memory(info, sizing.VolumeSpec())
+    asked = docker.server_command(info, plan, gpus=0, triton_release=GPU_TRITON_RELEASE, client_shm=True)
+    assert "--allow-client-shm=true" in asked
+    for argv in (docker.tritonserver_args(info, plan, gpus=0, triton_release=DEFAULT_TRITON_RELEASE,
+                                          client_shm=True),
+                 docker.server_command(info, plan, gpus=0),
+                 _embedded_argv(repo, tmp_path, preload_library=None)):
+        assert not any(a.startswith("--allow-client-shm") for a in argv)
 
 
 def test_server_modules_compute_no_backoff_of_their_own() -> None:

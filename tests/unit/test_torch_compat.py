@@ -33,7 +33,7 @@ def test_check_export_torch_accepts_when_export_torch_is_not_newer(export_torch)
 
 
 def test_build_options_name_the_loading_torch_per_runner_when_serving_torch_is_unset_or_given():
-    assert BuildOptions(target="gpu").loading_torch == "2.10"  # tritonserver 25.12's libtorch (the gpu image)
+    assert BuildOptions(target="gpu").loading_torch == "2.14"  # tritonserver 26.09's libtorch (the gpu image)
     assert BuildOptions(target="gpu", fold_runner=FoldRunner.PYTHON).loading_torch is None
     assert BuildOptions().loading_torch is None
     assert BuildOptions(target="gpu", serving_torch="2.6.0a0+ecf3bae").loading_torch == "2.6"
@@ -42,8 +42,8 @@ def test_build_options_name_the_loading_torch_per_runner_when_serving_torch_is_u
 
 
 def test_gpu_build_is_refused_before_anything_is_written_when_this_torch_is_newer_than_libtorch(tmp_path):
-    if torch_minor(torch.__version__) <= (2, 10):
-        pytest.skip(f"this torch ({torch.__version__}) is not newer than tritonserver 25.12's libtorch")
+    if torch_minor(torch.__version__) <= (2, 14):
+        pytest.skip(f"this torch ({torch.__version__}) is not newer than tritonserver 26.09's libtorch")
     out = tmp_path / "repo"
     with pytest.raises(ExportError, match="nnunet-triton deploy --target docker"):
         build_repository(FIXTURE, out, options=BuildOptions(target="gpu"))

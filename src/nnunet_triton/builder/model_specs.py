@@ -120,7 +120,7 @@ class BuildOptions:
         metrics: the Python pipeline models export the custom ``nnunet_*`` metrics (``serving.metrics``);
             False writes their ``metrics`` parameter as "false".
         serving_torch: major.minor of the torch that loads the fold models where they are served
-            (``builder.torch_compat``); default (None): the libtorch of tritonserver 25.12 (2.10) for the
+            (``builder.torch_compat``); default (None): the libtorch of tritonserver 26.09 (2.14) for the
             libtorch runner on gpu, else the serving environment's own torch (the Python runner, and the
             PyTorch backend `make triton-backends` builds against it for the embedded server).
     """

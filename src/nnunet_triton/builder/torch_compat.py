@@ -3,7 +3,7 @@
 A TorchScript ``model.pt`` saved by a newer torch may not load in an older libtorch (pytorch/pytorch#62313:
 a newer export fails in an older Triton with "Unknown type name 'NoneType'"). Triton's ``pytorch_libtorch``
 backend loads the fold models with the libtorch its NGC release was built from (the GPU image's release,
-``GPU_TRITON_RELEASE`` 25.12: PyTorch 2.10; 24.10: PyTorch 2.5), so the builder refuses to export for that
+``GPU_TRITON_RELEASE`` 26.09: PyTorch 2.14; 24.10: PyTorch 2.5), so the builder refuses to export for that
 runner with a newer torch, before any work, naming both versions and the two ways out (export in the
 matching container: ``nnunet-triton deploy --target docker``; or say which libtorch the server really has:
 ``--serving-torch``). ``repository_metadata.json`` records both versions.
@@ -29,10 +29,11 @@ __all__ = [
 ]
 
 DEFAULT_TRITON_RELEASE = "24.10"  # Triton 2.51.0, the release of the embedded (PyTriton 0.7.0) server
-# the GPU image's NGC release (docker/Dockerfile): Triton before 25.07 has published critical CVEs, 24.10's
-# CUDA 12.6 and torch 2.5 have no Blackwell kernels; 25.12 is the newest whose libtorch (2.10) pip's torch
-# matches for the export
-GPU_TRITON_RELEASE = "25.12"
+# the GPU image's NGC release (docker/Dockerfile): every Triton CVE published through 2026-09 is fixed in
+# 26.07 and later (server/cves.json; 25.12 still had both 2026 9.8s), 24.10's CUDA 12.6 and torch 2.5 have no
+# Blackwell kernels; 26.09 (Triton 2.73.0) is the newest release whose libtorch (2.14) could be confirmed
+# here, and pip has that torch for the export (docs/deploy.md "The GPU image on NGC 26.09")
+GPU_TRITON_RELEASE = "26.09"
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,18 @@ class TritonRelease:
     python: str  # the Python-backend stub's Python
 
 
-# 24.10: checked against its sources (r24.10 trees). 25.12: from NGC's release notes as recalled, NOT
-# checked offline (no NGC page or image reachable here; docs/deploy.md marks it unverified): the GPU image's
-# build checks the libtorch and Python it really has (docker/Dockerfile). Other releases need an explicit
-# libtorch version.
+# 24.10: checked against its sources (r24.10 trees). 25.12: from NGC's release notes as recalled, not
+# checked offline (carries the CVEs of 2026: kept only for --triton-release 25.12). 26.07 and 26.09: Triton
+# version from the GitHub release titles (v2.71.0 "corresponding to NGC container 26.07", v2.73.0 ... 26.09);
+# libtorch from the torch of NGC's pytorch:26.07-py3 / 26.09-py3 (2.13.0a0 / 2.14.0a0, as reported by
+# third-party `docker image inspect` and torch.__version__ records; NVIDIA's PyTorch release-note pages of
+# 26.xx were not readable here); Python 3.12 likewise (docs/deploy.md). The GPU image's build checks the
+# libtorch and Python it really has (docker/Dockerfile). Other releases need an explicit libtorch version.
 TRITON_RELEASES = {
     "24.10": TritonRelease("24.10", "2.51.0", libtorch="2.5", python="3.10"),
     "25.12": TritonRelease("25.12", "2.64.0", libtorch="2.10", python="3.12"),
+    "26.07": TritonRelease("26.07", "2.71.0", libtorch="2.13", python="3.12"),
+    "26.09": TritonRelease("26.09", "2.73.0", libtorch="2.14", python="3.12"),
 }
 DEFAULT_LIBTORCH = TRITON_RELEASES[GPU_TRITON_RELEASE].libtorch  # loads libtorch fold models by default
 

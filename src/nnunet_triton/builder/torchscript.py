@@ -36,7 +36,7 @@ The eager network runs as nnU-Net runs it (under autocast for fp16); the reloade
 autocast, as Triton's libtorch backend and the Python runner run it.
 
 TorchScript compatibility: a file saved by a newer torch may not load in an older libtorch. The GPU
-image's Triton 25.12 has libtorch 2.10; export with ``torch==2.10.x`` for the ``pytorch_libtorch`` runner.
+image's Triton 26.09 has libtorch 2.14; export with ``torch==2.14.x`` for the ``pytorch_libtorch`` runner.
 The Python runner loads the file with the torch that exported it, so any version works there.
 """
 

@@ -93,7 +93,7 @@ def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> N
                         "labelled 'batched' in info and validate; default true on cpu, false on gpu")
     p.add_argument("--serving-torch", default=None, metavar="X.Y",
                    help="torch/libtorch major.minor that loads the fold models where they are served "
-                        "(default: 2.10, tritonserver 25.12's libtorch, for the libtorch runner on gpu; the "
+                        "(default: 2.14, tritonserver 26.09's libtorch, for the libtorch runner on gpu; the "
                         "serving environment's torch otherwise: the embedded server's PyTorch backend is "
                         "built against it); a newer torch here refuses to export")
     p.add_argument("--fold-instances", type=int, default=1)

@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.errors import DeployError, RepositoryError, ServerError
-from nnunet_triton.server import backends, preload, proxy, readiness, watchdog
+from nnunet_triton.server import backends, cves, preload, proxy, readiness, watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, _tail
@@ -447,17 +447,11 @@ def _grpc_tls(tls: proxy.TlsSettings | None) -> GrpcTls | None:
                    None if tls.client_ca is None else str(Path(tls.client_ca).absolute()))
 
 
-# tritonserver 2.51.0 (NGC 24.10) is the newest on PyPI; docs/security.md lists each CVE and its mitigation
-KNOWN_CVES = ("CVE-2025-23310", "CVE-2025-23311", "CVE-2025-23317", "CVE-2025-23318", "CVE-2025-23319",
-              "CVE-2025-23320", "CVE-2025-23333", "CVE-2025-23334", "CVE-2025-33201")
-
-
 def _warn_known_cves(host: str) -> None:
-    if proxy.is_loopback(host):
-        return
-    LOGGER.warning("the embedded tritonserver 2.51.0 (NGC 24.10) has published CVEs fixed in Triton 25.07 "
-                   "and later (%s); it now serves %s through the TLS proxy and gRPC SSL only: see "
-                   "docs/security.md for what each mitigation covers", ", ".join(KNOWN_CVES), host)
+    """The published CVEs still open where tritonserver 2.51.0 (the newest on PyPI) now listens, by severity:
+    the table is ``server/cves.json`` (docs/security.md shows it)."""
+    for message in cves.startup_warnings(host, loopback=proxy.is_loopback(host)):
+        LOGGER.warning(message)
 
 
 def _proxy_config(host: str, port: int | None, upstream_port: int, tls: proxy.TlsSettings,

@@ -17,6 +17,13 @@ takes the token back from its caller). In a container the watchdog is forked by 
 tritonserver is exec-ed with the rendered argv; it reads the HTTP port there with :func:`flag_values` and
 refuses a command without one (no default port). Only the standard library and ``parameters`` (the watchdog
 runs it in containers).
+
+Client shared memory (``--allow-client-shm``): from NGC 26.05 Triton refuses clients' system and CUDA
+shared-memory regions unless started with ``--allow-client-shm=true``; older servers (the embedded 2.51 among
+them) do not know the flag and would refuse to start with it. :func:`client_shm_setting` decides from the
+server's release: the flag is rendered only for a release that knows it and only when one of our own tools
+asks for client shared memory (perf_analyzer's ``--shared-memory system``); otherwise it is left out, which is
+Triton's default of off. On 2.51 client shared memory stays behind the restricted ``shared-memory`` API.
 """
 
 from __future__ import annotations
@@ -35,10 +42,12 @@ __all__ = [
     "SHM_GROWTH_BYTES",
     "STUB_TIMEOUT_S",
     "TOKEN_FROM_ENVIRONMENT",
+    "CLIENT_SHM_FLAG_SINCE",
     "GrpcTls",
     "MemoryPools",
     "Preset",
     "TritonServerConfig",
+    "client_shm_setting",
     "flag_values",
     "rate_limit_args",
     "restricted_api_args",
@@ -56,6 +65,8 @@ TOKEN_FROM_ENVIRONMENT = "@from-environment@"
 # Triton's gRPC frontend expects a restricted protocol's key with this prefix added (the flag names the key
 # without it); HTTP takes the key as given (server.model_control.CONTROL_HEADER carries the prefix)
 GRPC_PROTOCOL_PREFIX = "triton-grpc-protocol-"
+# the first NGC release whose tritonserver has --allow-client-shm (client shared memory off by default)
+CLIENT_SHM_FLAG_SINCE = "26.05"
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,7 @@ class TritonServerConfig:
     metrics_address: str | None = None
     allow_metrics: bool | None = None
     allow_gpu_metrics: bool | None = None
+    allow_client_shm: bool | None = None  # only for releases >= CLIENT_SHM_FLAG_SINCE (client_shm_setting)
     memory_pools: MemoryPools = field(default_factory=MemoryPools)
     backend_config: tuple[tuple[str, str, str], ...] = ()
     disable_auto_complete_config: bool = True  # our configs are generated complete (builder.config_gen)
@@ -202,6 +214,8 @@ class TritonServerConfig:
             *((f"--allow-metrics={_bool(self.allow_metrics)}",) if self.allow_metrics is not None else ()),
             *((f"--allow-gpu-metrics={_bool(self.allow_gpu_metrics)}",)
               if self.allow_gpu_metrics is not None else ()),
+            *((f"--allow-client-shm={_bool(self.allow_client_shm)}",)
+              if self.allow_client_shm is not None else ()),
             *self.memory_pools.args(),
             *(f"--backend-config={backend},{key}={value}" for backend, key, value in self.backend_config),
             f"--exit-timeout-secs={self.exit_timeout_s}",
@@ -244,6 +258,21 @@ class TritonServerConfig:
         return replace(self, restricted_apis=tuple(apis), control_header=header, control_token=token)
 
 
+def _release(release: str) -> tuple[int, int]:
+    year, month = release.split(".")
+    return int(year), int(month)
+
+
+def client_shm_setting(triton_release: str | None, wanted: bool) -> bool | None:
+    """``allow_client_shm`` for a server of ``triton_release`` (NGC ``YY.MM``; None: the embedded 2.51):
+    True only when our own tool wants client shared memory and the server knows the flag; None (not passed,
+    Triton's default) otherwise: off from 26.05, and never the flag for an older server, which would refuse
+    to start with it."""
+    if not wanted or triton_release is None or _release(triton_release) < _release(CLIENT_SHM_FLAG_SINCE):
+        return None
+    return True
+
+
 def flag_values(args: Sequence[str], flag: str) -> list[str]:
     """The values of ``--<flag>=value`` in ``args`` (a caller's extra flags), in order."""
     prefix = f"--{flag}="
@@ -261,6 +290,7 @@ def server_config(repository: str, preset: Preset, *, load_models: Sequence[str]
                   grpc_host: str | None = None, exit_timeout_s: int | None = None,
                   backend_config: Mapping[str, Mapping[str, object]] | None = None,
                   shm_default_bytes: int | None = None, shm_growth_bytes: int | None = None,
+                  triton_release: str | None = None, client_shm: bool = False,
                   **choices: Any) -> TritonServerConfig:
     """The config of one server of ``repository`` at ``preset``'s target.
 
@@ -270,6 +300,9 @@ def server_config(repository: str, preset: Preset, *, load_models: Sequence[str]
         host: the address HTTP and metrics bind (default: the preset's); ``grpc_host`` gRPC's (default:
             ``host``).
         exit_timeout_s: default the preset's.
+        triton_release: the server's NGC release (None: the embedded 2.51.0); with ``client_shm`` (one of our
+            tools sends tensors through client shared memory) it decides ``--allow-client-shm``
+            (:func:`client_shm_setting`).
         backend_config: ``{backend: {key: value}}`` merged over the Python backend's shm sizes (the
             preset's, or ``shm_default_bytes``/``shm_growth_bytes``, e.g. the memory plan's) and its stub
             timeout.
@@ -292,5 +325,6 @@ def server_config(repository: str, preset: Preset, *, load_models: Sequence[str]
         load_models=tuple(load_models),
         backend_config=tuple((name, key, str(value)) for name, values in merged.items()
                              for key, value in values.items()),
+        allow_client_shm=client_shm_setting(triton_release, client_shm),
         **choices,
     )

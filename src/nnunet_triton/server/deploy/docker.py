@@ -78,8 +78,8 @@ EXIT_BAD_REPOSITORY = 78  # EX_CONFIG (sysexits.h)
 CONTAINER_REPOSITORY = "/models"
 CONTAINER_PORTS = DEFAULT_PORTS  # the container side: tritonserver's own defaults
 EXPORT_IMAGE = "python:3.11-slim"
-EXPORT_TORCH = "2.10.0"  # pip release of the torch 2.10 that Triton 25.12's libtorch is built from
-EXPORT_TORCHVISION = "0.25.0"  # the torchvision that pins torch 2.10.0 (nnU-Net's trainer lookup needs it)
+EXPORT_TORCH = "2.14.1"  # pip release of the torch 2.14 that Triton 26.09's libtorch is built from
+EXPORT_TORCHVISION = "0.29.1"  # the torchvision that pins torch 2.14.1 (nnU-Net's trainer lookup needs it)
 CUPY_CACHE_DIR = "/var/cache/cupy"  # docker/Dockerfile's CUPY_CACHE_DIR: compiled CuPy kernels
 CUPY_CACHE_VOLUME = "nnunet-triton-cupy-cache"  # a named volume: the kernels outlive the container
 
@@ -181,19 +181,24 @@ def replace_spec(spec: DeploySpec, **changes: Any) -> DeploySpec:
 
 def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int,
                       exit_timeout_s: int = CONTAINER.exit_timeout_s,
-                      repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
+                      repository: str = CONTAINER_REPOSITORY, triton_release: str | None = None,
+                      client_shm: bool = False) -> tuple[str, ...]:
     """``tritonserver`` argv (container side: fixed ports 8000/8001/8002, repository at ``/models``; the
-    ``server.server_config.CONTAINER`` preset with the plan's shm sizes and pools)."""
+    ``server.server_config.CONTAINER`` preset with the plan's shm sizes and pools). ``client_shm``: one of our
+    tools (perf_analyzer's ``--shared-memory system``) needs client shared memory; on an image of
+    ``triton_release`` >= 26.05 that passes ``--allow-client-shm=true``, otherwise nothing (off)."""
     config = server_config(repository, CONTAINER, load_models=info.models, ports=CONTAINER_PORTS,
                            exit_timeout_s=exit_timeout_s, shm_default_bytes=plan.shm_default_bytes,
                            shm_growth_bytes=plan.shm_growth_bytes, allow_metrics=True,
-                           allow_gpu_metrics=bool(gpus), memory_pools=plan.pools(gpus))
+                           allow_gpu_metrics=bool(gpus), memory_pools=plan.pools(gpus),
+                           triton_release=triton_release, client_shm=client_shm)
     return tuple(config.to_args())
 
 
 def server_command(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int,
                    exit_timeout_s: int = CONTAINER.exit_timeout_s,
-                   repository: str = CONTAINER_REPOSITORY) -> tuple[str, ...]:
+                   repository: str = CONTAINER_REPOSITORY, triton_release: str | None = None,
+                   client_shm: bool = False) -> tuple[str, ...]:
     """The container's command: the repository check, then ``tritonserver_args`` through the thread budget.
 
     ``nnunet_triton.server.deploy.entrypoint`` refuses a repository that cannot be served here (one line on
@@ -205,7 +210,8 @@ def server_command(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int,
     it reloads a model whose process died) and execs tritonserver (same pid, same signals).
     """
     return ("python3", "-m", "nnunet_triton.server.deploy.entrypoint", "--model-repository", repository, "--",
-            *tritonserver_args(info, plan, gpus=gpus, exit_timeout_s=exit_timeout_s, repository=repository))
+            *tritonserver_args(info, plan, gpus=gpus, exit_timeout_s=exit_timeout_s, repository=repository,
+                               triton_release=triton_release, client_shm=client_shm))
 
 
 def health_probe(port: int = CONTAINER_PORTS["http"],
@@ -328,7 +334,7 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
     """``docker run`` that builds the repository with a torch matching the image's libtorch.
 
     Runs ``docker/export_in_container.sh`` in ``python:3.11-slim`` (the builder's Python, with pip's
-    torch): pip torch ``torch_version`` (2.10.0 = libtorch 2.10 of Triton 25.12),
+    torch): pip torch ``torch_version`` (2.14.1 = libtorch 2.14 of Triton 26.09),
     then ``python -m repository.build --model-dir /models/<name> --out /out/<name> <builder_args>``; the
     result
     is handed to ``uid:gid``. The model folder's parent is mounted (read-only) so that a cascade stage finds

@@ -38,7 +38,7 @@ from nnunet_triton.parameters import (
     DEFAULT_METRICS_PORT,
     DEFAULT_TILE_BATCH_SIZE,
 )
-from nnunet_triton.server import proxy, readiness
+from nnunet_triton.server import cves, proxy, readiness
 from nnunet_triton.server.deploy import docker, k8s
 from nnunet_triton.server.deploy import engine as container_engine
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, triton_release
@@ -339,6 +339,10 @@ def _docker_spec(plan: DeployPlan, info: RepositoryInfo, *, variant: str = "gpu"
                  engine: str = "docker") -> docker.DeploySpec:
     volume = VolumeSpec(tuple(plan.max_volume), plan.max_spacing, probabilities=plan.probabilities)
     gpus = tuple(plan.gpus) if variant == "gpu" else ()
+    if variant == "gpu" and cves.RELEASE.fullmatch(plan.triton_release or ""):
+        stale = cves.older_release_warning(plan.triton_release)
+        if stale:
+            LOGGER.warning("--triton-release %s: %s", plan.triton_release, stale)
     memory = plan_memory(info, volume, gpus=max(1, len(gpus)))
     ports = {"http_port": plan.http_port or DEFAULT_HTTP_PORT,
              "grpc_port": plan.grpc_port or DEFAULT_GRPC_PORT,
