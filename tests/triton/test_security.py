@@ -208,16 +208,19 @@ def _free_port() -> int:
 def test_sagemaker_and_vertex_frontends_stay_closed_even_with_their_environment(
         triton_server, identity_model_repository, monkeypatch, tmp_path):
     """With AIP_MODE=PREDICTION in the launcher's environment Triton 2.51 opened its Vertex AI port on
-    0.0.0.0, and its X-Vertex-Ai-Triton-Redirect header reached the restricted APIs without the token."""
+    0.0.0.0, and its X-Vertex-Ai-Triton-Redirect header reached the restricted APIs without the token (with
+    one model; with several it refused to start without --vertex-ai-default-model, now refused here)."""
     from nnunet_triton.cli import main
 
+    repository = tmp_path / "one-model"
+    shutil.copytree(identity_model_repository / IDENTITY_MODEL, repository / IDENTITY_MODEL)
     vertex_port = _free_port()
     for name, value in {"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": str(vertex_port),
                         "AIP_HEALTH_ROUTE": "/health", "AIP_PREDICT_ROUTE": "/predict",
-                        "AIP_STORAGE_URI": str(identity_model_repository),
+                        "AIP_STORAGE_URI": str(repository),
                         "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "identity"}.items():
         monkeypatch.setenv(name, value)
-    with triton_server(identity_model_repository) as server:
+    with triton_server(repository) as server:
         assert _listening_ports(server.pid) == {("127.0.0.1", server.http_port),
                                                 ("127.0.0.1", server.grpc_port)}
         environ = Path(f"/proc/{server.pid}/environ").read_bytes()
@@ -229,9 +232,9 @@ def test_sagemaker_and_vertex_frontends_stay_closed_even_with_their_environment(
         assert _http(server.http_url, "/v2/repository/index", body={}) == 403  # the token still guards it
     for arg in ("--vertex-ai-default-model=nnunet", "--allow-vertex-ai=true", "--allow-sagemaker=true",
                 "--sagemaker-port=8080"):
-        assert main(["serve", "--model-repository", str(identity_model_repository), "--home", str(tmp_path),
+        assert main(["serve", "--model-repository", str(repository), "--home", str(tmp_path / "home"),
                      f"--server-arg={arg}"]) == 2
-        assert not (tmp_path / "run" / "server.json").exists()
+        assert not (tmp_path / "home" / "run" / "server.json").exists()
 
 
 def test_the_metrics_port_is_closed_unless_asked_for(identity_server):
