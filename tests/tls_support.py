@@ -1,7 +1,8 @@
 """Real certificates for the TLS tests, made with the ``openssl`` command line in a tmp folder.
 
 EC P-256 keys (fast to make). One CA signs the server certificate (``localhost`` and ``127.0.0.1``) and a
-client certificate; a second, unrelated CA signs a client certificate the server must refuse.
+client certificate and a second client's; a second, unrelated CA signs a client certificate the server must
+refuse.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class Certificates:
     client_key: Path
     stranger_cert: Path  # signed by another CA
     stranger_key: Path
+    other_client_cert: Path  # a second client of the CA (the proxy's per-client limits tell them apart)
+    other_client_key: Path
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -52,7 +55,10 @@ def make_certificates(folder: Path) -> Certificates:
     _signed("server", "ca", "localhost", folder, "san.ext")
     _signed("client", "ca", "client", folder)
     _signed("stranger", "other-ca", "stranger", folder)
+    _signed("other-client", "ca", "other-client", folder)
     return Certificates(ca=folder / "ca.pem", server_cert=folder / "server.pem",
                         server_key=folder / "server.key",
                         client_cert=folder / "client.pem", client_key=folder / "client.key",
-                        stranger_cert=folder / "stranger.pem", stranger_key=folder / "stranger.key")
+                        stranger_cert=folder / "stranger.pem", stranger_key=folder / "stranger.key",
+                        other_client_cert=folder / "other-client.pem",
+                        other_client_key=folder / "other-client.key")

@@ -12,12 +12,14 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -177,8 +179,6 @@ def test_chunked_bodies_are_buffered_answered_and_triton_survives(server: Server
     ("POST", "/v2/cudasharedmemory/region/x/unregister"), ("POST", "/v2/logging"), ("GET", "/v2/logging"),
     ("POST", "/v2/trace/setting"), ("POST", "/v2/repository/index"),
     ("POST", f"/v2/repository/models/{ENDPOINT}/unload"), ("GET", "/v2/models/stats"),
-    ("POST", f"/v2/models/{ENDPOINT}/../{INTERNAL}/infer"),
-    ("POST", f"/v2/models/{ENDPOINT}%2F..%2F{INTERNAL}/infer"),
 ])
 def test_internal_models_and_management_apis_are_refused_through_the_proxy(
         server: ServerHandle, certs: Certificates, method: str, path: str) -> None:
@@ -287,6 +287,261 @@ def test_bearer_token_proxy_refuses_requests_without_the_token(server: ServerHan
     finally:
         proxy.stop()
     assert not proxy.is_running()
+
+
+def _raw_request(port: int, certs: Certificates, head: str, body: bytes = b"", *,
+                 client: tuple[Path, Path] | None = None) -> tuple[int, bytes]:
+    """Send ``head`` (request line and headers, exactly as given: repeated or odd headers included) and
+    ``body`` over TLS to the proxy on 127.0.0.1:``port``; (status, body) of the answer."""
+    context = _context(certs, client=client or (certs.client_cert, certs.client_key))
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as raw, \
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+        sock.sendall(head.encode("latin-1") + b"\r\n" + body)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, response.read()
+
+
+def _proxy_port(server: ServerHandle) -> int:
+    assert server.proxy_url is not None
+    return int(server.proxy_url.rsplit(":", 1)[1])
+
+
+def _memory_mib(pid: int) -> dict[str, float]:
+    """Resident (RSS) and proportional (PSS) memory of ``pid`` in MiB."""
+    rss = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+               if line.startswith("VmRSS:"))
+    pss = next(line for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+               if line.startswith("Pss:"))
+    return {"rss": int(rss.split()[1]) / 1024, "pss": int(pss.split()[1]) / 1024}
+
+
+BOMB_MIB = 256  # what each encoded body inflates to (about 256 KiB on the wire)
+
+
+@pytest.fixture(scope="module")
+def bombs() -> dict[str, bytes]:
+    """Zeros compressed as gzip (what `Content-Encoding: gzip` means) and zlib (`deflate`)."""
+    zeros = bytes(2**20)
+    made = {}
+    for name, wbits in (("gzip", 31), ("deflate", 15)):
+        compressor = zlib.compressobj(9, zlib.DEFLATED, wbits)
+        made[name] = b"".join(compressor.compress(zeros) for _ in range(BOMB_MIB)) + compressor.flush()
+    return made
+
+
+# (Content-Encoding headers as sent, which bomb): exact, other case, a list, repeated headers in both orders,
+# and an empty first header (nginx 1.22 reads only the first: forwarded, but without any Content-Encoding)
+ENCODINGS = [(("gzip",), "gzip"), (("deflate",), "deflate"), (("GZIP",), "gzip"),
+             (("identity, gzip",), "gzip"), (("identity", "gzip"), "gzip"), (("gzip", "identity"), "gzip"),
+             (("identity",), "gzip"), (("", "gzip"), "gzip")]
+
+
+def test_compressed_bodies_are_refused_by_the_proxy_and_triton_memory_stays_flat(
+        server: ServerHandle, certs: Certificates, bombs: dict[str, bytes]) -> None:
+    before = _memory_mib(server.pid)
+    answers = []
+    for encodings, bomb in ENCODINGS:
+        head = (f"POST /v2/models/{ENDPOINT}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                "Content-Type: application/json\r\n"
+                + "".join(f"Content-Encoding: {value}\r\n" for value in encodings)
+                + f"Content-Length: {len(bombs[bomb])}\r\nConnection: close\r\n")
+        answers.append(_raw_request(_proxy_port(server), certs, head, bombs[bomb]))
+    after = _memory_mib(server.pid)
+    assert after["rss"] - before["rss"] < 16 and after["pss"] - before["pss"] < 16, (before, after, answers)
+    refused = [(status, b"Content-Encoding is refused" in text) for status, text in answers]
+    assert refused[:-1] == [(415, True)] * (len(ENCODINGS) - 1), answers
+    # the empty first header: forwarded with every Content-Encoding removed, so Triton parses the gzip bytes
+    # as JSON ("Invalid value"; an inflated body of zeros would be "The document is empty")
+    assert answers[-1] == (500, b'{"error":"failed to parse the request JSON buffer: Invalid value. at 0"}')
+    assert server.is_ready()
+
+
+@pytest.mark.parametrize(("encodings", "status"), [
+    (("gzip, chunked",), 501), (("identity",), 501), (("chunked", "chunked"), 400),
+    (("chunked, identity",), 501), (("deflate",), 501)],
+    ids=["gzip,chunked", "identity", "two-chunked-headers", "chunked,identity", "deflate"])
+def test_transfer_encodings_other_than_chunked_are_refused_through_the_proxy(
+        server: ServerHandle, certs: Certificates, encodings: tuple[str, ...], status: int) -> None:
+    """nginx 1.22 itself answers these (501 unknown coding, 400 a repeated header) before the config's own
+    check (tests/unit/test_proxy.py); either way nothing reaches Triton."""
+    body = _chunked(_infer_body(3), 16)
+    head = (f"POST /v2/models/{ENDPOINT}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + "".join(f"Transfer-Encoding: {value}\r\n" for value in encodings) + "Connection: close\r\n")
+    assert _raw_request(_proxy_port(server), certs, head, body)[0] == status
+    assert server.is_ready()
+
+
+@pytest.mark.parametrize("path", [
+    f"/v2/models/{ENDPOINT}/../{INTERNAL}/infer", f"/v2/models/{ENDPOINT}%2F..%2F{INTERNAL}/infer",
+    f"/v2/models/{ENDPOINT}/%2e%2e/{INTERNAL}/infer", f"/v2/models/{ENDPOINT}/../{ENDPOINT}/infer",
+    f"/v2/models/{ENDPOINT}%5c..%5c{INTERNAL}/infer", f"/v2/models/{ENDPOINT}\\..\\{INTERNAL}/infer",
+    f"/v2/models/{ENDPOINT}%00/infer", f"/v2/models/{ENDPOINT}%0d/infer", f"/v2/models/{ENDPOINT}%7f/infer",
+])
+def test_model_names_with_traversal_characters_are_refused_by_the_proxy(
+        server: ServerHandle, certs: Certificates, path: str) -> None:
+    status, answer = _request(server, certs, "POST", path, _infer_body(3))
+    # nginx itself refuses an encoded NUL, before the proxy's own check
+    reason = b"400 Bad Request" if "%00" in path else b"traversal or control character"
+    assert (status, reason in answer) == (400, True), answer[:300]
+    assert server.is_ready()
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", f"/v2/models/{ENDPOINT}/infer%0a"),
+                                              ("GET", f"/v2/models/{ENDPOINT}/config%0A"),
+                                              ("GET", "/v2/health/ready%0a")])
+def test_a_path_ending_in_an_encoded_line_feed_is_refused_by_the_proxy(
+        server: ServerHandle, certs: Certificates, method: str, path: str) -> None:
+    """It passed the allow-list (PCRE's `$` matches before a final newline) and reached Triton as a raw line
+    feed (502)."""
+    status, answer = _request(server, certs, method, path, _infer_body(3) if method == "POST" else None)
+    assert (status, b"traversal or control character" in answer) == (400, True), answer[:300]
+
+
+def _limited_proxy(server: ServerHandle, certs: Certificates, run_dir: Path, **limits: int) -> Any:
+    from nnunet_triton.server.proxy import ClientLimits, ProxyConfig, public_model_pattern, start_proxy
+
+    return start_proxy(ProxyConfig(
+        listen_host="127.0.0.1", listen_port=_free_port(), upstream_port=server.http_port,
+        tls=TlsSettings(certs.server_cert, certs.server_key, client_ca=certs.ca),
+        model_pattern=public_model_pattern([ENDPOINT]), run_dir=run_dir, limits=ClientLimits(**limits)))
+
+
+def test_a_client_over_its_request_rate_or_concurrency_gets_429(server: ServerHandle, certs: Certificates,
+                                                                tmp_path: Path) -> None:
+    ready = "GET /v2/health/ready HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+    other = (certs.other_client_cert, certs.other_client_key)
+    # rate: 1 a minute with a burst of 2 lets 3 requests through at once, then 429; another client's
+    # certificate (same address) has its own allowance
+    rate = _limited_proxy(server, certs, tmp_path / "rate", requests_per_minute=1, burst=2)
+    try:
+        port = int(rate.url.rsplit(":", 1)[1])
+        statuses = [_raw_request(port, certs, ready)[0] for _ in range(4)]
+        assert (statuses, _raw_request(port, certs, ready, client=other)[0]) == ([200, 200, 200, 429], 200)
+    finally:
+        rate.stop()
+    # concurrency: 1 request in progress per client; one whose body is still arriving holds the slot
+    busy = _limited_proxy(server, certs, tmp_path / "busy", concurrent=1)
+    try:
+        port = int(busy.url.rsplit(":", 1)[1])
+        context = _context(certs, client=(certs.client_cert, certs.client_key))
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as raw, \
+                context.wrap_socket(raw, server_hostname="127.0.0.1") as holder:
+            holder.sendall(f"POST /v2/models/{ENDPOINT}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                           "Content-Length: 1000\r\n\r\n{".encode())
+            deadline, held = time.monotonic() + 30.0, 200
+            while held != 429 and time.monotonic() < deadline:  # until nginx has read the holder's headers
+                held = _raw_request(port, certs, ready)[0]
+            assert (held, _raw_request(port, certs, ready, client=other)[0]) == (429, 200)
+        deadline, freed = time.monotonic() + 30.0, 429
+        while freed == 429 and time.monotonic() < deadline:  # the slot comes back once nginx saw the close
+            freed = _raw_request(port, certs, ready)[0]
+            time.sleep(0.1)
+        assert freed == 200
+    finally:
+        busy.stop()
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if int(text[text.rindex(")") + 2:].split()[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _uids(pid: int) -> set[int]:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    line = next(line for line in status if line.startswith("Uid:"))
+    return {int(uid) for uid in line.split()[1:]}
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
+                                reason="runs commands as user nobody (needs root and runuser)")
+
+# run as nobody: read the first writable mapping of a process (ptrace access: what a debugger needs)
+_READ_MEMORY = """
+import sys
+pid = sys.argv[1]
+try:
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if perms.startswith("rw"):
+                start, end = (int(x, 16) for x in span.split("-"))
+                mem.seek(start)
+                print("read", len(mem.read(min(end - start, 65536))))
+                break
+except OSError as exc:
+    print("denied", exc.errno)
+"""
+
+
+@needs_root
+def test_the_proxy_workers_run_as_their_own_user_and_nobody_cannot_read_their_memory(
+        server: ServerHandle, certs: Certificates) -> None:
+    from nnunet_triton.server.proxy import running_pid
+
+    assert server.proxy_config is not None
+    master = running_pid(server.proxy_config)
+    assert master is not None
+    workers = _children(master)
+    assert workers
+    for pid in workers:  # nobody reads them (it could while they ran as nobody)
+        attempt = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", _READ_MEMORY,
+                                  str(pid)], capture_output=True, text=True, timeout=60, check=False)
+        assert attempt.stdout.startswith("denied"), (pid, attempt)
+    account = pwd.getpwnam("nnunet-proxy")
+    assert account.pw_shell.endswith("nologin")
+    assert {uid for pid in workers for uid in _uids(pid)} == {account.pw_uid}
+    temp = Path((Path(server.proxy_config).parent / "nginx-temp-dir").read_text().strip())
+    for folder in (temp, temp / "nginx-body"):
+        assert (folder.stat().st_uid, folder.stat().st_mode & 0o777) == (account.pw_uid, 0o700), folder
+    assert _request(server, certs, "GET", "/v2/health/ready")[0] == 200  # they serve
+
+
+def test_a_restarted_proxy_gets_no_secret_in_its_environment(server: ServerHandle,
+                                                             certs: Certificates) -> None:
+    from nnunet_triton.server.model_control import TOKEN_ENV
+    from nnunet_triton.server.proxy import running_pid
+
+    assert server.proxy_config is not None and server.control_token
+    killed = running_pid(server.proxy_config)
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)  # the watchdog (whose environment holds the token) starts it again
+    deadline = time.monotonic() + 60.0
+    while running_pid(server.proxy_config) in (None, killed) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    master = running_pid(server.proxy_config)
+    assert master not in (None, killed)
+    assert _request(server, certs, "GET", "/v2/health/ready")[0] == 200
+    for pid in (master, *_children(master)):
+        # nginx writes its process title over the start of its environment and keeps a copy of the
+        # environment in its heap: the secret is looked for in all of the process's memory
+        assert TOKEN_ENV.encode() not in Path(f"/proc/{pid}/environ").read_bytes(), pid
+        assert not _memory_holds(pid, server.control_token.encode()), pid
+        assert not _memory_holds(pid, TOKEN_ENV.encode()), pid
+
+
+def _memory_holds(pid: int, needle: bytes) -> bool:
+    """Whether ``needle`` is anywhere in ``pid``'s readable memory (read as root)."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if not perms.startswith("r") or line.rstrip().endswith(("[vvar]", "[vsyscall]")):
+                continue
+            try:
+                mem.seek(start)
+                if needle in mem.read(end - start):
+                    return True
+            except (OSError, OverflowError):
+                continue
+    return False
 
 
 def _free_port() -> int:

@@ -14,8 +14,10 @@ from nnunet_triton.cli import deploy
 from nnunet_triton.cli import main as cli_main
 from nnunet_triton.server import embedded
 from nnunet_triton.server.proxy_config import (
+    ClientLimits,
     ExposureError,
     ProxyConfig,
+    ProxyError,
     TlsSettings,
     check_exposure,
     public_model_pattern,
@@ -37,12 +39,34 @@ def _config(tls: TlsSettings, tmp_path: Path, **kwargs: object) -> ProxyConfig:
     return ProxyConfig(**{**defaults, **kwargs})  # type: ignore[arg-type]
 
 
+def _pcre(pattern: str) -> str:
+    """An nginx PCRE pattern in Python's spelling (``\\z``, the very end, is Python's ``\\Z``)."""
+    return pattern.replace("\\z", "\\Z")
+
+
 def _allowed(config_text: str, method: str, path: str) -> bool:
     """Whether the rendered config forwards ``method path`` (nginx's regex locations, first match wins)."""
     for pattern, allowed_method in re.findall(r'location ~ "(.+?)" \{\n\s+limit_except (\w+)', config_text):
-        if re.search(pattern, path):
+        if re.search(_pcre(pattern), path):
             return method == allowed_method
     return False
+
+
+def _server_refusal(config_text: str, variable: str) -> tuple[str, str, str]:
+    """(operator, pattern or value, status) of the server-level ``if ($variable ...) { return ...; }``."""
+    found = re.findall(rf'^\s+if \(\${variable} (!?~\*?|!?=) "(.*?)"\) \{{ return (\d+) "', config_text, re.M)
+    assert len(found) == 1, (variable, found)
+    return found[0]
+
+
+def _refused_by(config_text: str, variable: str, value: str) -> str | None:
+    """The status nginx answers when ``$variable`` is ``value`` (None: not refused by that check)."""
+    operator, pattern, status = _server_refusal(config_text, variable)
+    flags = re.IGNORECASE if operator.endswith("*") else 0
+    if operator in ("~", "~*", "!~", "!~*"):
+        matched = re.search(_pcre(pattern), value, flags) is not None
+        return status if matched != operator.startswith("!") else None
+    return status if (value == pattern) == (operator == "=") else None
 
 
 @pytest.mark.parametrize(("method", "path"), [
@@ -154,3 +178,98 @@ def test_binding_beyond_loopback_warns_of_the_known_cves_of_tritonserver_2_51(
     assert warnings[0].startswith("the embedded tritonserver 2.51.0 (NGC 24.10) has published CVEs fixed in "
                                   "Triton 25.07 and later (CVE-2025-23310, CVE-2025-23311, ")
     assert "it now serves 0.0.0.0 through the TLS proxy" in warnings[0]
+
+
+@pytest.mark.parametrize(("value", "refused"), [
+    ("", False), ("chunked", False), ("Chunked", False),
+    ("gzip, chunked", True), ("identity", True), ("chunked, chunked", True),  # nginx >= 1.23 joins repeats
+    ("chunked\n", True), ("deflate", True), (" chunked", True),
+])
+def test_transfer_encodings_other_than_chunked_are_refused(tls: TlsSettings, tmp_path: Path, value: str,
+                                                           refused: bool) -> None:
+    text = render_config(_config(tls, tmp_path))
+    assert _refused_by(text, "http_transfer_encoding", value) == ("501" if refused else None)
+    # and the encoding never reaches Triton: nginx de-chunks the buffered body
+    assert 'proxy_set_header Transfer-Encoding "";' in {line.strip() for line in text.splitlines()}
+
+
+@pytest.mark.parametrize("value", ["gzip", "deflate", "GZIP", "identity, gzip", "identity", "br", "0"])
+def test_request_bodies_with_a_content_encoding_are_refused(tls: TlsSettings, tmp_path: Path,
+                                                            value: str) -> None:
+    text = render_config(_config(tls, tmp_path))
+    assert _refused_by(text, "http_content_encoding", value) == "415"
+    assert _refused_by(text, "http_content_encoding", "") is None
+    assert 'proxy_set_header Content-Encoding "";' in {line.strip() for line in text.splitlines()}
+
+
+@pytest.mark.parametrize("raw_path", [
+    "/v2/models/liver/../stitch_model/infer", "/v2/models/liver/%2e%2e/stitch_model/infer",
+    "/v2/models/liver/%2E./x", "/v2/models/liver%2Finfer", "/v2/models/liver%2f..%2fstitch_model/infer",
+    "/v2/models/liver%5c..%5cstitch_model/infer", "/v2/models/liver\\infer", "/v2/models/liver%00/infer",
+    "/v2/models/liver/infer%0a", "/v2/models/liver/infer%0D%0A", "/v2/models/liver%09/infer",
+    "/v2/models/liver%7f/infer", "/v2/models/liver/infer\x01",
+])
+def test_model_names_with_traversal_characters_are_refused(tls: TlsSettings, tmp_path: Path,
+                                                           raw_path: str) -> None:
+    text = render_config(_config(tls, tmp_path))
+    assert _refused_by(text, "request_uri", raw_path) == "400"
+
+
+def test_a_public_path_is_not_mistaken_for_a_traversal(tls: TlsSettings, tmp_path: Path) -> None:
+    text = render_config(_config(tls, tmp_path))
+    for path in ("/v2/models/liver/infer", "/v2/models/liver__v3_int16/versions/2/config", "/v2/health/ready",
+                 "/v2/models/liver.v1/ready"):
+        assert _refused_by(text, "request_uri", path) is None, path
+
+
+@pytest.mark.parametrize("path", ["/v2/models/liver/infer\n", "/v2/models/liver\n", "/v2\n",
+                                  "/v2/health/ready\n"])
+def test_the_allow_list_does_not_match_before_a_final_line_feed(tls: TlsSettings, tmp_path: Path,
+                                                                 path: str) -> None:
+    """PCRE's ``$`` matches before a final newline: nginx decodes ``%0a`` into $uri, which reached Triton."""
+    text = render_config(_config(tls, tmp_path))
+    assert not any(_allowed(text, method, path) for method in ("GET", "POST"))
+    assert "$\" {" not in text  # every location pattern ends in \z
+
+
+def test_each_client_is_limited_by_its_certificate_else_its_address(tls: TlsSettings, tmp_path: Path) -> None:
+    lines = [line.strip() for line in render_config(_config(
+        tls, tmp_path, limits=ClientLimits(requests_per_minute=120, burst=7, concurrent=3))).splitlines()]
+    key = lines[lines.index("map $ssl_client_fingerprint $nnunet_client {") + 1:][:2]
+    assert key == ['"" $binary_remote_addr;', "default $ssl_client_fingerprint;"]
+    assert {"limit_req_zone $nnunet_client zone=nnunet_rate:2m rate=120r/m;",
+            "limit_conn_zone $nnunet_client zone=nnunet_busy:2m;", "limit_req_status 429;",
+            "limit_conn_status 429;", "limit_req zone=nnunet_rate burst=7 nodelay;",
+            "limit_conn nnunet_busy 3;"} <= set(lines)
+
+
+@pytest.mark.parametrize(("field", "flag", "value"), [
+    ("requests_per_minute", "--proxy-requests-per-minute", 0), ("burst", "--proxy-burst", -1),
+    ("concurrent", "--proxy-concurrent-requests", 0), ("concurrent", "--proxy-concurrent-requests", 2.5),
+    ("requests_per_minute", "--proxy-requests-per-minute", True)])
+def test_a_limit_out_of_range_is_refused_with_its_name(field: str, flag: str, value: object) -> None:
+    got = re.escape(repr(value))
+    with pytest.raises(ProxyError, match=rf"the proxy's {field} per client \({flag}\) must be an integer "
+                                         rf">= \d \(got {got}\)"):
+        ClientLimits(**{field: value})  # type: ignore[arg-type]
+
+
+def test_serve_refuses_a_proxy_limit_out_of_range_before_starting(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["serve", "--model-repository", str(tmp_path), "--home", str(tmp_path / "home"),
+                     "--proxy-concurrent-requests", "0"]) == 2
+    assert "the proxy's concurrent per client (--proxy-concurrent-requests) must be an integer >= 1 (got 0)" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "home").exists()
+
+
+@pytest.mark.skipif(shutil.which("useradd") is None and not Path("/usr/sbin/useradd").exists(),
+                    reason="useradd is not installed")
+def test_a_worker_user_that_cannot_be_created_is_a_clear_error() -> None:
+    from nnunet_triton.server.proxy import worker_account
+
+    with pytest.raises(ProxyError, match=r"the TLS proxy's workers run as the system user 'no such user!', "
+                                         r"which could not be created \(useradd exit code [1-9].*: create it "
+                                         r"\(useradd --system .*\) or start the server as a user other than "
+                                         r"root"):
+        worker_account("no such user!")

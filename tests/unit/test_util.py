@@ -138,6 +138,7 @@ def test_sha256_file_equals_the_digest_of_the_whole_content_across_chunks(tmp_pa
         ("404", TritonCode.NOT_FOUND),
         ("StatusCode.INTERNAL", TritonCode.INTERNAL),
         ("418", TritonCode.UNKNOWN),
+        ("429", TritonCode.UNAVAILABLE),  # the TLS proxy's per-client limits
         (None, None),
     ],
 )
@@ -150,6 +151,7 @@ def test_triton_code_reads_grpc_http_and_triton_spellings(status, code):
     [
         ("StatusCode.UNAVAILABLE", "model 'nnunet' failed: out of memory", True),
         ("503", "", True),
+        ("429", "an exception occurred in the client while decoding the response", True),
         ("400", "input 'IMAGE': expected 4 dims", False),
         ("StatusCode.INTERNAL", "model 'fold_0' failed: division by zero", False),
         ("500", "Stub process 'preprocess_model_0_0' is not healthy.", True),

@@ -26,15 +26,20 @@ from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument
 from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.server.embedded import ALLOW_DEGRADED_FLAG, DEFAULT_HOST, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
-from nnunet_triton.server.proxy import TlsSettings, running_pid
+from nnunet_triton.server.proxy import ClientLimits, TlsSettings, running_pid
+from nnunet_triton.server.proxy_config import (
+    DEFAULT_CONCURRENT_REQUESTS,
+    DEFAULT_REQUEST_BURST,
+    DEFAULT_REQUESTS_PER_MINUTE,
+)
 from nnunet_triton.server.triton_install import (
     DEFAULT_HOME,
     HOME_ENV,
     resolve_home,
 )
 
-__all__ = ["add_embedded_arguments", "add_parsers", "add_server_arguments", "add_tls_arguments", "main",
-           "tls_settings"]
+__all__ = ["add_embedded_arguments", "add_parsers", "add_proxy_limit_arguments", "add_server_arguments",
+           "add_tls_arguments", "main", "proxy_limits", "tls_settings"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -83,6 +88,7 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
                        help=f"--exit-timeout-secs (default {EXIT_TIMEOUT_S})")
     serve.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the server")
     add_server_arguments(serve)
+    add_proxy_limit_arguments(serve)
     if home:
         _home_argument(serve)
 
@@ -123,6 +129,24 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     tls.add_argument("--proxy-port", type=int, default=None, help="the HTTPS port (default: a free port)")
     tls.add_argument("--proxy-allow-statistics", action="store_true",
                      help="let the statistics API through the proxy (refused by default)")
+
+
+def add_proxy_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """What one client may send through the TLS proxy (``proxy_config.ClientLimits``; beyond it: 429)."""
+    limits = parser.add_argument_group(
+        "TLS proxy limits per client (its certificate with --tls-ca, else its address): beyond them 429")
+    limits.add_argument("--proxy-requests-per-minute", type=int, default=DEFAULT_REQUESTS_PER_MINUTE,
+                        help=f"average request rate (default {DEFAULT_REQUESTS_PER_MINUTE})")
+    limits.add_argument("--proxy-burst", type=int, default=DEFAULT_REQUEST_BURST,
+                        help=f"requests beyond the rate at once (default {DEFAULT_REQUEST_BURST})")
+    limits.add_argument("--proxy-concurrent-requests", type=int, default=DEFAULT_CONCURRENT_REQUESTS,
+                        help=f"requests in progress (default {DEFAULT_CONCURRENT_REQUESTS})")
+
+
+def proxy_limits(args: argparse.Namespace) -> ClientLimits:
+    """The per-client limits of ``add_proxy_limit_arguments``' flags (ProxyError naming a bad one)."""
+    return ClientLimits(requests_per_minute=args.proxy_requests_per_minute, burst=args.proxy_burst,
+                        concurrent=args.proxy_concurrent_requests)
 
 
 def tls_settings(args: argparse.Namespace) -> TlsSettings | None:
@@ -210,6 +234,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         tls=tls_settings(args),
         proxy_port=args.proxy_port,
         allow_statistics=args.proxy_allow_statistics,
+        proxy_limits=proxy_limits(args),
     )
     sys.stdout.write(json.dumps(_public_state(handle), indent=2) + "\n")
     sys.stdout.flush()

@@ -336,6 +336,7 @@ def start(
     tls: proxy.TlsSettings | None = None,
     proxy_port: int | None = None,
     allow_statistics: bool = False,
+    proxy_limits: proxy.ClientLimits | None = None,
     metrics: bool = False,
     allow_token_in_proc_and_readable_shm: bool = False,
 ) -> ServerHandle:
@@ -375,6 +376,7 @@ def start(
             Required when ``host`` is not loopback (``proxy.ExposureError``).
         proxy_port: the proxy's port (default: a free one).
         allow_statistics: the proxy also lets the statistics API through (off by default).
+        proxy_limits: what one client may send through the proxy (default ``proxy.ClientLimits()``).
         allow_token_in_proc_and_readable_shm: start even when ``server.preload``'s library cannot be built
             (no C compiler): the control token is then on tritonserver's command line and the stubs'
             /dev/shm regions are 0644, both readable by every local user; the handle's ``degraded`` (and
@@ -457,7 +459,7 @@ def start(
             if tls is not None:
                 _start_proxy(handle, launch, _proxy_config(
                     host, proxy_port, handle.http_port, tls, (repo, *extra_repositories),
-                    launch.log_file.parent, allow_statistics))
+                    launch.log_file.parent, allow_statistics, proxy_limits or proxy.ClientLimits()))
             if recovery:
                 _start_watchdog(handle, launch)
             return handle
@@ -509,7 +511,8 @@ def _warn_known_cves(host: str) -> None:
 
 
 def _proxy_config(host: str, port: int | None, upstream_port: int, tls: proxy.TlsSettings,
-                  repositories: Sequence[Path], run_dir: Path, allow_statistics: bool) -> proxy.ProxyConfig:
+                  repositories: Sequence[Path], run_dir: Path, allow_statistics: bool,
+                  limits: proxy.ClientLimits) -> proxy.ProxyConfig:
     """The proxy of a server: the public endpoints of every repository (registry), else every model."""
     endpoints: list[str] = []
     models: list[str] = []
@@ -522,7 +525,7 @@ def _proxy_config(host: str, port: int | None, upstream_port: int, tls: proxy.Tl
     return proxy.ProxyConfig(
         listen_host=host, listen_port=port or _free_port(host), upstream_port=upstream_port, tls=tls,
         model_pattern=proxy.public_model_pattern(endpoints, models), run_dir=run_dir / "proxy",
-        allow_statistics=allow_statistics)
+        allow_statistics=allow_statistics, limits=limits)
 
 
 def _start_proxy(handle: ServerHandle, launch: _Launch, config: proxy.ProxyConfig) -> None:

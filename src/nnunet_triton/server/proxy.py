@@ -12,8 +12,17 @@ into the run folder, on the public address:
   model repository and (unless ``allow_statistics``) statistics answer 403 from nginx; Triton never sees them.
 * Request bodies are buffered whole (``proxy_request_buffering on``, at most ``max_body_bytes``) and
   forwarded with a Content-Length over HTTP/1.0, so Triton never receives chunked transfer encoding.
-* The path forwarded is nginx's normalized ``$uri`` that matched the allow-list (no query string), so
-  ``..``, ``%2F`` or doubled slashes cannot reach another path in Triton.
+* The path forwarded is nginx's normalized ``$uri`` that matched the allow-list (no query string, each pattern
+  closed with ``\\z``); a request line holding ``..``, an encoded dot, slash or backslash, a backslash or a
+  control byte is refused (400) first.
+* A body with a ``Content-Encoding`` is refused (415: Triton 2.51 inflates gzip and deflate bodies without a
+  limit), and the header is never forwarded; a ``Transfer-Encoding`` other than ``chunked`` is refused.
+* Each client (its certificate, else its address) gets a request rate and a number of requests in progress;
+  beyond them nginx answers 429.
+* As root, the workers (which face the network and hold the bearer token, the TLS key and the bodies in
+  transit) run as a system user of their own, ``nnunet-proxy`` (created when missing): another local user's
+  processes cannot read their memory. nginx is started with a minimal environment (no token, nothing secret),
+  at first start and at every restart.
 
 ``server.proxy_config`` renders that configuration (and refuses exposure without TLS); this module writes it,
 starts nginx, finds and stops it; ``server.proxy_keeper`` starts it again for the watchdog.
@@ -39,6 +48,7 @@ from pathlib import Path
 
 from nnunet_triton.server.proxy_config import (
     DEFAULT_MAX_BODY_BYTES,
+    ClientLimits,
     ExposureError,
     ProxyConfig,
     ProxyError,
@@ -52,6 +62,8 @@ from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "PROXY_USER",
+    "ClientLimits",
     "ExposureError",
     "ProxyConfig",
     "ProxyError",
@@ -61,18 +73,31 @@ __all__ = [
     "find_nginx",
     "is_loopback",
     "kill_orphaned_workers",
+    "nginx_environment",
     "proxy_alive",
     "running_pid",
     "public_model_pattern",
     "render_config",
     "start_proxy",
     "stop_proxy",
+    "worker_account",
 ]
 
 LOGGER = logging.getLogger(__name__)
 
 NGINX_INSTALL_HINT = "apt-get install nginx-light"
 _PR_SET_PDEATHSIG = 1
+# The workers' own system user (when started as root): nginx makes its workers dumpable after switching user,
+# so any process of the same user could read their memory; no other process runs as this one.
+PROXY_USER = "nnunet-proxy"
+# All nginx gets from its starter's environment: nginx needs none, and its workers' /proc/<pid>/environ (and
+# memory) keep what the master was started with, even after nginx clears its own `environ`.
+_NGINX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def nginx_environment() -> dict[str, str]:
+    """The environment nginx is started with, at first start and by the watchdog: PATH only."""
+    return {"PATH": _NGINX_PATH}
 
 
 def find_nginx() -> str:
@@ -156,16 +181,39 @@ def _die_with_parent() -> None:
 _TEMP_RECORD = "nginx-temp-dir"  # in the run folder: the request-body folder to remove at stop
 
 
+def worker_account(name: str = PROXY_USER) -> pwd.struct_passwd:
+    """The workers' system user ``name``, created (``useradd --system``, no home, no login shell, a group of
+    its own) when it does not exist; ProxyError when it cannot be."""
+    with contextlib.suppress(KeyError):
+        return pwd.getpwnam(name)
+    useradd = shutil.which("useradd") or next(
+        (p for p in ("/usr/sbin/useradd", "/sbin/useradd") if Path(p).is_file()), None)
+    hint = (f"create it (useradd --system --no-create-home --shell /usr/sbin/nologin --user-group {name}) "
+            f"or start the server as a user other than root")
+    if useradd is None:
+        raise ProxyError(f"the TLS proxy's workers run as the system user {name!r}, which does not exist, "
+                         f"and useradd is not installed: {hint}.")
+    result = subprocess.run([useradd, "--system", "--no-create-home", "--home-dir", "/nonexistent",
+                             "--shell", "/usr/sbin/nologin", "--user-group", name],
+                            capture_output=True, text=True, check=False, env=nginx_environment())
+    try:
+        return pwd.getpwnam(name)  # also when a concurrent start created it first (useradd exit code 9)
+    except KeyError:
+        raise ProxyError(f"the TLS proxy's workers run as the system user {name!r}, which could not be "
+                         f"created (useradd exit code {result.returncode}: {result.stderr.strip()}): "
+                         f"{hint}.") from None
+
+
 def _prepare_run_dir(config: ProxyConfig) -> tuple[str | None, Path]:
-    """(worker user, temp folder). As root the workers (which face the network) run as ``nobody``; their
-    request-body folder is then a fresh 0700 folder of ``nobody`` under the system temp folder, since the
-    run folder's parents need not be searchable by ``nobody``."""
+    """(worker user, temp folder). As root the workers (which face the network) run as ``PROXY_USER``;
+    their request-body folder is then a fresh 0700 folder of that user under the system temp folder, since
+    the run folder's parents need not be searchable by it."""
     config.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if os.geteuid() != 0:
         worker, temp = None, config.run_dir
     else:
-        entry = pwd.getpwnam("nobody")
-        worker = f"nobody {grp.getgrgid(entry.pw_gid).gr_name}"  # nginx's default group is the user's name
+        entry = worker_account()
+        worker = f"{entry.pw_name} {grp.getgrgid(entry.pw_gid).gr_name}"
         temp = Path(tempfile.mkdtemp(prefix="nnunet-proxy-"))
         os.chown(temp, entry.pw_uid, entry.pw_gid)
         (config.run_dir / _TEMP_RECORD).write_text(f"{temp}\n")
@@ -213,10 +261,11 @@ def nginx_command(config_file: Path, nginx: str | None = None) -> list[str]:
 
 
 def launch(command: Sequence[str], *, detach: bool) -> subprocess.Popen[bytes]:
-    """Start nginx in its own process group (stopped as a group); without ``detach`` it gets SIGTERM
-    when the starting thread's process exits."""
+    """Start nginx in its own process group (stopped as a group) with ``nginx_environment()`` only (the
+    watchdog's environment holds the control token); without ``detach`` it gets SIGTERM when the starting
+    thread's process exits."""
     return subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=nginx_environment(),
                             preexec_fn=None if detach else _die_with_parent)
 
 
@@ -236,7 +285,8 @@ def start_proxy(config: ProxyConfig, *, detach: bool = False, timeout_s: float =
     text = render_config(config, worker_user=worker, temp_dir=temp)
     write_text_atomic(config.config_file, text, mode=0o600)
     command = nginx_command(config.config_file, nginx)
-    check = subprocess.run([*command, "-t"], capture_output=True, text=True, check=False)
+    check = subprocess.run([*command, "-t"], capture_output=True, text=True, check=False,
+                           env=nginx_environment())
     if check.returncode != 0:
         raise ProxyError(f"nginx rejected {config.config_file}: {check.stderr.strip()}")
     process = launch(command, detach=detach)

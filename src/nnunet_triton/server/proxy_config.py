@@ -15,7 +15,11 @@ from pathlib import Path
 from nnunet_triton.errors import NnunetTritonError
 
 __all__ = [
+    "ClientLimits",
+    "DEFAULT_CONCURRENT_REQUESTS",
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_REQUESTS_PER_MINUTE",
+    "DEFAULT_REQUEST_BURST",
     "ExposureError",
     "ProxyConfig",
     "ProxyError",
@@ -28,6 +32,13 @@ __all__ = [
 
 # A 512x512x1000 float32 CT is 1000 MiB; JSON headers and a probability request's margin fit in 100 MiB more.
 DEFAULT_MAX_BODY_BYTES = 1100 * 2**20
+# Per client (its certificate, else its address): one segmentation takes seconds and a client polls health
+# and metadata between requests; 600 a minute (10/s) with a burst of 60 and 16 requests at once are far above
+# what the client library and the DICOM node send. perf_analyzer through the proxy at high rates needs more
+# (--proxy-requests-per-minute, --proxy-burst, --proxy-concurrent-requests).
+DEFAULT_REQUESTS_PER_MINUTE = 600
+DEFAULT_REQUEST_BURST = 60
+DEFAULT_CONCURRENT_REQUESTS = 16
 _SAFE_TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,256}$")
 
 
@@ -111,6 +122,28 @@ def public_model_pattern(endpoints: Sequence[str] = (), models: Sequence[str] = 
 
 
 @dataclass(frozen=True)
+class ClientLimits:
+    """What one client may have the proxy forward: ``requests_per_minute`` on average, ``burst`` more at
+    once, and ``concurrent`` requests in progress; beyond either nginx answers 429. A client is its TLS
+    certificate where client certificates authenticate (two processes of one host with different
+    certificates are two clients), else its address (with a bearer token alone, every process of a host
+    shares that host's allowance)."""
+
+    requests_per_minute: int = DEFAULT_REQUESTS_PER_MINUTE
+    burst: int = DEFAULT_REQUEST_BURST
+    concurrent: int = DEFAULT_CONCURRENT_REQUESTS
+
+    def __post_init__(self) -> None:
+        for name, flag, minimum in (("requests_per_minute", "--proxy-requests-per-minute", 1),
+                                    ("burst", "--proxy-burst", 0),
+                                    ("concurrent", "--proxy-concurrent-requests", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ProxyError(f"the proxy's {name} per client ({flag}) must be an integer >= {minimum} "
+                                 f"(got {value!r}).")
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     """One proxy: where it listens, the loopback Triton HTTP port it forwards to and what it lets through."""
 
@@ -122,6 +155,7 @@ class ProxyConfig:
     run_dir: Path
     allow_statistics: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    limits: ClientLimits = ClientLimits()
 
     @property
     def config_file(self) -> Path:
@@ -151,6 +185,58 @@ def _auth_lines(tls: TlsSettings) -> list[str]:
     return lines
 
 
+# What the proxy answers before anything reaches Triton (nginx ``return``; the body is read and discarded).
+# Triton 2.51 inflates `Content-Encoding: gzip|deflate` bodies without a limit (a 1 MiB gzip grows it by
+# 1 GiB for good): no encoded body is forwarded, and the header itself never is (``proxy_set_header``).
+_ENCODED_BODY = ("415", "a request body with a Content-Encoding is refused: send it uncompressed "
+                        "(docs/security.md, TLS proxy)")
+# nginx itself answers 501 for any Transfer-Encoding but exactly "chunked" and 400 for two of them; this
+# check keeps that true for an nginx that would not (``\z``: PCRE's ``$`` also matches before a final
+# newline).
+_TRANSFER_ENCODING = ("501", "a Transfer-Encoding other than chunked is refused")
+_BAD_TRANSFER_ENCODING = "^(chunked)?\\z"
+# The raw request line: no parent segment, no encoded dot, slash, backslash or control byte, no backslash
+# and no control byte at all; a model name never needs them and nginx would decode them into $uri.
+_BAD_PATH = ("400", "the path holds a traversal or control character (.., %2e, %2f, %5c, backslash, %00-%1f, "
+                    "%7f): refused")
+_BAD_PATH_PATTERN = "(\\.\\.|%2e|%2f|%5c|%[01][0-9a-f]|%7f|\\x5c|[\\x00-\\x20\\x7f])"
+
+
+def _refusal(status_message: tuple[str, str]) -> str:
+    status, message = status_message
+    return f'return {status} "{message}\\n";'
+
+
+def _guards() -> list[str]:
+    """Server-level refusals, after authentication (an unauthenticated client learns nothing more)."""
+    return [
+        f'if ($request_uri ~* "{_BAD_PATH_PATTERN}") {{ {_refusal(_BAD_PATH)} }}',
+        f'if ($http_transfer_encoding !~* "{_BAD_TRANSFER_ENCODING}") {{ {_refusal(_TRANSFER_ENCODING)} }}',
+        f'if ($http_content_encoding != "") {{ {_refusal(_ENCODED_BODY)} }}',
+    ]
+
+
+def _limits(limits: ClientLimits) -> tuple[list[str], list[str]]:
+    """(http lines, server lines) of ``limits``: the client is keyed on its certificate's SHA-1 fingerprint
+    (empty without client certificates), else on its address. Refused requests (401, 403, 400, 415) never
+    count: nginx answers them before the limits' phase."""
+    http = [
+        "map $ssl_client_fingerprint $nnunet_client {",
+        '    "" $binary_remote_addr;',
+        "    default $ssl_client_fingerprint;",
+        "}",
+        f"limit_req_zone $nnunet_client zone=nnunet_rate:2m rate={limits.requests_per_minute}r/m;",
+        "limit_conn_zone $nnunet_client zone=nnunet_busy:2m;",
+        "limit_req_status 429;",
+        "limit_conn_status 429;",
+        "limit_req_log_level warn;",
+        "limit_conn_log_level warn;",
+    ]
+    server = [f"limit_req zone=nnunet_rate burst={limits.burst} nodelay;",
+              f"limit_conn nnunet_busy {limits.concurrent};"]
+    return http, server
+
+
 def render_config(config: ProxyConfig, *, worker_user: str | None = None,
                   temp_dir: Path | None = None) -> str:
     """The nginx.conf text for ``config``: files in ``config.run_dir``, request bodies in ``temp_dir``
@@ -161,21 +247,24 @@ def render_config(config: ProxyConfig, *, worker_user: str | None = None,
     versioned = f"{config.model_pattern}(/versions/[1-9][0-9]*)?"
     model = f"/v2/models/{versioned}"
     forward = [f"proxy_pass {upstream}$uri;"]
+    # each pattern ends in \z: with `$` a path ending in %0a (decoded into $uri) matched and reached Triton
+    # as a raw line feed
     locations = [
         # server liveness/readiness and metadata
-        ('"^/v2/health/(live|ready)$"', "GET"),
-        ('"^/v2$"', "GET"),
+        ('"^/v2/health/(live|ready)\\z"', "GET"),
+        ('"^/v2\\z"', "GET"),
         # a public endpoint's readiness, metadata and config (config: clients read the input dtypes)
-        (f'"^{model}(/ready|/config)?$"', "GET"),
-        (f'"^{model}/infer$"', "POST"),
+        (f'"^{model}(/ready|/config)?\\z"', "GET"),
+        (f'"^{model}/infer\\z"', "POST"),
     ]
     if config.allow_statistics:
-        locations.append((f'"^/v2/models(/{versioned})?/stats$"', "GET"))
+        locations.append((f'"^/v2/models(/{versioned})?/stats\\z"', "GET"))
     body = []
     for pattern, method in locations:
         body += [f"location ~ {pattern} {{", f"    limit_except {method} {{ deny all; }}",
                  *(f"    {line}" for line in forward), "}"]
     body += ["location / { return 403; }"]
+    limits_http, limits_server = _limits(config.limits)
     server = [
         f"listen {_listen(config.listen_host, config.listen_port)} ssl;",
         f"ssl_certificate {Path(config.tls.cert).absolute()};",
@@ -183,6 +272,8 @@ def render_config(config: ProxyConfig, *, worker_user: str | None = None,
         "ssl_protocols TLSv1.2 TLSv1.3;",
         "ssl_prefer_server_ciphers on;",
         *_auth_lines(config.tls),
+        *_guards(),
+        *limits_server,
         *body,
     ]
     http = [
@@ -193,6 +284,7 @@ def render_config(config: ProxyConfig, *, worker_user: str | None = None,
         f"fastcgi_temp_path {temp}/nginx-fastcgi;",
         f"uwsgi_temp_path {temp}/nginx-uwsgi;",
         f"scgi_temp_path {temp}/nginx-scgi;",
+        *limits_http,
         # bodies are buffered whole (to disk beyond 1 MiB) and sent de-chunked with a Content-Length
         f"client_max_body_size {config.max_body_bytes};",
         "client_body_buffer_size 1m;",
@@ -200,6 +292,9 @@ def render_config(config: ProxyConfig, *, worker_user: str | None = None,
         "proxy_request_buffering on;",
         "proxy_http_version 1.0;",
         "proxy_set_header Transfer-Encoding \"\";",
+        # never forwarded, whatever the refusal above saw (nginx 1.22's $http_ variable reads the first of
+        # several headers only): Triton inflates gzip and deflate bodies without a limit
+        "proxy_set_header Content-Encoding \"\";",
         "proxy_set_header Host $host;",
         # answers (segmentations, probabilities) stream back instead of filling a temp file
         "proxy_buffering off;",

@@ -46,8 +46,9 @@ class TritonCode(str, enum.Enum):  # noqa: UP042 - StrEnum is 3.11, the image st
 RETRYABLE_CODES = frozenset({TritonCode.UNAVAILABLE})
 
 # Triton's HTTP endpoint answers an error with the HTTP status of its code (tritonclient reports it as text).
-_HTTP_CODES = {"400": TritonCode.INVALID_ARG, "404": TritonCode.NOT_FOUND, "500": TritonCode.INTERNAL,
-               "503": TritonCode.UNAVAILABLE}
+# 429: the TLS proxy's per-client limits (server.proxy_config.ClientLimits): busy for now, like 503.
+_HTTP_CODES = {"400": TritonCode.INVALID_ARG, "404": TritonCode.NOT_FOUND, "429": TritonCode.UNAVAILABLE,
+               "500": TritonCode.INTERNAL, "503": TritonCode.UNAVAILABLE}
 _GRPC_CODES = {"INVALID_ARGUMENT": TritonCode.INVALID_ARG, "UNIMPLEMENTED": TritonCode.UNSUPPORTED}
 # The codes Triton gives a composing model that is not running (see the module docstring).
 _NOT_RUNNING_CODES = frozenset({TritonCode.INTERNAL, TritonCode.NOT_FOUND, TritonCode.UNKNOWN})
