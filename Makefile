@@ -25,7 +25,11 @@ PYTRITON_VERSION ?= 0.7.0
 TRITON_HOST ?= 127.0.0.1
 TRITON_HTTP_PORT ?= 8000
 TRITON_GRPC_PORT ?= 8001
-TRITON_METRICS_PORT ?= 8002
+# empty: the embedded server opens no metrics endpoint (no authentication there; docs/security.md); a port
+# opens it (serve, deploy). docker/k8s publish 8002 whatever this says
+TRITON_METRICS_PORT ?=
+# more `serve` flags, e.g. --metrics, or --allow-token-in-proc-and-readable-shm on a host without a C compiler
+SERVE_ARGS ?=
 MODEL_REPOSITORY ?= build/model_repository
 # An nnU-Net results folder (dataset.json, plans.json, fold_k/checkpoint_final.pth); default: the committed fixture.
 FIXTURE_MODEL := tests/fixtures/Dataset901_SynthCT/nnUNetTrainer__nnUNetPlans__3d_tiny
@@ -114,7 +118,8 @@ serve: $(SETUP_STAMP) ## Start tritonserver on MODEL_REPOSITORY (with MODEL=<res
 	$(if $(MODEL),$(MAKE) --no-print-directory repository MODEL="$(MODEL)" OUT="$(MODEL_REPOSITORY)" \
 		CONFIG="$(CONFIG)" FOLDS="$(FOLDS)" BUILD_TARGET="$(BUILD_TARGET)" NAME="$(NAME)" BUILD_ARGS="$(BUILD_ARGS)")
 	$(SERVER) start --model-repository "$(MODEL_REPOSITORY)" --host $(TRITON_HOST) \
-		--http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT)
+		--http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
+		$(if $(TRITON_METRICS_PORT),--metrics-port $(TRITON_METRICS_PORT)) $(SERVE_ARGS)
 
 stop: $(SETUP_STAMP) ## Stop the server started by `make serve` (none running is fine: exit 3 is ignored)
 	$(SERVER) stop || [ $$? -eq 3 ]
@@ -170,7 +175,7 @@ deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (MODEL="A B"
 		--target $(TARGET) \
 		$(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS)) \
 		--host $(TRITON_HOST) --http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
-		--metrics-port $(TRITON_METRICS_PORT) $(DEPLOY_ARGS)
+		$(if $(TRITON_METRICS_PORT),--metrics-port $(TRITON_METRICS_PORT)) $(DEPLOY_ARGS)
 
 undeploy: $(SETUP_STAMP) ## Stop what `make deploy` started (TARGET=embedded|docker|k8s; DEPLOY_ARGS="--engine podman" or --kube-play)
 	$(PY) -m nnunet_triton.cli undeploy --target $(TARGET) $(DEPLOY_ARGS) || [ $$? -eq 3 ]

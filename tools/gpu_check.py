@@ -189,7 +189,7 @@ def _server(repository: Path, out: Path, name: str, live: list[Any]) -> Iterator
     with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as run:
         handle = embedded.start(repository, log_file=out / f"tritonserver-{name}.log",
                                 pid_file=Path(run) / "tritonserver.pid", state_file=Path(run) / "server.json",
-                                ready_timeout_s=900.0, exit_timeout_s=5)
+                                ready_timeout_s=900.0, exit_timeout_s=5, metrics=True)  # gpu_timings scrapes
         live.append(handle)
         try:
             yield handle

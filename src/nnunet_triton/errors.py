@@ -17,6 +17,7 @@ __all__ = [
     "ExportError",
     "ThreadBudgetError",
     "ServerError",
+    "PreloadUnavailableError",
     "NumericalError",
     "ClientError",
     "DeployError",
@@ -96,6 +97,11 @@ class ServerError(NnunetTritonError):
     """The embedded tritonserver failed to start, died, or did not become ready."""
 
     triton_code = "UNAVAILABLE"
+
+
+class PreloadUnavailableError(ServerError):
+    """The LD_PRELOAD library (``server.preload``) that keeps the control token off tritonserver's command
+    line and its /dev/shm regions private is missing and cannot be built (no C compiler, a failed compile)."""
 
 
 class NumericalError(NnunetTritonError):

@@ -138,7 +138,7 @@ def shared_server(dataset: str, triton_server: Callable[..., Any], request: pyte
     stop_shared_server()
     repository = build(dataset)
     stack = contextlib.ExitStack()
-    handle = stack.enter_context(triton_server(repository))
+    handle = stack.enter_context(triton_server(repository, metrics=True))  # test_metrics.py scrapes it
     _ACTIVE.update(dataset=dataset, handle=handle, stack=stack)
     request.addfinalizer(stop_shared_server)
     return handle

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,6 +25,7 @@ from nnunet_triton.server import health, preload
 from nnunet_triton.server.model_control import CONTROL_HEADER
 
 RESTRICTED = "This (API|protocol) is restricted"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _identity_answers(url: str) -> bool:
@@ -177,3 +179,125 @@ def test_another_local_user_cannot_read_a_python_stubs_shared_memory_region(iden
         assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
         attempt = _as_nobody("head", "-c", "16", str(path))
         assert attempt.returncode != 0 and b"Permission denied" in attempt.stderr, attempt
+
+
+def test_the_servers_own_proc_environ_no_longer_holds_the_token(identity_server):
+    """The preload's constructor overwrites the token in the environment block /proc/<pid>/environ shows
+    (read here by root, who can: unsetenv alone left it there for the server's own user)."""
+    environ = Path(f"/proc/{identity_server.pid}/environ").read_bytes()
+    assert identity_server.control_token.encode() not in environ
+    wiped = f"{preload.TOKEN_ENV}=".encode() + b"*" * len(identity_server.control_token)
+    assert wiped in environ.split(b"\0")
+
+
+def _listening_ports(pid: int) -> set[tuple[str, int]]:
+    import psutil
+
+    return {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)
+            for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_sagemaker_and_vertex_frontends_stay_closed_even_with_their_environment(
+        triton_server, identity_model_repository, monkeypatch, tmp_path):
+    """With AIP_MODE=PREDICTION in the launcher's environment Triton 2.51 opened its Vertex AI port on
+    0.0.0.0, and its X-Vertex-Ai-Triton-Redirect header reached the restricted APIs without the token (with
+    one model; with several it refused to start without --vertex-ai-default-model, now refused here)."""
+    from nnunet_triton.cli import main
+
+    repository = tmp_path / "one-model"
+    shutil.copytree(identity_model_repository / IDENTITY_MODEL, repository / IDENTITY_MODEL)
+    vertex_port = _free_port()
+    for name, value in {"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": str(vertex_port),
+                        "AIP_HEALTH_ROUTE": "/health", "AIP_PREDICT_ROUTE": "/predict",
+                        "AIP_STORAGE_URI": str(repository),
+                        "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "identity"}.items():
+        monkeypatch.setenv(name, value)
+    with triton_server(repository) as server:
+        assert _listening_ports(server.pid) == {("127.0.0.1", server.http_port),
+                                                ("127.0.0.1", server.grpc_port)}
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes()
+        assert b"AIP_" not in environ and b"SAGEMAKER_" not in environ
+        request = urllib.request.Request(f"http://127.0.0.1:{vertex_port}/predict", data=b"{}",
+                                         headers={"X-Vertex-Ai-Triton-Redirect": "v2/repository/index"})
+        with pytest.raises(urllib.error.URLError, match="Connection refused"):
+            urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10)
+        assert _http(server.http_url, "/v2/repository/index", body={}) == 403  # the token still guards it
+    for arg in ("--vertex-ai-default-model=nnunet", "--allow-vertex-ai=true", "--allow-sagemaker=true",
+                "--sagemaker-port=8080"):
+        assert main(["serve", "--model-repository", str(repository), "--home", str(tmp_path / "home"),
+                     f"--server-arg={arg}"]) == 2
+        assert not (tmp_path / "home" / "run" / "server.json").exists()
+
+
+def test_the_metrics_port_is_closed_unless_asked_for(identity_server):
+    """Triton's metrics endpoint has no authentication: it showed any local user the per-model counters the
+    restricted statistics API hides. The default server has none (test_metrics.py asks for one)."""
+    from nnunet_triton.errors import ServerError
+
+    assert identity_server.metrics_port is None
+    assert {port for _, port in _listening_ports(identity_server.pid)} == {identity_server.http_port,
+                                                                          identity_server.grpc_port}
+    with pytest.raises(ServerError, match="no metrics endpoint: start it with metrics=True"):
+        identity_server.metrics_url  # noqa: B018
+
+
+def _path_without_cc(tmp_path: Path) -> str:
+    """A PATH with every program of this one but ``cc``: the preload library cannot be built."""
+    bin_dir = tmp_path / "bin-without-cc"
+    bin_dir.mkdir()
+    for folder in reversed(os.environ["PATH"].split(os.pathsep)):
+        if not Path(folder).is_dir():
+            continue
+        for program in Path(folder).iterdir():
+            if program.name != "cc" and os.access(program, os.X_OK):
+                (bin_dir / program.name).unlink(missing_ok=True)
+                (bin_dir / program.name).symlink_to(program.absolute())
+    assert shutil.which("cc", path=str(bin_dir)) is None
+    return str(bin_dir)
+
+
+def test_serve_refuses_to_start_without_the_preload_unless_told_the_consequence(
+        identity_model_repository, tmp_path):
+    """Without a C compiler `serve` once exited 0 with one warning: the token on argv, 0644 regions."""
+    from nnunet_triton.server.triton_install import prepare_home, resolve_home
+
+    shared = resolve_home(os.environ.get("NNUNET_TRITON_HOME", REPO_ROOT / "build" / "triton-home"))
+    prepare_home(shared)
+    home = tmp_path / "home"  # a fresh preload cache; the prepared server tree is the shared one
+    home.mkdir()
+    (home / "server").symlink_to(shared / "server")
+    env = {**os.environ, "PATH": _path_without_cc(tmp_path)}
+    serve = [sys.executable, "-m", "nnunet_triton.cli", "serve", "--model-repository",
+             str(identity_model_repository), "--home", str(home), "--exit-timeout", "5"]
+
+    def run(*command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+    try:  # a launcher that does start (the old one did) is stopped in the end
+        refused = run(*serve)
+        assert refused.returncode == 2, refused
+        for words in ("refusing to start tritonserver without the preload library", "no C compiler (`cc`)",
+                      "/proc/<pid>/cmdline, readable by every local user", "/dev/shm regions 0644",
+                      "--allow-token-in-proc-and-readable-shm"):
+            assert words in refused.stderr, (words, refused.stderr)
+        assert not (home / "run" / "server.json").exists()
+        started = run(*serve, "--allow-token-in-proc-and-readable-shm")
+        assert started.returncode == 0, started
+        assert "starting DEGRADED" in started.stderr
+        status = run(sys.executable, "-m", "nnunet_triton.cli", "status", "--home", str(home))
+        state = json.loads(status.stdout)
+        assert status.returncode == 0 and state["healthy"], status
+        assert any("/proc/<pid>/cmdline" in line for line in state["degraded"]), state
+        assert "runs DEGRADED" in status.stderr
+        recorded = json.loads((home / "run" / "server.json").read_text())
+        assert recorded["degraded"] == state["degraded"]
+    finally:
+        run(sys.executable, "-m", "nnunet_triton.cli", "stop", "--home", str(home))

@@ -62,7 +62,7 @@ def server(triton_server: Callable[..., Any], tmp_path_factory: pytest.TempPathF
         "1": {"models": [IDENTITY_MODEL, NUMPY_API_MODEL]}}}}}
     (repo / "repository_metadata.json").write_text(json.dumps(registry))
     tls = TlsSettings(cert=certs.server_cert, key=certs.server_key, client_ca=certs.ca)
-    with triton_server(repo, host="0.0.0.0", tls=tls) as handle:  # with the watchdog
+    with triton_server(repo, host="0.0.0.0", tls=tls, metrics=True) as handle:  # with the watchdog
         yield handle
 
 

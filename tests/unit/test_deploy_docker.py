@@ -244,6 +244,8 @@ def test_docker_run_command_equals_expected_and_loads_every_model(tmp_path: Path
         f"--backend-config=python,shm-growth-byte-size={64 * MiB}",
         "--backend-config=python,stub-timeout-seconds=120",
         "--exit-timeout-secs=30",
+        "--allow-sagemaker=false",
+        "--allow-vertex-ai=false",
         "--disable-auto-complete-config",
     )
     health = argv[argv.index("--health-cmd") + 1]

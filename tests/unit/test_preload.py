@@ -1,5 +1,7 @@
 """server.preload: the LD_PRELOAD library that takes the control token off tritonserver's command line and
-keeps /dev/shm objects private, exercised on ordinary programs (printf, sh, python)."""
+keeps /dev/shm objects private, exercised on ordinary programs (printf, sh, python): the token also
+leaves the program's /proc/<pid>/environ, and a wrapper script on the way to the named program passes it
+on."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from nnunet_triton.errors import PreloadUnavailableError
 from nnunet_triton.server import preload
 from nnunet_triton.server.model_control import TOKEN_ENV
 
@@ -60,3 +63,44 @@ def test_dev_shm_objects_keep_only_the_owners_bits_even_after_fchmod(library):
     finally:
         Path("/dev/shm", name).unlink(missing_ok=True)
     assert out.stdout == "0o600\n"
+
+
+def test_the_preload_wipes_the_token_from_proc_environ(library):
+    """/proc/<pid>/environ shows the block the kernel copied at exec: unsetenv alone leaves the token."""
+    env = {"PATH": os.environ["PATH"], "LD_PRELOAD": str(library), TOKEN_ENV: "s3cret-in-environ"}
+    reader = "import sys; print(open(f'/proc/{sys.argv[1]}/environ', 'rb').read().hex())"
+    program = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], env=env,
+                               stdin=subprocess.PIPE)
+    try:
+        # another process reads it (root here, or the owner): what a local attacker of the same user sees
+        shown = bytes.fromhex(subprocess.run([sys.executable, "-c", reader, str(program.pid)],
+                                             capture_output=True, text=True, timeout=60, check=True).stdout)
+    finally:
+        program.communicate(b"", timeout=60)
+    assert b"s3cret-in-environ" not in shown
+    assert f"{TOKEN_ENV}=".encode() + b"*" * len("s3cret-in-environ") in shown.split(b"\0")
+
+
+def test_only_the_named_program_takes_the_token_a_wrapper_on_the_way_passes_it_on(library):
+    """perf_analyzer runs behind a bash wrapper that execs it: the wrapper must neither put the token on
+    the command line it execs nor drop the variable."""
+    wrapper = f'printf "%s|%s\\n" "$1" "${{{TOKEN_ENV}:+set}}"; exec printf "%s\\n" "$1"'
+    env = preload.environment(library, "s3cret", "printf", base={"PATH": os.environ["PATH"]})
+    out = subprocess.run(["bash", "-c", wrapper, "bash", f"-H=x:{preload.PLACEHOLDER}"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.splitlines() == [f"-H=x:{preload.PLACEHOLDER}|set", "-H=x:s3cret"]
+
+
+def test_building_without_a_compiler_names_cc_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(PreloadUnavailableError, match=r"no C compiler \(`cc`\) on PATH"):
+        preload.library(tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_the_build_step_compiles_the_library_to_a_given_path(tmp_path):
+    out = tmp_path / "lib" / "nnunet_triton_preload.so"
+    assert preload.main([str(out)]) == 0
+    assert out.is_file() and list(out.parent.iterdir()) == [out]
+    shown = _run(out, ["printf", "%s", preload.PLACEHOLDER], **{TOKEN_ENV: "t"})
+    assert shown.stdout == "t"

@@ -12,6 +12,7 @@ from deploy_support import write_repository
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE, GPU_TRITON_RELEASE
 from nnunet_triton.server import embedded, health, preload, watchdog
+from nnunet_triton.server import server_config as server_config_module
 from nnunet_triton.server.deploy import docker, image_check, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.restart import LaunchSpec
@@ -43,7 +44,8 @@ def _flags(argv: list[str] | tuple[str, ...]) -> dict[str, list[str]]:
     return flags
 
 
-def _embedded_argv(repo: Path, tmp_path: Path, *, preload_library: Path | None) -> list[str]:
+def _embedded_argv(repo: Path, tmp_path: Path, *, preload_library: Path | None,
+                   ports: dict[str, int | None] | None = None) -> list[str]:
     installation = TritonInstallation(server_dir=tmp_path / "server", lib_dirs=(), python_bin_dir=tmp_path)
     launch_args = {
         "installation": installation, "backend_dir": tmp_path / "backends", "model_repository": repo,
@@ -53,7 +55,7 @@ def _embedded_argv(repo: Path, tmp_path: Path, *, preload_library: Path | None) 
         "thread_budget": plan_budget(1, env={}, quota=CpuQuota(2, 2, None, "test")),
         "control_token": "secret-token", "preload_library": preload_library, "memory_pools": MemoryPools(),
     }
-    return embedded._server_config(launch_args, PORTS).to_args()
+    return embedded._server_config(launch_args, PORTS if ports is None else ports).to_args()
 
 
 def test_every_target_renders_the_same_flags_except_its_presets_explicit_differences(tmp_path: Path) -> None:
@@ -96,6 +98,45 @@ def test_the_embedded_command_carries_the_preload_placeholder_never_the_token(tm
     argv = _embedded_argv(repo, tmp_path, preload_library=tmp_path / "preload.so")
     assert not any("secret-token" in a for a in argv)
     assert [a for a in argv if preload.PLACEHOLDER in a] == [a for a in argv if "restricted" in a] != []
+
+
+def test_every_target_renders_the_sagemaker_and_vertex_frontends_off(tmp_path: Path) -> None:
+    repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))
+    info = RepositoryInfo.from_repository(repo)
+    plan = sizing.plan_memory(info, sizing.VolumeSpec())
+    for argv in (docker.tritonserver_args(info, plan, gpus=0, repository=str(repo)),
+                 image_check.fixture_command(repo, list(PORTS.values())),
+                 _embedded_argv(repo, tmp_path, preload_library=tmp_path / "preload.so")):
+        flags = _flags(argv)
+        assert (flags["--allow-sagemaker"], flags["--allow-vertex-ai"]) == (["false"], ["false"])
+
+
+@pytest.mark.parametrize("arg", ["--allow-vertex-ai=true", "--vertex-ai-default-model=nnunet",
+                                 "--vertex-ai-port=8080", "--allow-sagemaker=true", "--sagemaker-port=8080",
+                                 "--sagemaker-safe-port-range=1-65535"])
+def test_flags_that_open_the_sagemaker_or_vertex_frontend_are_refused_naming_the_flag(arg: str) -> None:
+    with pytest.raises(ValueError, match=f"the tritonserver flag '{arg}' is refused: Triton's SageMaker and "
+                                         f"Vertex AI frontends stay off"):
+        server_config("/models", EMBEDDED, load_models=(), extra_args=("--log-verbose=1", arg))
+    with pytest.raises(ValueError, match=f"'{arg}' is refused"):  # before anything is prepared or started
+        embedded.start(Path(__file__).parent, extra_args=(arg,), home=Path("/nonexistent-home"))
+
+
+def test_the_frontends_variables_are_dropped_from_the_servers_environment() -> None:
+    env = {"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": "9", "AIP_STORAGE_URI": "gs://x",
+           "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "nnunet", "PATH": "/bin", "MY_AIP_MODE": "kept"}
+    assert server_config_module.without_frontend_environment(env) == {"PATH": "/bin", "MY_AIP_MODE": "kept"}
+
+
+def test_the_embedded_command_opens_no_metrics_endpoint_without_a_metrics_port(tmp_path: Path) -> None:
+    repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))
+    argv = _embedded_argv(repo, tmp_path, preload_library=tmp_path / "preload.so",
+                          ports={**PORTS, "metrics": None})
+    flags = _flags(argv)
+    assert flags["--allow-metrics"] == ["false"]
+    assert "--metrics-port" not in flags and "--metrics-address" not in flags
+    with_port = _flags(_embedded_argv(repo, tmp_path, preload_library=tmp_path / "preload.so"))
+    assert with_port["--metrics-port"] == ["8002"] and "--allow-metrics" not in with_port
 
 
 def _full_config(token: str) -> TritonServerConfig:

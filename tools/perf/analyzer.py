@@ -17,6 +17,12 @@ Why these settings (perf_analyzer 2.48.0, installed by ``make setup`` as ``.venv
   server defaults (all deployed folds, mirroring on).
 - ``--bls-composing-models``: the fold models behind the BLS orchestrator, so perf_analyzer's log
   also shows their server-side statistics (the ensemble's own steps are found from its config).
+- ``-H triton-grpc-protocol-nnunet-control:@NNUNET_TRITON_CONTROL_TOKEN@``: the statistics and shared-memory
+  APIs perf_analyzer calls need the launcher's token, which perf_analyzer takes only with ``-H``. The
+  command line carries ``server.preload``'s placeholder; the token travels in perf_analyzer's environment
+  and the preload library (``LD_PRELOAD``, for the ``perf_analyzer`` executable only, past the venv's
+  bash wrapper) swaps it into argv before ``main`` and wipes it from ``/proc/<pid>/environ``: another local
+  user reading ``/proc/<pid>/cmdline`` during a measurement sees the placeholder.
 """
 
 from __future__ import annotations
@@ -31,9 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nnunet_triton.client.tls import ClientTls, client_tls
+from nnunet_triton.server import preload
+from nnunet_triton.server.model_control import CONTROL_HEADER
+from nnunet_triton.server.triton_install import resolve_home
 
 __all__ = ["PROTOCOLS", "MEASUREMENT_MODES", "AnalyzerSettings", "AnalyzerResult", "perf_analyzer_path",
-           "command", "run", "parse_csv", "parse_log"]
+           "command", "environment", "run", "parse_csv", "parse_log"]
 
 PROTOCOLS = ("grpc", "http")
 MEASUREMENT_MODES = ("count_windows", "time_windows")
@@ -70,9 +79,11 @@ class AnalyzerSettings:
         output_shared_memory_size: bytes per output region when ``shared_memory`` is ``system``.
         tls: CA and client certificate of a TLS server (HTTPS proxy or gRPC SSL); default: from
             ``$NNUNET_TRITON_CA``/``_CERT``/``_KEY`` when set (``nnunet_triton.client.tls``).
-        headers: ``(name, value)`` sent with every call (``-H``): the statistics and shared-memory APIs
-            perf_analyzer uses need the launcher's token (``ServerHandle.control_headers``). The value is on
-            perf_analyzer's command line for the run's duration.
+        headers: ``(name, value)`` sent with every call (``-H``); on perf_analyzer's command line, so no
+            secret: the token goes in ``control_token``.
+        control_token: the launcher's token (``ServerHandle.control_token``), which the statistics and
+            shared-memory APIs perf_analyzer uses need: sent as ``model_control.CONTROL_HEADER``, kept off
+            the command line by ``server.preload`` (:func:`environment`).
     """
 
     model: str
@@ -94,6 +105,7 @@ class AnalyzerSettings:
     measurement_mode: str = "count_windows"
     tls: ClientTls | None = None
     headers: tuple[tuple[str, str], ...] = ()
+    control_token: str | None = None
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -188,7 +200,27 @@ def command(settings: AnalyzerSettings, csv_path: Path, *, binary: Path | None =
         args += tls.perf_analyzer_args(s.protocol)
     for name, value in s.headers:
         args += ["-H", f"{name}:{value}"]
+    if s.control_token:  # the placeholder; the token is in environment()'s variables
+        args += ["-H", f"{CONTROL_HEADER}:{preload.PLACEHOLDER}"]
     return args
+
+
+PROGRAM = "perf_analyzer"  # the executable that takes the token (the venv's wrapper is a bash script)
+
+
+def environment(settings: AnalyzerSettings, *, preload_dir: Path | None = None) -> dict[str, str] | None:
+    """perf_analyzer's environment: None (inherit this one) without a control token; else this environment
+    with ``server.preload``'s library (built into ``preload_dir``, default ``<home>/preload``) and the token
+    for the ``perf_analyzer`` executable alone.
+
+    Raises:
+        PreloadUnavailableError: the library cannot be built (no ``cc``): the token would be on the
+            command line, so perf_analyzer is not run.
+    """
+    if not settings.control_token:
+        return None
+    library = preload.library(preload_dir or resolve_home(None) / "preload")
+    return preload.environment(library, settings.control_token, PROGRAM)
 
 
 def parse_csv(path: Path) -> dict[str, float]:
@@ -225,9 +257,9 @@ def parse_log(text: str) -> dict[str, float]:
 STATS_RACE = "failed to find the requested model version"
 
 
-def _attempt(args: Sequence[str], timeout_s: float) -> tuple[int, str]:
+def _attempt(args: Sequence[str], timeout_s: float, env: dict[str, str] | None) -> tuple[int, str]:
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, check=False)
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
         return proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         partial = [s.decode(errors="replace") if isinstance(s, bytes) else s
@@ -242,11 +274,12 @@ def run(settings: AnalyzerSettings, out_dir: Path, label: str, *, timeout_s: flo
     csv_path, log_path = out_dir / f"{label}.csv", out_dir / f"{label}.log"
     csv_path.unlink(missing_ok=True)
     args = command(settings, csv_path, binary=binary)
+    env = environment(settings)
     start = time.perf_counter()
-    returncode, output = _attempt(args, timeout_s)
+    returncode, output = _attempt(args, timeout_s, env)
     if returncode == 99 and STATS_RACE in output:  # seen once on a loaded 2-core machine; retried once
         first = output
-        returncode, output = _attempt(args, timeout_s)
+        returncode, output = _attempt(args, timeout_s, env)
         output = f"{first}\n--- retried once after perf_analyzer's '{STATS_RACE}' ---\n{output}"
     wall = time.perf_counter() - start
     log_path.write_text(shell_command(args, _REPO_ROOT) + "\n\n" + output)

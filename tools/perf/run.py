@@ -358,7 +358,7 @@ def _measure_level(ctx: _Context, handle: Any, system: str, scenario: Scenario, 
     tiles = ctx.tile_plans[(scenario.volume, mirroring)]
     settings = analyzer.AnalyzerSettings(
         model=model, url=handle.grpc_url if protocol == "grpc" else handle.http_url, protocol=protocol,
-        headers=tuple(handle.control_headers.items()),
+        control_token=handle.control_token,
         input_data=ctx.input_files[scenario.volume], concurrency=concurrency,
         request_parameters=scenario.request.parameters() if protocol == "grpc" else (),
         # explicit versions: without one, perf_analyzer 2.48 fails ("failed to find the requested model

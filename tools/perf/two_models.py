@@ -369,7 +369,7 @@ def _settings(handle: Any, triton_model: str, input_file: Path,
               args: argparse.Namespace) -> analyzer.AnalyzerSettings:
     return analyzer.AnalyzerSettings(
         model=triton_model, url=handle.grpc_url, protocol="grpc", input_data=input_file,
-        concurrency=args.concurrency, headers=tuple(handle.control_headers.items()),
+        concurrency=args.concurrency, control_token=handle.control_token,
         measurement_mode="time_windows", measurement_interval_ms=int(args.window_s * 1000),
         measurement_request_count=1,  # unused in time_windows mode
         max_trials=WINDOWS, request_parameters=() if args.mirroring else (("mirroring", "false", "bool"),))

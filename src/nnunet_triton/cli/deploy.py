@@ -36,7 +36,7 @@ from nnunet_triton import io_names
 from nnunet_triton.cli import serve
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, endpoint_name
 from nnunet_triton.cli.exit_codes import EPILOG, ExitCode
-from nnunet_triton.cli.serve import add_tls_arguments, tls_settings
+from nnunet_triton.cli.serve import add_server_arguments, tls_settings
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.parameters import DEFAULT_TILE_BATCH_SIZE
 from nnunet_triton.server.deploy import docker, service
@@ -96,14 +96,14 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
                    help="embedded: bind address; docker: host address the ports are published on "
                         "(0.0.0.0 for the network)")
     for name in ("http", "grpc", "metrics"):
-        p.add_argument(f"--{name}-port", type=int, default=None,
-                       help="embedded: default a free port; docker: host port (default 8000/8001/8002)")
+        p.add_argument(f"--{name}-port", type=int, default=None, help="embedded: default a free port "
+                       "(metrics: closed unless --metrics or a port); docker: host port (8000/8001/8002)")
     p.add_argument("--ready-timeout", type=float, default=service.READY_TIMEOUT_S)
     p.add_argument("--backend-directory", action="append", type=Path, default=None,
                    help="embedded, repeatable: a folder of further Triton backends merged with the Python "
                         "backend (default: build/triton-backends when `nnunet-triton install-backend "
                         "pytorch` made it; a checkout: `make triton-backends`)")
-    add_tls_arguments(p)
+    add_server_arguments(p)
     gpu = p.add_argument_group("docker and k8s")
     gpu.add_argument("--variant", choices=("auto", *docker.VARIANTS), default="auto",
                      help="the image: gpu (NGC base) or cpu (Debian base); auto: gpu where a GPU is visible")
@@ -153,6 +153,7 @@ def _plan(args: argparse.Namespace, *, undeploy: bool) -> service.DeployPlan:
         tile_batch_size=args.tile_batch_size, fold_instances=args.fold_instances,
         orchestrator_instances=args.orchestrator_instances, precision=args.precision, host=args.host,
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        metrics=args.metrics, allow_token_in_proc_and_readable_shm=args.allow_token_in_proc_and_readable_shm,
         ready_timeout=args.ready_timeout, backend_directory=backends, tls=tls_settings(args),
         proxy_port=args.proxy_port, proxy_allow_statistics=args.proxy_allow_statistics,
         variant=args.variant, base_image=args.base_image, triton_release=args.triton_release,

@@ -24,7 +24,7 @@ from typing import Any
 from nnunet_triton.cli import build, exit_code, with_epilog
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument
 from nnunet_triton.cli.exit_codes import ExitCode
-from nnunet_triton.server.embedded import DEFAULT_HOST, start
+from nnunet_triton.server.embedded import ALLOW_DEGRADED_FLAG, DEFAULT_HOST, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
 from nnunet_triton.server.proxy import ClientLimits, TlsSettings, running_pid
 from nnunet_triton.server.proxy_config import (
@@ -38,8 +38,8 @@ from nnunet_triton.server.triton_install import (
     resolve_home,
 )
 
-__all__ = ["add_parsers", "add_proxy_limit_arguments", "add_tls_arguments", "main", "proxy_limits",
-           "tls_settings"]
+__all__ = ["add_embedded_arguments", "add_parsers", "add_proxy_limit_arguments", "add_server_arguments",
+           "add_tls_arguments", "main", "proxy_limits", "tls_settings"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
                             "and --tls-ca and/or --tls-token-file")
     serve.add_argument("--http-port", type=int, default=None, help="default: a free port")
     serve.add_argument("--grpc-port", type=int, default=None, help="default: a free port")
-    serve.add_argument("--metrics-port", type=int, default=None, help="default: a free port")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="open the metrics endpoint on this port (default closed; --metrics: a free port)")
     serve.add_argument("--model-control-mode", choices=("none", "explicit"), default="explicit",
                        help="explicit (default): the watchdog can reload a model whose process died")
     serve.add_argument("--load-model", action="append", default=[],
@@ -86,10 +87,31 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
     serve.add_argument("--exit-timeout", type=int, default=EXIT_TIMEOUT_S,
                        help=f"--exit-timeout-secs (default {EXIT_TIMEOUT_S})")
     serve.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the server")
-    add_tls_arguments(serve)
+    add_server_arguments(serve)
     add_proxy_limit_arguments(serve)
     if home:
         _home_argument(serve)
+
+
+def add_embedded_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--metrics`` and the flag that starts the embedded server without its preload library
+    (``server.preload``), shared by ``serve`` and ``deploy`` (both take ``--metrics-port`` too)."""
+    parser.add_argument("--metrics", action="store_true",
+                        help="embedded: open Triton's metrics endpoint (Prometheus /metrics, no "
+                             "authentication: every local user reads the per-model counters) on a free port; "
+                             "closed by default (a --metrics-port opens it too)")
+    parser.add_argument(ALLOW_DEGRADED_FLAG, dest="allow_token_in_proc_and_readable_shm", action="store_true",
+                        help="embedded: start even when the preload library cannot be built (no C compiler): "
+                             "the control token is then on tritonserver's command line (/proc/<pid>/cmdline) "
+                             "and the Python stubs' /dev/shm regions are 0644, both readable by every local "
+                             "user; `status` reports the server as degraded. Without it such a start is "
+                             "refused.")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags ``serve`` and ``deploy`` share: metrics, the degraded start, TLS."""
+    add_embedded_arguments(parser)
+    add_tls_arguments(parser)
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +220,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
+        metrics=args.metrics,
+        allow_token_in_proc_and_readable_shm=args.allow_token_in_proc_and_readable_shm,
         home=args.home,
         model_control_mode=args.model_control_mode,
         load_models=tuple(args.load_model),
@@ -268,6 +292,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
             state["healthy"] = False
             state["problems"].append(f"the TLS proxy (nginx pid {handle.proxy_pid}) is not running: "
                                      f"{handle.proxy_url} does not answer")
+    if handle.degraded:  # started with ALLOW_DEGRADED_FLAG: healthy, but not protected (said on every status)
+        LOGGER.warning("the server runs DEGRADED (started with %s): %s", ALLOW_DEGRADED_FLAG,
+                       "; ".join(handle.degraded))
     if handle.events_file and Path(handle.events_file).is_file():
         lines = Path(handle.events_file).read_text().splitlines()
         state["recoveries"] = [json.loads(line) for line in lines[-10:]]  # the last ten

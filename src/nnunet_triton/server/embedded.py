@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from nnunet_triton.builder.model_repository import ModelRepository
-from nnunet_triton.errors import DeployError, RepositoryError, ServerError
+from nnunet_triton.errors import DeployError, PreloadUnavailableError, RepositoryError, ServerError
 from nnunet_triton.server import backends, cves, preload, proxy, readiness, watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
@@ -34,9 +34,11 @@ from nnunet_triton.server.server_config import (
     GrpcTls,
     MemoryPools,
     TritonServerConfig,
+    check_extra_args,
     flag_values,
     server_config,
     without_flag,
+    without_frontend_environment,
 )
 from nnunet_triton.server.thread_budget import ThreadBudget, decide_budget, repository_folds
 from nnunet_triton.server.triton_install import (
@@ -49,6 +51,7 @@ from nnunet_triton.server.triton_install import (
 from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = [
+    "ALLOW_DEGRADED_FLAG",
     "DEFAULT_HOME",
     "prepare_home",
     "start",
@@ -61,6 +64,8 @@ _PR_SET_PDEATHSIG = 1
 # tritonserver, its stubs (they inherit it) and the watchdog create files and /dev/shm regions holding
 # images and logs: readable by the server's user only
 PRIVATE_UMASK = 0o077
+# the command-line flag (serve, deploy) that starts a server without server.preload's library anyway
+ALLOW_DEGRADED_FLAG = "--allow-token-in-proc-and-readable-shm"
 
 
 def _free_port(host: str) -> int:
@@ -84,9 +89,12 @@ class _Launch:
     memory_plan: dict[str, object] | None = None
     # server.preload's library: the token reaches tritonserver through its environment, not its command line
     preload_library: Path | None = None
+    degraded: tuple[str, ...] = ()  # what runs unprotected (no preload library, started with the flag)
 
     def environment(self) -> dict[str, str]:
-        env = {**server_env(self.installation), **self.thread_budget.environment()}
+        # without the variables that would open Triton's SageMaker / Vertex AI frontends (also off by flag)
+        env = without_frontend_environment({**server_env(self.installation),
+                                            **self.thread_budget.environment()})
         if self.preload_library is not None and self.control_token:
             env["LD_PRELOAD"] = " ".join(p for p in (str(self.preload_library), env.get("LD_PRELOAD")) if p)
             env[watchdog.TOKEN_ENV] = self.control_token
@@ -96,7 +104,7 @@ class _Launch:
         return self.server.to_args()
 
 
-def _server_config(launch_args: Mapping[str, object], ports: Mapping[str, int]) -> TritonServerConfig:
+def _server_config(launch_args: Mapping[str, object], ports: Mapping[str, int | None]) -> TritonServerConfig:
     """The tritonserver config of one start attempt (``server_config.EMBEDDED`` and the launch choices)."""
     token = launch_args["control_token"]
     flag_token = preload.PLACEHOLDER if launch_args["preload_library"] and token else token
@@ -113,6 +121,29 @@ def _server_config(launch_args: Mapping[str, object], ports: Mapping[str, int]) 
     if flag_token:
         config = config.with_restricted_apis(RESTRICTED_APIS, CONTROL_HEADER, flag_token)
     return config
+
+
+def _preload_library(home: str | Path | None, allow_degraded: bool) -> tuple[Path | None, tuple[str, ...]]:
+    """(server.preload's library, what the server exposes without it: empty when it is there).
+
+    Raises:
+        PreloadUnavailableError: no library and ``allow_degraded`` is False: names what is missing, the
+            consequence and the flag that accepts it.
+    """
+    try:
+        return preload.library(resolve_home(home) / "preload"), ()
+    except PreloadUnavailableError as exc:
+        if not allow_degraded:
+            raise PreloadUnavailableError(
+                f"refusing to start tritonserver without the preload library: {exc}. Without it the "
+                f"server would run with {preload.CONSEQUENCE}. Install a C compiler (apt-get install gcc), "
+                f"or accept that with {ALLOW_DEGRADED_FLAG} "
+                f"(embedded.start(allow_token_in_proc_and_readable_shm=True); docs/security.md).") from None
+        LOGGER.warning("starting DEGRADED (%s was given): %s; the server runs with %s", ALLOW_DEGRADED_FLAG,
+                       exc, preload.CONSEQUENCE)
+        return None, (f"no preload library ({exc}): the control token is on tritonserver's command line "
+                      f"(/proc/<pid>/cmdline, readable by every local user)",
+                      "the Python stubs' /dev/shm regions are 0644 (readable by every local user)")
 
 
 def _die_with_parent() -> None:
@@ -156,6 +187,7 @@ def _spawn(launch: _Launch) -> ServerHandle:
             memory_plan=launch.memory_plan,
             grpc_host=server.grpc_address,
             control_token=launch.control_token,
+            degraded=list(launch.degraded),
             _process=process,
         )
         launch.pid_file.write_text(f"{process.pid}\n")
@@ -187,7 +219,8 @@ def _start_watchdog(handle: ServerHandle, launch: _Launch) -> None:
     assert handle.control_token is not None
     events = launch.state_file.with_name("recoveries.jsonl")
     log_path = launch.log_file.with_name(launch.log_file.stem + ".watchdog.log")
-    watchdog_env = {**os.environ, watchdog.TOKEN_ENV: handle.control_token}
+    # the watchdog's environment is the base of a restarted server's: without the frontends' variables too
+    watchdog_env = without_frontend_environment({**os.environ, watchdog.TOKEN_ENV: handle.control_token})
     launch_file = launch.state_file.with_name("launch.json")  # how the watchdog restarts a dead server
     LaunchSpec.for_server(launch.server, launch.environment(), watchdog_env, log_file=launch.log_file,
                           pid_file=launch.pid_file, state_file=launch.state_file,
@@ -304,6 +337,8 @@ def start(
     proxy_port: int | None = None,
     allow_statistics: bool = False,
     proxy_limits: proxy.ClientLimits | None = None,
+    metrics: bool = False,
+    allow_token_in_proc_and_readable_shm: bool = False,
 ) -> ServerHandle:
     """Start tritonserver on ``host`` and wait until ``GET /v2/health/ready`` answers 200.
 
@@ -311,6 +346,9 @@ def start(
         model_repository: directory with one sub-directory per model.
         host: address all three endpoints bind to (loopback by default).
         http_port, grpc_port, metrics_port: fixed ports; free ones are picked when None.
+        metrics: open Triton's metrics endpoint (Prometheus, ``/metrics``) on a free port; a
+            ``metrics_port`` opens it too. Off by default: it has no authentication and shows every local
+            user the per-model counters the restricted statistics API hides (docs/security.md).
         home: server home (default ``$NNUNET_TRITON_HOME`` or ``build/triton-home``); run files default
             to ``<home>/run/{tritonserver.log,tritonserver.pid,server.json}``.
         model_control_mode: ``"explicit"`` (default: load ``load_models``, all models when empty) or
@@ -339,6 +377,10 @@ def start(
         proxy_port: the proxy's port (default: a free one).
         allow_statistics: the proxy also lets the statistics API through (off by default).
         proxy_limits: what one client may send through the proxy (default ``proxy.ClientLimits()``).
+        allow_token_in_proc_and_readable_shm: start even when ``server.preload``'s library cannot be built
+            (no C compiler): the control token is then on tritonserver's command line and the stubs'
+            /dev/shm regions are 0644, both readable by every local user; the handle's ``degraded`` (and
+            ``server.json``, ``status``) says so. Without it such a start raises PreloadUnavailableError.
 
     The server's environment carries the thread budget (``nnunet_triton.server.thread_budget``: fold threads
     from the CPUs really available and the repository's fold instances, ``OMP_WAIT_POLICY=PASSIVE``),
@@ -350,7 +392,12 @@ def start(
         ServerError: the process died or was not ready in time (the message holds the log's last lines), or
             a backend the repository's configs name is missing (one line, before starting).
         ThreadBudgetError: a thread override that cannot be honoured (names the setting and value).
-        ValueError: bad ``model_repository``/``model_control_mode``/``load_models``.
+        PreloadUnavailableError: ``server.preload``'s library cannot be built and
+            ``allow_token_in_proc_and_readable_shm`` is False (names what is missing and the flag).
+        ValueError: bad ``model_repository``/``model_control_mode``/``load_models``, or an ``extra_args``
+            flag that would open Triton's SageMaker or Vertex AI frontend (``server_config.FRONTEND_FLAGS``).
+
+    The server's environment has no ``AIP_*`` nor ``SAGEMAKER_*`` variable (those frontends read them).
     """
     repo = Path(model_repository).absolute()
     if not repo.is_dir():
@@ -361,6 +408,7 @@ def start(
         raise ValueError(f"model_repository must not contain whitespace (Triton 2.51's Python backend cannot "
                          f"start its stubs there), got {str(repo)!r}; build or copy it to another path.")
     proxy.check_exposure(host, tls, what="tritonserver")
+    check_extra_args(extra_args)
     extra_repositories = [Path(r) for r in flag_values(extra_args, "model-repository")]
     backend_dir, extra_args = _backend_dir(home, (repo, *extra_repositories), backend_dirs, extra_args)
     load_models, recovery = _model_control(model_control_mode, tuple(load_models), recovery,
@@ -380,8 +428,8 @@ def start(
         "exit_timeout_s": exit_timeout_s,
         "thread_budget": decide_budget(repository_folds(repo)),
         "control_token": watchdog.new_token(),  # the restricted APIs need it in every model control mode
-        "preload_library": preload.library(resolve_home(home) / "preload"),
     }
+    launch_args["preload_library"], degraded = _preload_library(home, allow_token_in_proc_and_readable_shm)
     launch_args["memory_pools"], memory_plan = _memory_plan(repo, volume or VolumeSpec(), visible_gpus())
     run_files = {
         "log_file": Path(log_file) if log_file else run_dir / "tritonserver.log",
@@ -391,18 +439,20 @@ def start(
     _warn_known_cves(host)
     local = launch_args["host"]
     auto_ports = (http_port, grpc_port, metrics_port) == (None, None, None)  # only then is a retry useful
+    metrics = metrics or metrics_port is not None
     for attempt in range(3 if auto_ports else 1):
-        ports = {
+        ports: dict[str, int | None] = {
             "http": http_port or _free_port(local),
             "grpc": grpc_port or _free_port(launch_args["grpc_host"]),
-            "metrics": metrics_port or _free_port(local),
+            "metrics": (metrics_port or _free_port(local)) if metrics else None,
         }
-        if len(set(ports.values())) < 3:
+        opened = [port for port in ports.values() if port is not None]
+        if len(set(opened)) < len(opened):
             continue
         launch = _Launch(installation=launch_args["installation"], server=_server_config(launch_args, ports),
                          detach=detach, thread_budget=launch_args["thread_budget"],
                          control_token=launch_args["control_token"], memory_plan=memory_plan,
-                         preload_library=launch_args["preload_library"], **run_files)
+                         preload_library=launch_args["preload_library"], degraded=degraded, **run_files)
         handle = _spawn(launch)
         try:
             _wait_ready(handle, ready_timeout_s)
@@ -420,7 +470,7 @@ def start(
         except BaseException:  # e.g. Ctrl-C while waiting: do not leave a half-started server behind
             handle.stop()
             raise
-    raise ServerError(f"could not find three distinct free ports on {host}.")
+    raise ServerError(f"could not find distinct free ports on {host}.")
 
 
 def _backend_dir(home: str | Path | None, repositories: Sequence[Path],
@@ -492,6 +542,5 @@ def _wait_ready(handle: ServerHandle, timeout_s: float) -> None:
         handle.stop()
         tail = _tail(Path(handle.log_file))
         raise ServerError(f"{exc}; last lines of {handle.log_file}:\n{tail}") from None
-    LOGGER.info(
-        "tritonserver ready: http %s grpc %s metrics %s", handle.http_url, handle.grpc_url, handle.metrics_url
-    )
+    LOGGER.info("tritonserver ready: http %s grpc %s metrics %s", handle.http_url, handle.grpc_url,
+                "closed" if handle.metrics_port is None else handle.metrics_url)

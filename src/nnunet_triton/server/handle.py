@@ -13,6 +13,7 @@ import urllib.request
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from nnunet_triton.errors import ServerError
 from nnunet_triton.server import watchdog
 from nnunet_triton.server.health import (
     HealthReport,
@@ -70,7 +71,7 @@ class ServerHandle:
     host: str
     http_port: int
     grpc_port: int
-    metrics_port: int
+    metrics_port: int | None  # None: no metrics endpoint (embedded.start without metrics)
     model_repository: str
     server_bin: str
     log_file: str
@@ -87,6 +88,8 @@ class ServerHandle:
     proxy_pid: int | None = None  # server.proxy: the TLS proxy (nginx) in front of the HTTP endpoint
     proxy_url: str | None = None  # host:port clients use over HTTPS
     proxy_config: str | None = None  # its nginx.conf (identifies the process as ours)
+    # what runs unprotected: started without server.preload's library (embedded.ALLOW_DEGRADED_FLAG)
+    degraded: list[str] = field(default_factory=list)
     _watchdog: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
     _process: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
     _proxy: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
@@ -107,6 +110,10 @@ class ServerHandle:
 
     @property
     def metrics_url(self) -> str:
+        """``http://host:port/metrics``; ServerError when the server was started without metrics."""
+        if self.metrics_port is None:
+            raise ServerError("this server has no metrics endpoint: start it with metrics=True or a "
+                              "metrics_port (`serve --metrics` / `--metrics-port`)")
         return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
     def follow_restart(self) -> None:

@@ -24,6 +24,12 @@ them) do not know the flag and would refuse to start with it. :func:`client_shm_
 server's release: the flag is rendered only for a release that knows it and only when one of our own tools
 asks for client shared memory (perf_analyzer's ``--shared-memory system``); otherwise it is left out, which is
 Triton's default of off. On 2.51 client shared memory stays behind the restricted ``shared-memory`` API.
+
+Triton's SageMaker and Vertex AI frontends are rendered off (``--allow-sagemaker=false
+--allow-vertex-ai=false``): Vertex AI's is on by default when ``AIP_MODE=PREDICTION`` is in the server's
+environment, binds every address and lets its ``X-Vertex-Ai-Triton-Redirect`` header reach the restricted
+APIs without the token. A caller's flag that would turn either on (:data:`FRONTEND_FLAGS`) is refused, and
+launchers drop the variables those frontends read (:func:`without_frontend_environment`).
 """
 
 from __future__ import annotations
@@ -41,18 +47,22 @@ __all__ = [
     "SHM_DEFAULT_BYTES",
     "SHM_GROWTH_BYTES",
     "STUB_TIMEOUT_S",
+    "FRONTEND_ENV_PREFIXES",
+    "FRONTEND_FLAGS",
     "TOKEN_FROM_ENVIRONMENT",
     "CLIENT_SHM_FLAG_SINCE",
     "GrpcTls",
     "MemoryPools",
     "Preset",
     "TritonServerConfig",
+    "check_extra_args",
     "client_shm_setting",
     "flag_values",
     "rate_limit_args",
     "restricted_api_args",
     "server_config",
     "without_flag",
+    "without_frontend_environment",
 ]
 
 MiB = 2**20
@@ -67,6 +77,12 @@ TOKEN_FROM_ENVIRONMENT = "@from-environment@"
 GRPC_PROTOCOL_PREFIX = "triton-grpc-protocol-"
 # the first NGC release whose tritonserver has --allow-client-shm (client shared memory off by default)
 CLIENT_SHM_FLAG_SINCE = "26.05"
+# tritonserver 2.51's flags of its SageMaker and Vertex AI frontends (`tritonserver --help`): neither frontend
+# knows the restricted APIs' token, so none of these is accepted from a caller
+FRONTEND_FLAGS = ("--allow-sagemaker", "--sagemaker-", "--allow-vertex-ai", "--vertex-ai-")
+# the variables they read (AIP_MODE=PREDICTION turns Vertex AI on, AIP_HTTP_PORT its port, AIP_STORAGE_URI
+# a repository; SAGEMAKER_TRITON_DEFAULT_MODEL_NAME ...): dropped from the server's environment
+FRONTEND_ENV_PREFIXES = ("AIP_", "SAGEMAKER_")
 
 
 @dataclass(frozen=True)
@@ -150,6 +166,23 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
+def check_extra_args(args: Sequence[str]) -> None:
+    """ValueError naming the first of a caller's flags that would open the SageMaker or Vertex AI frontend."""
+    for arg in args:
+        if arg.startswith(FRONTEND_FLAGS):
+            raise ValueError(
+                f"the tritonserver flag {arg!r} is refused: Triton's SageMaker and Vertex AI frontends stay "
+                f"off (they bind every address and their routes reach the restricted APIs without the "
+                f"control token; docs/security.md). Serve through the HTTP/gRPC endpoints or the TLS proxy "
+                f"instead.")
+
+
+def without_frontend_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the variables Triton's SageMaker and Vertex AI frontends read
+    (:data:`FRONTEND_ENV_PREFIXES`)."""
+    return {key: value for key, value in env.items() if not key.startswith(FRONTEND_ENV_PREFIXES)}
+
+
 @dataclass(frozen=True)
 class TritonServerConfig:
     """Every tritonserver flag the project passes; :meth:`to_args` is the command line.
@@ -163,7 +196,7 @@ class TritonServerConfig:
     model_repositories: tuple[str, ...]
     http_port: int
     grpc_port: int
-    metrics_port: int
+    metrics_port: int | None  # None: no metrics endpoint (``--allow-metrics=false``)
     exit_timeout_s: int
     server_bin: str = "tritonserver"
     backend_directory: str | None = None
@@ -188,6 +221,9 @@ class TritonServerConfig:
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_extra_args(self.extra_args)
+        if self.metrics_port is None and self.allow_metrics:
+            raise ValueError("allow_metrics needs a metrics_port.")
         if self.model_control_mode not in ("none", "explicit"):
             raise ValueError(f"model_control_mode must be 'none' or 'explicit', got "
                              f"{self.model_control_mode!r}.")
@@ -198,9 +234,10 @@ class TritonServerConfig:
         """The command line: ``server_bin`` and its flags."""
         addresses = {"http": self.http_address, "grpc": self.grpc_address, "metrics": self.metrics_address}
         ports = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
-        endpoints = [arg for name in ("http", "grpc", "metrics")
+        endpoints = [arg for name in ("http", "grpc", "metrics") if ports[name] is not None
                      for arg in (() if addresses[name] is None else (f"--{name}-address={addresses[name]}",))
                      + (f"--{name}-port={ports[name]}",)]
+        allow_metrics = False if self.metrics_port is None else self.allow_metrics
         tls = self.grpc_tls
         return [
             self.server_bin,
@@ -211,7 +248,7 @@ class TritonServerConfig:
             *(f"--load-model={name}" for name in self.load_models),
             f"--strict-readiness={_bool(self.strict_readiness)}",
             *endpoints,
-            *((f"--allow-metrics={_bool(self.allow_metrics)}",) if self.allow_metrics is not None else ()),
+            *((f"--allow-metrics={_bool(allow_metrics)}",) if allow_metrics is not None else ()),
             *((f"--allow-gpu-metrics={_bool(self.allow_gpu_metrics)}",)
               if self.allow_gpu_metrics is not None else ()),
             *((f"--allow-client-shm={_bool(self.allow_client_shm)}",)
@@ -219,6 +256,8 @@ class TritonServerConfig:
             *self.memory_pools.args(),
             *(f"--backend-config={backend},{key}={value}" for backend, key, value in self.backend_config),
             f"--exit-timeout-secs={self.exit_timeout_s}",
+            "--allow-sagemaker=false",
+            "--allow-vertex-ai=false",
             *(("--disable-auto-complete-config",) if self.disable_auto_complete_config else ()),
             *rate_limit_args(self.rate_limit_resources),
             *(() if tls is None else tls.args()),
@@ -286,7 +325,7 @@ def without_flag(args: Sequence[str], flag: str) -> tuple[str, ...]:
 
 
 def server_config(repository: str, preset: Preset, *, load_models: Sequence[str],
-                  ports: Mapping[str, int] | None = None, host: str | None = None,
+                  ports: Mapping[str, int | None] | None = None, host: str | None = None,
                   grpc_host: str | None = None, exit_timeout_s: int | None = None,
                   backend_config: Mapping[str, Mapping[str, object]] | None = None,
                   shm_default_bytes: int | None = None, shm_growth_bytes: int | None = None,
@@ -296,7 +335,8 @@ def server_config(repository: str, preset: Preset, *, load_models: Sequence[str]
 
     Args:
         load_models: the models ``--load-model`` loads (explicit model control).
-        ports: ``{"http", "grpc", "metrics"}``; default Triton's own 8000/8001/8002.
+        ports: ``{"http", "grpc", "metrics"}``; default Triton's own 8000/8001/8002; ``"metrics": None``
+            renders no metrics endpoint (``--allow-metrics=false``).
         host: the address HTTP and metrics bind (default: the preset's); ``grpc_host`` gRPC's (default:
             ``host``).
         exit_timeout_s: default the preset's.
@@ -319,8 +359,10 @@ def server_config(repository: str, preset: Preset, *, load_models: Sequence[str]
         merged.setdefault(name, {}).update(values)
     return TritonServerConfig(
         model_repositories=(str(repository),),
-        http_port=int(ports["http"]), grpc_port=int(ports["grpc"]), metrics_port=int(ports["metrics"]),
-        http_address=host, grpc_address=grpc_host or host, metrics_address=host,
+        http_port=int(ports["http"]), grpc_port=int(ports["grpc"]),
+        metrics_port=None if ports["metrics"] is None else int(ports["metrics"]),
+        http_address=host, grpc_address=grpc_host or host,
+        metrics_address=None if ports["metrics"] is None else host,
         exit_timeout_s=preset.exit_timeout_s if exit_timeout_s is None else exit_timeout_s,
         load_models=tuple(load_models),
         backend_config=tuple((name, key, str(value)) for name, values in merged.items()

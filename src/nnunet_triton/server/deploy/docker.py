@@ -374,10 +374,10 @@ def cpu_export_command(spec: DeploySpec, *, source_root: str, model_dir: str, ou
     )
 
 
-def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str, *, undeploy: str,
+def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str | None, *, undeploy: str,
                    images: str = "<images>") -> str:
     """What ``make deploy`` prints once the server is up: every endpoint of the repository with its URL and
-    versions, example calls, how to stop it."""
+    versions, example calls, how to stop it (``metrics`` None: the embedded server's metrics are closed)."""
     names = info.endpoints
     urls = {name: f"http://{http}/v2/models/{name}" for name in names}
     width, url_width = max(map(len, names)), max(map(len, urls.values()))
@@ -396,7 +396,8 @@ def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str, *, 
         *lines,
         f"  HTTP     http://{http}   (ready: http://{http}/v2/health/ready)",
         f"  gRPC     {grpc}",
-        f"  metrics  http://{metrics}/metrics",
+        f"  metrics  http://{metrics}/metrics" if metrics else
+        "  metrics  closed (no authentication there: deploy with --metrics or --metrics-port to open it)",
         f"call it (or python -m nnunet_triton; `nnunet-triton info --url {http}` describes every endpoint):",
         *calls,
         '  python -c "from nnunet_triton.client.client import NnunetClient; import numpy as np; \\',

@@ -150,6 +150,9 @@ class DeployPlan:
     http_port: int | None = None
     grpc_port: int | None = None
     metrics_port: int | None = None
+    metrics: bool = False  # embedded: the metrics endpoint (also opened by metrics_port; closed by default)
+    # embedded: start without server.preload's library (embedded.ALLOW_DEGRADED_FLAG)
+    allow_token_in_proc_and_readable_shm: bool = False
     ready_timeout: float = READY_TIMEOUT_S
     backend_directory: tuple[Path, ...] | None = None
     tls: proxy.TlsSettings | None = None
@@ -266,7 +269,7 @@ def _build(plan: DeployPlan, target: str, say: Say, export_device: str | None = 
             f"(endpoint {result.name} version {result.version})")
 
 
-def _usage(plan: DeployPlan, info: RepositoryInfo, http: str, grpc: str, metrics: str, undeploy: str,
+def _usage(plan: DeployPlan, info: RepositoryInfo, http: str, grpc: str, metrics: str | None, undeploy: str,
            say: Say, images: str = "<images>") -> None:
     say(docker.endpoint_usage(info, http, grpc, metrics, undeploy=undeploy, images=images))
     asked = {endpoint.name for endpoint in plan.endpoints}
@@ -281,6 +284,11 @@ def _images(plan: DeployPlan) -> str:
     """The dataset's held-out images next to the results folder (the fixtures' layout), if any."""
     images = plan.model.parent / "imagesTs" if plan.model is not None else None
     return str(images) if images is not None and images.is_dir() else "<images>"
+
+
+def _metrics_address(handle: Any) -> str | None:
+    """``host:port`` of an embedded server's metrics; None when they are closed (the default)."""
+    return None if handle.metrics_port is None else f"{handle.client_host}:{handle.metrics_port}"
 
 
 def _deployed(handle: Any) -> str | None:
@@ -305,23 +313,24 @@ def _deploy_embedded(plan: DeployPlan, say: Say) -> None:
         same = Path(running.model_repository) == plan.out.absolute()
         if same and running.is_ready() and _deployed(running) == f"{running.pid} {info.input_hash}":
             say(f"already serving this repository (pid {running.pid})")
-            _usage(plan, info, running.http_url, running.grpc_url,
-                   f"{running.client_host}:{running.metrics_port}", "nnunet-triton undeploy", say,
-                   _images(plan))
+            _usage(plan, info, running.http_url, running.grpc_url, _metrics_address(running),
+                   "nnunet-triton undeploy", say, _images(plan))
             return
         LOGGER.info("stopping the running server (pid %d, %s)", running.pid, running.model_repository)
         running.stop()
     handle = embedded_server.start(
         plan.out, host=plan.host, http_port=plan.http_port, grpc_port=plan.grpc_port,
-        metrics_port=plan.metrics_port, model_control_mode="explicit", load_models=info.models,
+        metrics_port=plan.metrics_port, metrics=plan.metrics,
+        allow_token_in_proc_and_readable_shm=plan.allow_token_in_proc_and_readable_shm,
+        model_control_mode="explicit", load_models=info.models,
         ready_timeout_s=plan.ready_timeout, detach=True,
         backend_dirs=list(plan.backend_directory) if plan.backend_directory is not None else None,
         tls=plan.tls, proxy_port=plan.proxy_port, allow_statistics=plan.proxy_allow_statistics)
     (Path(handle.state_file).parent / DEPLOYED_FILE).write_text(f"{handle.pid} {info.input_hash}\n")
     say(f"tritonserver ready (pid {handle.pid}, {len(info.models)} models of the endpoint(s) "
         f"{', '.join(info.endpoints)}; log {handle.log_file})")
-    _usage(plan, info, handle.http_url, handle.grpc_url, f"{handle.client_host}:{handle.metrics_port}",
-           "nnunet-triton undeploy", say, _images(plan))
+    _usage(plan, info, handle.http_url, handle.grpc_url, _metrics_address(handle), "nnunet-triton undeploy",
+           say, _images(plan))
 
 
 def local_torch_fits(plan: DeployPlan) -> bool:
