@@ -1,5 +1,6 @@
 """The DICOM node in a process of its own, watched from outside: its memory under a deflate bomb, the order
-of its system calls before it answers a C-STORE (strace), its exit status when it cannot go on.
+of its system calls before it answers a C-STORE (strace), its exit status when it cannot go on, and a restart
+after SIGKILL mid-series with the PACS sending the whole series again slowly.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ except ImportError:  # run from tests/unit without package context
 
 REPO = Path(__file__).resolve().parents[2]
 CT_STORAGE, DEFLATED = "1.2.840.10008.5.1.4.1.1.2", "1.2.840.10008.1.2.1.99"
+EXPLICIT = "1.2.840.10008.1.2.1"
 BOMB_SIDE = 12_000  # 12000 x 12000 int16 zeros: 288 MB inflated, about 280 KB deflated
 
 
@@ -180,3 +182,51 @@ def test_deflate_bomb_helper_writes_a_small_file_that_inflates_to_the_stated_siz
     ds = pydicom.filereader.read_dataset(body, is_implicit_VR=False, is_little_endian=True)
     assert (ds.Rows, ds.Columns, len(ds.PixelData)) == (512, 512, 512 * 512 * 2)
     assert len(data) < 10_000
+
+
+@pytest.mark.parametrize("associations", ["one", "one_per_instance"])
+def test_a_slow_resend_after_a_restart_keeps_the_series_open_and_yields_one_seg(tmp_path, associations):
+    """The finding: a node killed mid-series, a new one on the same spool, and the PACS sending the whole
+    series again, each instance a little sooner than the idle timeout, so that the re-send lasts several
+    idle timeouts. The instances the spool has already (acknowledged as known) must keep the series open
+    as the new ones do: one SEG of the whole series, nothing in failed/. Before, the series was cut while
+    the known instances came in (a SEG of the half the spool had, or failed/, then another round)."""
+    series = support.write_ct_series(tmp_path / "ct", n_slices=6)
+    datasets = [pydicom.dcmread(path) for path in series.files]
+    spool = tmp_path / "spool"
+    first, port = _start(spool, settings='{"idle_timeout_s": 600}')
+    try:
+        killed_mid_series = peers.associate(port, contexts=[(CT_STORAGE, EXPLICIT)])
+        assert [int(killed_mid_series.send_c_store(ds).Status) for ds in datasets[:3]] == [0, 0, 0]
+    finally:
+        os.kill(first.node_pid, signal.SIGKILL)
+        first.communicate(timeout=30)
+    killed_mid_series.abort()
+
+    idle, gap = 1.0, 0.6  # one instance every 0.6 s: the re-send takes about 3.6 s, 3.6 idle timeouts
+    dest = peers.Destination().start()
+    node = peers.running(peers.node_config(spool, dest, peers.Threshold(), idle_timeout_s=idle))
+    try:
+        statuses = []
+        if associations == "one":
+            assoc = peers.associate(node.config.port, contexts=[(CT_STORAGE, EXPLICIT)])
+            for ds in datasets:
+                statuses.append(int(assoc.send_c_store(ds).Status))
+                time.sleep(gap)
+            assoc.release()
+        else:  # a sender that opens an association per instance: only the instances keep the series open
+            for path in series.files:
+                statuses += peers.send(node.config.port, [path])
+                time.sleep(gap)
+        # a second round (the series cut during the re-send) would still be pending here
+        peers.wait_for(lambda: node.processed and not node.status()["pending_series"], timeout_s=30,
+                       what="the series segmented and sent")
+        failed = list((spool / "failed").iterdir())
+    finally:
+        node.stop()
+        dest.stop()
+    assert statuses == [0] * 6
+    assert [int(seg.NumberOfFrames) for seg in dest.received] == [6]  # one SEG, of the whole series
+    assert failed == []
+    assert node.processed == [(series.series_uid, "sent")]
+

@@ -382,7 +382,7 @@ class DicomNode(Receiving):
         if status != STATUS_SUCCESS:
             return status
         try:
-            self._note_route(series, sop, called, decision)
+            self._note_route(series, sop, called, decision, study=study)
         except OSError as exc:  # the instance is kept; the sender sends it again and the route is recorded
             return self._spool_error(f"recording the route of series {series}", exc)
         return status
@@ -401,9 +401,10 @@ class DicomNode(Receiving):
             return exc
 
     def _note_route(self, series: str, sop: str, called: str | None,
-                    decision: Route | NoRoute | None) -> None:
+                    decision: Route | NoRoute | None, *, study: str) -> None:
         """Record the route of a series in its state unless it has one (a later instance follows it, and so
-        does a series whose earlier SEG was sent: its record keeps the route)."""
+        does a series whose earlier SEG was sent: its record keeps the route), with its study (a restart
+        keeps the series with the other series of its study)."""
         with self._lock:
             entry = self._pending.get(series)
             if entry is None:  # a known instance of a sent series: nothing waits for a route
@@ -426,7 +427,7 @@ class DicomNode(Receiving):
             if new:
                 if decision is None:
                     decision = self._decide(self.spool.instance(series, sop), called)
-                state.update(self._route_keys(series, called, decision))
+                state.update(self._route_keys(series, called, decision), study=study)
                 self.spool.write_state(series, state)
         with self._lock:
             _route_entry(entry, state)
