@@ -219,6 +219,7 @@ class _Series:
     model: str | None = None
     route: str = ""
     other_called: set[str] = field(default_factory=set)  # other called AE titles its instances came to
+    round: frozenset[str] | None = None  # the instances the attempt in progress works on
 
 
 class _Fatal(Exception):
@@ -569,17 +570,18 @@ class DicomNode(Receiving):
                 self._set_degraded("destination", f"series {uid}: {self._describe(uid, exc)}")
                 self._retry_or_fail(uid, attempt, self._describe(uid, exc))
             else:  # the endpoint refused this series (e.g. INVALID_ARG): it would refuse it again
-                self._fail(uid, self._describe(uid, exc))
+                self._fail(uid, self._describe(uid, exc), unless_grown=True)
         except OSError as exc:  # a full disk, a spool folder in trouble: may pass
             self._set_degraded("disk", f"series {uid}: {self._describe(uid, exc)}")
             self._retry_or_fail(uid, attempt, self._describe(uid, exc))
-        except NnunetTritonError as exc:  # the series itself cannot be segmented: no retry helps
-            self._fail(uid, self._describe(uid, exc))
+        except NnunetTritonError as exc:  # the series as it is cannot be segmented: no retry helps
+            self._fail(uid, self._describe(uid, exc), unless_grown=True)
         except Exception as exc:  # noqa: BLE001 - a bug must not stop the node; the series is kept aside
             LOGGER.error("series %s: unexpected error %s", uid, self._describe(uid, exc))
-            self._fail(uid, self._describe(uid, exc))
+            self._fail(uid, self._describe(uid, exc), unless_grown=True)
         finally:
             self._busy = None
+            entry.round = None
 
     def _describe(self, uid: str, exc: BaseException) -> str:
         """``describe(exc)`` with the patient/study values of the series' first instance redacted too."""
@@ -605,6 +607,7 @@ class DicomNode(Receiving):
             with contextlib.suppress(OSError):
                 done_dir.rmdir()
         names = [p.name for p in self.spool.instances(folder)]
+        entry.round = frozenset(names)
         missing = set(record.get("covers", [])) - set(names)
         if missing:
             raise InputValidationError(
@@ -786,8 +789,13 @@ class DicomNode(Receiving):
                 LOGGER.error("series %s: could not record the attempt: %s", uid, describe(exc))
         LOGGER.warning("series %s: attempt %d failed (%s); retrying in %.1f s", uid, attempt, message, delay)
 
-    def _fail(self, uid: str, message: str) -> None:
-        """Move the series (instances, state, unsent SEG) to ``failed/`` with ``error.txt``."""
+    def _fail(self, uid: str, message: str, *, unless_grown: bool = False) -> None:
+        """Move the series (instances, state, unsent SEG) to ``failed/`` with ``error.txt``.
+
+        ``unless_grown``: the series' data made the attempt fail (a partial volume, a refusal of the
+        endpoint); when instances arrived meanwhile (a PACS sending the series again after a restart) it
+        is tried again with them after the idle timeout instead, so the instances acknowledged during the
+        attempt are not set aside with a verdict on data they were not part of."""
         target = self.spool.unique_failed(uid)
         folder = self.spool.series_dir(uid)
         seg = self.spool.seg_file(uid)
@@ -797,6 +805,10 @@ class DicomNode(Receiving):
         routed = f"model: {model} ({route})\n" if model else ""
         try:
             with self._series_lock(uid):
+                if unless_grown and self._grown(uid, entry, folder):
+                    LOGGER.warning("series %s: %s; instances arrived during the attempt: it is tried again "
+                                   "with them", uid, message)
+                    return
                 if folder.is_dir():
                     self.spool.move(folder, target)
                 else:
@@ -818,6 +830,18 @@ class DicomNode(Receiving):
         self._kept.pop(uid, None)
         self._outcome(uid, f"failed: {message}", model)
         LOGGER.error("series %s: moved to %s: %s", uid, target, message)
+
+    def _grown(self, uid: str, entry: _Series | None, folder: Path) -> bool:
+        """Whether instances arrived in the series' folder during the attempt in progress (then the entry
+        is made ready for another round, after the idle timeout; called under the series' lock)."""
+        if entry is None or entry.round is None or not folder.is_dir():
+            return False
+        if not {p.name for p in self.spool.instances(folder)} - entry.round:
+            return False
+        with self._lock:
+            entry.attempts, entry.first_failure, entry.next_attempt = 0, None, 0.0
+        self._kept.pop(uid, None)
+        return True
 
     # --- health ------------------------------------------------------------------------------------
     def _monitor(self) -> None:
