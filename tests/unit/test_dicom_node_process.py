@@ -1,6 +1,7 @@
 """The DICOM node in a process of its own, watched from outside: its memory under a deflate bomb, the order
-of its system calls before it answers a C-STORE (strace), its exit status when it cannot go on, and a restart
-after SIGKILL mid-series with the PACS sending the whole series again slowly.
+of its system calls before it answers a C-STORE (strace), its exit status when it cannot go on, a restart
+after SIGKILL mid-series with the PACS sending the whole series again slowly, and SIGTERM with an idle
+association open.
 """
 
 from __future__ import annotations
@@ -230,3 +231,34 @@ def test_a_slow_resend_after_a_restart_keeps_the_series_open_and_yields_one_seg(
     assert failed == []
     assert node.processed == [(series.series_uid, "sent")]
 
+
+def test_sigterm_with_an_idle_open_association_exits_within_seconds(tmp_path):
+    """An association left open and idle (a PACS between two series) used to keep a node on SIGTERM for
+    network_timeout_s (60 s by default): pynetdicom's reader thread waited for it. The node aborts it and
+    exits at once; what it acknowledged is in the spool, and the sender is told (A-ABORT)."""
+    series = support.write_ct_series(tmp_path / "ct", n_slices=2)
+    datasets = [pydicom.dcmread(path) for path in series.files]
+    spool = tmp_path / "spool"
+    process, port = _start(spool, settings='{"idle_timeout_s": 600, "network_timeout_s": 60}')
+    try:
+        assoc = peers.associate(port, contexts=[(CT_STORAGE, EXPLICIT)], timeout_s=60)
+        assert [int(assoc.send_c_store(ds).Status) for ds in datasets] == [0, 0]
+        time.sleep(0.5)  # the association stays open, idle
+        sent = time.monotonic()
+        os.kill(process.node_pid, signal.SIGTERM)
+        try:
+            _, err = process.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate(timeout=30)
+            pytest.fail("the node did not exit within 5 s of SIGTERM with an idle association open")
+        took = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            process.kill()
+    print(f"SIGTERM with an idle association open: the node exited after {took:.2f} s")
+    assert process.returncode == 0, err[-2000:]
+    peers.wait_for(lambda: assoc.is_aborted, timeout_s=5, what="the sender told by an A-ABORT")
+    spooled = sorted(path.name for path in (spool / "incoming" / series.series_uid).glob("*.dcm"))
+    assert spooled == sorted(f"{sop}.dcm" for sop in series.sop_uids)
+    assert not list((spool / "tmp").iterdir())

@@ -97,6 +97,7 @@ SEG_HEADER_BYTES = 64 * 1024  # a SEG's attributes and per-frame groups, on top 
 PROCESSED_KEPT = 1000  # outcomes kept in memory (DicomNode.processed)
 RECENT_SHOWN = 20  # outcomes shown in status.json, with their model
 ROUTE_KEYS = ("called_ae", "model", "route")  # a series' route in its state and its record
+ABORT_GRACE_S = 2.0  # stop: how long the aborted associations' handlers may take to end
 
 
 @dataclass(frozen=True)
@@ -325,11 +326,13 @@ class DicomNode(Receiving):
                     ", ".join(self.config.served))
 
     def stop(self) -> None:
-        """Stop listening; the series being processed finishes first, nothing spooled is removed."""
+        """Stop listening and abort the associations still open (within ``ABORT_GRACE_S``); the series
+        being processed finishes first, nothing spooled is removed."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._close_server()
+        self._abort_associations()
         receive_into(None, previous=self.spool.tmp)
         for thread in self._threads:
             thread.join(timeout=600)
@@ -344,6 +347,37 @@ class DicomNode(Receiving):
         if server is not None:
             with contextlib.suppress(Exception):
                 server.shutdown()
+
+    def _abort_associations(self) -> None:
+        """Abort every association still open, so that ``stop`` (SIGTERM) does not wait for an idle one
+        to time out (pynetdicom's reader thread keeps the process alive for ``network_timeout_s``).
+
+        Nothing acknowledged is lost: a C-STORE is answered only once its instance is durable in the spool.
+        An instance being received when the A-ABORT goes out is not answered, so its sender keeps it and
+        sends it again (and one stored meanwhile is acknowledged as known). The C-STORE handlers still
+        running are waited for (``ABORT_GRACE_S``); a peer that does not close its end after the A-ABORT
+        has its connection closed."""
+        server = self._server
+        if server is None:
+            return
+        open_associations = list(server.active_associations)
+        for assoc in open_associations:
+            with contextlib.suppress(Exception):
+                assoc.abort(block=False)  # the A-ABORT is queued; its reader thread sends it
+        deadline = time.monotonic() + ABORT_GRACE_S
+        for assoc in open_associations:
+            assoc.join(max(0.0, deadline - time.monotonic()))
+        for assoc in open_associations:
+            dul = assoc.dul
+            if dul.is_alive():
+                LOGGER.warning("an association from %s did not end %g s after the A-ABORT; its connection "
+                               "is closed", assoc.requestor.address, ABORT_GRACE_S)
+                dul.kill_dul()
+                with contextlib.suppress(Exception):
+                    dul.socket.close()
+            dul.join(max(0.0, deadline + 1.0 - time.monotonic()))
+        if open_associations:
+            LOGGER.info("stopped: aborted %d open association(s)", len(open_associations))
 
     def wait_fatal(self, timeout_s: float | None = None) -> str | None:
         """Wait until the node cannot go on and has said so (returns why) or ``timeout_s`` passed (None)."""
