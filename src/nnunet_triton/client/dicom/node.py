@@ -19,7 +19,10 @@ A PACS routes studies to the node's AE title. What happens, in order:
    storing at that moment is answered 0xA700: a sender cannot replace a slice, concurrently or not.
 3. **Completeness.** A series is complete when no instance of its *study* arrived for ``idle_timeout_s``
    and no association that delivered instances of the study is still open (it is held back at most
-   ``max_open_wait_s``), the rule of Orthanc's stable studies plus the sender's own end of transfer.
+   ``max_open_wait_s``), the rule of Orthanc's stable studies plus the sender's own end of transfer. An
+   instance the spool has already counts as arriving too: a PACS that sends a series again after a
+   restart keeps it open until its re-send ends. At start, every series in ``incoming/`` gets a full
+   ``idle_timeout_s``.
 4. **Segmenting.** The series goes to the model (endpoint) of its route (:mod:`.routing`): the called AE
    title of its first instance's association, else the first rule its attributes match, else the default;
    the route is decided when the first instance is kept and recorded in the series' state (a restart keeps
@@ -33,7 +36,8 @@ A PACS routes studies to the node's AE title. What happens, in order:
    busy, a full disk) are retried with exponential backoff (``retry_delay_s`` doubling up to
    ``max_retry_delay_s``) for ``retry_window_s`` (an hour by default; ``retries`` may cap the attempts);
    then, or at once for a series that cannot be segmented, the series moves to ``failed/`` with
-   ``error.txt``. :func:`requeue` (``nnunet-triton requeue``) puts it back.
+   ``error.txt`` (unless instances arrived during that attempt: then it is tried again with them).
+   :func:`requeue` (``nnunet-triton requeue``) puts it back.
 6. **Late instances.** A sent series' instances are kept in ``done/`` for ``done_retention_s``. An instance
    that arrives later brings them back: the whole series is segmented again and the new SEG is a new
    instance (next InstanceNumber) of the same SEG series, which replaces the earlier one for a viewer
@@ -45,7 +49,8 @@ A PACS routes studies to the node's AE title. What happens, in order:
    on (its spool gone, its worker dead), it refuses new associations, says so in the status and
    :attr:`DicomNode.fatal`, and ``listen`` exits non-zero. A series in progress for longer than
    ``max_busy_s`` (a hung endpoint) makes the node degraded with ``worker_stuck`` (``node-status`` exits
-   1) and instances of new series are answered 0xA700 until it ends.
+   1) and instances of new series are answered 0xA700 until it ends. :meth:`DicomNode.stop` (SIGTERM)
+   aborts the associations still open, so an idle one does not keep the node for its network timeout.
 
 Logs and error files name series by UID only; exception texts of other libraries are redacted
 (:mod:`.phi`). The spool is locked: one node per spool.
