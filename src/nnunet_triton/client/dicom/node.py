@@ -875,7 +875,9 @@ class DicomNode(Receiving):
         is made ready for another round, after the idle timeout; called under the series' lock)."""
         if entry is None or entry.round is None or not folder.is_dir():
             return False
-        if not {p.name for p in self.spool.instances(folder)} - entry.round:
+        with self._lock:  # one being stored now is linked into the folder once the series' lock is free
+            storing = any(series == uid for series, _ in self._storing)
+        if not storing and not {p.name for p in self.spool.instances(folder)} - entry.round:
             return False
         with self._lock:
             entry.attempts, entry.first_failure, entry.next_attempt = 0, None, 0.0

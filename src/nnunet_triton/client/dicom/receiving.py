@@ -311,11 +311,13 @@ class Receiving:
         study are not idle, and the association counts as delivering the study (it holds the study's series
         while it is open). Called under the node's lock. A sender that sends a whole series again (a PACS
         after the node restarted) keeps it open with the instances the spool has too, so it is not cut in
-        the middle of the re-send; a series recovered from the spool learns its study here."""
+        the middle of the re-send; a series recovered from the spool without a recorded study (it stands
+        for its own study then) learns it here."""
         entry = entry if entry is not None else self._pending.get(series)
         if entry is not None:
             entry.last_seen = now
-            entry.study = study
+            if entry.study == series:
+                entry.study = study
         self._study_seen[study] = now
         self._carrying.setdefault(assoc_key, set()).add(study)
 
