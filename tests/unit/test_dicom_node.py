@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from nnunet_triton.client.dicom.access import AccessPolicy, Peer
 from nnunet_triton.client.dicom.modality import ModalityRule
 from nnunet_triton.client.dicom.node import NodeConfig, read_status, requeue
 from nnunet_triton.client.dicom.spool import SpoolLimits
-from nnunet_triton.errors import PacsError
+from nnunet_triton.errors import InputValidationError, PacsError
 
 try:
     from . import dicom_support as support
@@ -222,6 +223,37 @@ def test_node_waits_for_an_open_association_that_pauses_mid_series(node_factory,
 
     peers.wait_for(lambda: node.processed, what="the series finished")
     assert [_frames(s) for s in dest.received] == [6]
+
+
+def test_instances_that_arrive_while_an_attempt_fails_are_tried_again_with_it_not_set_aside(tmp_path, dest):
+    """A round that fails on its data (here the model refuses the half series it got, as read_series refuses
+    a volume with a gap) while the rest of the series comes in (a PACS sending it again after a restart):
+    the instances acknowledged meanwhile are not moved to failed/ with a verdict on data they were not part
+    of; the series is tried again with them and gives one SEG. Before, the whole folder went to failed/."""
+    series = _series(tmp_path)
+    started, resume, sizes = threading.Event(), threading.Event(), []
+
+    def segment(volume):
+        sizes.append(len(volume.datasets))
+        if len(sizes) == 1:
+            started.set()
+            resume.wait(10)
+            raise InputValidationError("the volume has a gap (a partial series)")
+        return (volume.data > 0).astype(np.uint8)
+
+    node = peers.running(peers.node_config(tmp_path / "spool", dest, segment, idle_timeout_s=0.5))
+    try:
+        assert peers.send(node.config.port, series.files[:3]) == [0, 0, 0]
+        assert started.wait(10), "the first attempt did not start"
+        assert peers.send(node.config.port, series.files) == [0] * 6  # the whole series again
+        resume.set()
+        peers.wait_for(lambda: node.processed, what="the series finished")
+    finally:
+        resume.set()
+        node.stop()
+    assert [_frames(seg) for seg in dest.received] == [6]
+    assert not list((tmp_path / "spool" / "failed").iterdir())
+    assert sizes == [3, 6] and node.processed == [(series.series_uid, "sent")]
 
 
 def test_late_instances_resegment_the_whole_series_as_the_next_instance_of_the_same_seg_series(

@@ -119,3 +119,33 @@ def test_a_200_mib_association_request_is_refused_before_its_body_is_read(node_f
     assert sent < 32 * 2**20  # what the socket buffers hold, not the 200 MiB
     assert reason in caplog.text
     assert peers.associate(node.config.port, calling="PACS").is_established
+
+
+def test_a_connection_refused_at_accept_gets_its_rejection_after_its_request_not_before(node_factory):
+    """A connection over its host's limit is refused at accept; its A-ASSOCIATE-RJ used to go out at once,
+    before the peer had sent its A-ASSOCIATE-RQ. A requestor may not take that as the answer: pynetdicom's
+    then found its connection closed before it looked for one and reported an abort, not "busy" (about
+    one association in ten on a loaded machine). Now the RJ answers the request (and a connection that
+    says nothing gets it after REFUSE_WAIT_S); the accept loop waits for neither."""
+    from nnunet_triton.client.dicom import admission
+
+    refuse_wait_s = getattr(admission, "REFUSE_WAIT_S", 1.0)  # (getattr: the test runs on the old node too)
+    node = node_factory(access=AccessPolicy(max_associations_per_host=1))
+    port = node.config.port
+    holder = peers.connect_from("127.0.0.1", port)  # the host's one slot, counted from accept
+    refused, silent = peers.connect_from("127.0.0.1", port), peers.connect_from("127.0.0.1", port)
+    try:
+        refused.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            refused.recv(16)  # nothing before its request
+        refused.settimeout(10)
+        refused.sendall(struct.pack(">BBL", 0x01, 0, 68) + b"\x00" * 68)  # an A-ASSOCIATE-RQ's size
+        answer = refused.recv(16)
+        assert struct.unpack(">BBLBBBB", answer) == (0x03, 0, 4, 0, 0x02, 0x03, 0x02)  # RJ: transient, busy
+        peers.wait_for(lambda: peers.closed_by_peer(refused), timeout_s=5, what="the refused one closed")
+        # the one that says nothing: answered and closed after REFUSE_WAIT_S
+        peers.wait_for(lambda: peers.closed_by_peer(silent), timeout_s=refuse_wait_s + 5,
+                       what="the silent refused connection closed")
+    finally:
+        for sock in (holder, refused, silent):
+            sock.close()

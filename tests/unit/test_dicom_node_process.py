@@ -1,5 +1,7 @@
 """The DICOM node in a process of its own, watched from outside: its memory under a deflate bomb, the order
-of its system calls before it answers a C-STORE (strace), its exit status when it cannot go on.
+of its system calls before it answers a C-STORE (strace), its exit status when it cannot go on, a restart
+after SIGKILL mid-series with the PACS sending the whole series again slowly, and SIGTERM with an idle
+association open.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ except ImportError:  # run from tests/unit without package context
 
 REPO = Path(__file__).resolve().parents[2]
 CT_STORAGE, DEFLATED = "1.2.840.10008.5.1.4.1.1.2", "1.2.840.10008.1.2.1.99"
+EXPLICIT = "1.2.840.10008.1.2.1"
 BOMB_SIDE = 12_000  # 12000 x 12000 int16 zeros: 288 MB inflated, about 280 KB deflated
 
 
@@ -180,3 +183,84 @@ def test_deflate_bomb_helper_writes_a_small_file_that_inflates_to_the_stated_siz
     ds = pydicom.filereader.read_dataset(body, is_implicit_VR=False, is_little_endian=True)
     assert (ds.Rows, ds.Columns, len(ds.PixelData)) == (512, 512, 512 * 512 * 2)
     assert len(data) < 10_000
+
+
+@pytest.mark.parametrize("associations", ["one", "one_per_instance"])
+def test_a_slow_resend_after_a_restart_keeps_the_series_open_and_yields_one_seg(tmp_path, associations):
+    """The finding: a node killed mid-series, a new one on the same spool, and the PACS sending the whole
+    series again, each instance a little sooner than the idle timeout, so that the re-send lasts several
+    idle timeouts. The instances the spool has already (acknowledged as known) must keep the series open
+    as the new ones do: one SEG of the whole series, nothing in failed/. Before, the series was cut while
+    the known instances came in (a SEG of the half the spool had, or failed/, then another round)."""
+    series = support.write_ct_series(tmp_path / "ct", n_slices=8)
+    datasets = [pydicom.dcmread(path) for path in series.files]
+    spool = tmp_path / "spool"
+    first, port = _start(spool, settings='{"idle_timeout_s": 600}')
+    try:
+        killed_mid_series = peers.associate(port, contexts=[(CT_STORAGE, EXPLICIT)])
+        assert [int(killed_mid_series.send_c_store(ds).Status) for ds in datasets[:4]] == [0] * 4
+    finally:
+        os.kill(first.node_pid, signal.SIGKILL)
+        first.communicate(timeout=30)
+    killed_mid_series.abort()
+
+    # one instance every 0.6 s (0.9 s left for an association on a loaded machine): the re-send takes
+    # 4.8 s, 3.2 idle timeouts, and its known half alone (2.4 s) outlasts the idle timeout
+    idle, gap = 1.5, 0.6
+    dest = peers.Destination().start()
+    node = peers.running(peers.node_config(spool, dest, peers.Threshold(), idle_timeout_s=idle))
+    try:
+        statuses = []
+        if associations == "one":
+            assoc = peers.associate(node.config.port, contexts=[(CT_STORAGE, EXPLICIT)])
+            for ds in datasets:
+                statuses.append(int(assoc.send_c_store(ds).Status))
+                time.sleep(gap)
+            assoc.release()
+        else:  # a sender that opens an association per instance: only the instances keep the series open
+            for path in series.files:
+                statuses += peers.send(node.config.port, [path])
+                time.sleep(gap)
+        # a second round (the series cut during the re-send) would still be pending here
+        peers.wait_for(lambda: node.processed and not node.status()["pending_series"], timeout_s=30,
+                       what="the series segmented and sent")
+        failed = list((spool / "failed").iterdir())
+    finally:
+        node.stop()
+        dest.stop()
+    assert statuses == [0] * 8
+    assert [int(seg.NumberOfFrames) for seg in dest.received] == [8]  # one SEG, of the whole series
+    assert failed == []
+    assert node.processed == [(series.series_uid, "sent")]
+
+
+def test_sigterm_with_an_idle_open_association_exits_within_seconds(tmp_path):
+    """An association left open and idle (a PACS between two series) used to keep a node on SIGTERM for
+    network_timeout_s (60 s by default): pynetdicom's reader thread waited for it. The node aborts it and
+    exits at once; what it acknowledged is in the spool, and the sender is told (A-ABORT)."""
+    series = support.write_ct_series(tmp_path / "ct", n_slices=2)
+    datasets = [pydicom.dcmread(path) for path in series.files]
+    spool = tmp_path / "spool"
+    process, port = _start(spool, settings='{"idle_timeout_s": 600, "network_timeout_s": 60}')
+    try:
+        assoc = peers.associate(port, contexts=[(CT_STORAGE, EXPLICIT)], timeout_s=60)
+        assert [int(assoc.send_c_store(ds).Status) for ds in datasets] == [0, 0]
+        time.sleep(0.5)  # the association stays open, idle
+        sent = time.monotonic()
+        os.kill(process.node_pid, signal.SIGTERM)
+        try:
+            _, err = process.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate(timeout=30)
+            pytest.fail("the node did not exit within 5 s of SIGTERM with an idle association open")
+        took = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            process.kill()
+    print(f"SIGTERM with an idle association open: the node exited after {took:.2f} s")
+    assert process.returncode == 0, err[-2000:]
+    peers.wait_for(lambda: assoc.is_aborted, timeout_s=5, what="the sender told by an A-ABORT")
+    spooled = sorted(path.name for path in (spool / "incoming" / series.series_uid).glob("*.dcm"))
+    assert spooled == sorted(f"{sop}.dcm" for sop in series.sop_uids)
+    assert not list((spool / "tmp").iterdir())

@@ -9,7 +9,9 @@ blocks every TLS handshake, and a few connections that send two bytes hold every
    of the :class:`~.access.AccessPolicy` is bound to hosts (``--allow AET@HOST``); a host may hold at
    most ``max_associations_per_host`` connections at once (waiting ones included), and hosts that no
    sender names share ``max_pending`` connections that have not yet sent their request. A refused
-   connection gets an A-ASSOCIATE-RJ (transient for a limit) and is closed unread.
+   connection is handed to one refusing thread, which waits (at most ``REFUSE_WAIT_S``) for its
+   A-ASSOCIATE-RQ, discards it unread (at most 256 KiB), answers an A-ASSOCIATE-RJ (transient for a
+   limit) and closes it.
 2. **In the connection's own thread**, within ``association_request_timeout_s`` together: the TLS
    handshake, then the whole A-ASSOCIATE-RQ PDU (at most ``max_association_request_bytes``; a longer
    one is refused from its 6-byte header, before its body is read). Past the deadline the connection is
@@ -21,7 +23,9 @@ blocks every TLS handshake, and a few connections that send two bytes hold every
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import select
 import socket
 import ssl
 import struct
@@ -40,6 +44,9 @@ LOGGER = logging.getLogger("nnunet_triton.client.dicom.node")  # one logger for 
 A_ASSOCIATE_RQ, A_ASSOCIATE_RJ = 0x01, 0x03
 PDU_HEADER = 6
 REFUSAL_LOG_INTERVAL_S = 30.0  # a host refused again and again is logged once per interval
+REFUSE_WAIT_S = 1.0  # a connection refused at accept: how long its A-ASSOCIATE-RQ is waited for
+MAX_REFUSING = 256  # refused connections waiting for their request at once; beyond that, answered at once
+DISCARDED_BYTES = 4 * 65536  # what a refused connection sent that is read and discarded before its RJ
 
 
 @dataclass
@@ -68,6 +75,7 @@ class Admission:
         self.max_pending = 8 * policy.max_associations
         self._lock = threading.Lock()
         self._open: dict[int, _Connection] = {}  # id(raw socket) -> connection
+        self._refuser = _Refuser()
         self._logged: dict[str, tuple[float, int]] = {}  # host -> (last logged, refusals since)
 
     def _prune(self) -> None:
@@ -103,19 +111,11 @@ class Admission:
         return self._refuse(sock, host, reason, REJECT_BUSY)
 
     def _refuse(self, sock: socket.socket, host: str, reason: str, rsd: tuple[int, int, int]) -> bool:
-        """Answer an A-ASSOCIATE-RJ without reading anything (the accept loop never blocks on a peer:
-        the socket's buffer is empty, and a send that would block is dropped); the server closes it."""
-        try:
-            sock.setblocking(False)
-            sock.send(struct.pack(">BBLBBBB", A_ASSOCIATE_RJ, 0, 4, 0, *rsd))
-            # Discard what the peer already sent (its A-ASSOCIATE-RQ), without waiting and at most 256 KiB:
-            # closing a socket with unread bytes sends a reset, which can destroy the RJ before the peer
-            # reads it (a loaded node accepts late, when the request is already there).
-            for _ in range(4):
-                if not sock.recv(65536):
-                    break
-        except OSError:
-            pass
+        """Hand the connection to the refusing thread, which answers its A-ASSOCIATE-RJ once its request
+        has arrived and closes it; when too many wait there, answer it at once (without waiting: the
+        accept loop never blocks on a peer) and let the server close it."""
+        if not self._refuser.take(sock, rsd):
+            _answer(sock, rsd)
         now = time.monotonic()
         with self._lock:
             last, since = self._logged.get(host, (-REFUSAL_LOG_INTERVAL_S, 0))
@@ -169,6 +169,11 @@ class Admission:
         connection.pending = False
         return sock, head + body
 
+    def refusing(self, sock: socket.socket) -> bool:
+        """Whether the refusing thread answers and closes ``sock`` (a connection refused at accept): then
+        the server must not close it (once per connection: the server asks once)."""
+        return self._refuser.handed(sock)
+
     def _close(self, sock: Any, host: str, reason: str) -> None:
         LOGGER.warning("refused a connection from %s: %s", host, reason)
         try:
@@ -176,6 +181,83 @@ class Admission:
         except OSError:
             pass
         return None
+
+
+def _answer(sock: socket.socket, rsd: tuple[int, int, int]) -> None:
+    """Read and discard what the peer sent so far (its A-ASSOCIATE-RQ; at most ``DISCARDED_BYTES``, without
+    waiting), then send the A-ASSOCIATE-RJ (dropped when it would block). Closing a socket with unread bytes
+    sends a reset instead of a FIN."""
+    try:
+        sock.setblocking(False)
+        for _ in range(DISCARDED_BYTES // 65536):
+            if not sock.recv(65536):
+                break
+    except OSError:  # nothing (more) to read now, or the peer is gone
+        pass
+    with contextlib.suppress(OSError):
+        sock.send(struct.pack(">BBLBBBB", A_ASSOCIATE_RJ, 0, 4, 0, *rsd))
+
+
+class _Refuser:
+    """The connections refused at accept, answered off the accept loop: each gets its A-ASSOCIATE-RJ once
+    its A-ASSOCIATE-RQ (or anything) has arrived, at most ``REFUSE_WAIT_S`` after accept, and is closed.
+
+    An RJ sent before the request is out of the protocol's order, and a requestor may not take it as the
+    answer: pynetdicom's, for one, can find its connection closed before it looks for the answer (the RJ
+    and the close arrive before it has sent its request) and report an abort instead of the transient
+    rejection, so a sender over its host's limit did not learn that the node is busy. One thread, started
+    when a refused connection waits and ended when none does; at most ``MAX_REFUSING`` wait at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[int, tuple[socket.socket, tuple[int, int, int], float]] = {}  # fd -> ...
+        self._handed: set[int] = set()  # id(socket) the server has not asked about yet
+        self._thread: threading.Thread | None = None
+
+    def take(self, sock: socket.socket, rsd: tuple[int, int, int]) -> bool:
+        """Wait for the request of ``sock``, then answer and close it (False: too many wait already)."""
+        with self._lock:
+            if len(self._waiting) >= MAX_REFUSING:
+                return False
+            self._waiting[sock.fileno()] = (sock, rsd, time.monotonic() + REFUSE_WAIT_S)
+            self._handed.add(id(sock))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nnunet-triton-refuse", daemon=True)
+                self._thread.start()
+        return True
+
+    def handed(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if id(sock) in self._handed:
+                self._handed.discard(id(sock))
+                return True
+            return False
+
+    def _run(self) -> None:
+        poller = select.poll()
+        registered: set[int] = set()
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    self._thread = None
+                    return
+                waiting = dict(self._waiting)
+            for fd in waiting.keys() - registered:
+                poller.register(fd, select.POLLIN | select.POLLPRI)
+                registered.add(fd)
+            ready = {fd for fd, _ in poller.poll(20)}  # readable, closed by the peer or in error
+            now = time.monotonic()
+            for fd, (sock, rsd, deadline) in waiting.items():
+                if fd not in ready and now < deadline:
+                    continue
+                poller.unregister(fd)
+                registered.discard(fd)
+                _answer(sock, rsd)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)
+                sock.close()
+                with self._lock:
+                    del self._waiting[fd]
 
 
 def _read(sock: Any, size: int, deadline: float) -> bytes:
@@ -248,3 +330,8 @@ class AdmittingServer(ThreadedAssociationServer):
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
         return self.admission.accept(request, str(client_address[0]))
+
+    def shutdown_request(self, request: Any) -> None:
+        """Close a connection, unless admission's refusing thread answers and closes it."""
+        if not self.admission.refusing(request):
+            super().shutdown_request(request)

@@ -19,7 +19,10 @@ A PACS routes studies to the node's AE title. What happens, in order:
    storing at that moment is answered 0xA700: a sender cannot replace a slice, concurrently or not.
 3. **Completeness.** A series is complete when no instance of its *study* arrived for ``idle_timeout_s``
    and no association that delivered instances of the study is still open (it is held back at most
-   ``max_open_wait_s``), the rule of Orthanc's stable studies plus the sender's own end of transfer.
+   ``max_open_wait_s``), the rule of Orthanc's stable studies plus the sender's own end of transfer. An
+   instance the spool has already counts as arriving too: a PACS that sends a series again after a
+   restart keeps it open until its re-send ends. At start, every series in ``incoming/`` gets a full
+   ``idle_timeout_s``.
 4. **Segmenting.** The series goes to the model (endpoint) of its route (:mod:`.routing`): the called AE
    title of its first instance's association, else the first rule its attributes match, else the default;
    the route is decided when the first instance is kept and recorded in the series' state (a restart keeps
@@ -33,7 +36,8 @@ A PACS routes studies to the node's AE title. What happens, in order:
    busy, a full disk) are retried with exponential backoff (``retry_delay_s`` doubling up to
    ``max_retry_delay_s``) for ``retry_window_s`` (an hour by default; ``retries`` may cap the attempts);
    then, or at once for a series that cannot be segmented, the series moves to ``failed/`` with
-   ``error.txt``. :func:`requeue` (``nnunet-triton requeue``) puts it back.
+   ``error.txt`` (unless instances arrived during that attempt: then it is tried again with them).
+   :func:`requeue` (``nnunet-triton requeue``) puts it back.
 6. **Late instances.** A sent series' instances are kept in ``done/`` for ``done_retention_s``. An instance
    that arrives later brings them back: the whole series is segmented again and the new SEG is a new
    instance (next InstanceNumber) of the same SEG series, which replaces the earlier one for a viewer
@@ -45,7 +49,8 @@ A PACS routes studies to the node's AE title. What happens, in order:
    on (its spool gone, its worker dead), it refuses new associations, says so in the status and
    :attr:`DicomNode.fatal`, and ``listen`` exits non-zero. A series in progress for longer than
    ``max_busy_s`` (a hung endpoint) makes the node degraded with ``worker_stuck`` (``node-status`` exits
-   1) and instances of new series are answered 0xA700 until it ends.
+   1) and instances of new series are answered 0xA700 until it ends. :meth:`DicomNode.stop` (SIGTERM)
+   aborts the associations still open, so an idle one does not keep the node for its network timeout.
 
 Logs and error files name series by UID only; exception texts of other libraries are redacted
 (:mod:`.phi`). The spool is locked: one node per spool.
@@ -97,6 +102,7 @@ SEG_HEADER_BYTES = 64 * 1024  # a SEG's attributes and per-frame groups, on top 
 PROCESSED_KEPT = 1000  # outcomes kept in memory (DicomNode.processed)
 RECENT_SHOWN = 20  # outcomes shown in status.json, with their model
 ROUTE_KEYS = ("called_ae", "model", "route")  # a series' route in its state and its record
+ABORT_GRACE_S = 2.0  # stop: how long the aborted associations' handlers may take to end
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,7 @@ class _Series:
     model: str | None = None
     route: str = ""
     other_called: set[str] = field(default_factory=set)  # other called AE titles its instances came to
+    round: frozenset[str] | None = None  # the instances the attempt in progress works on
 
 
 class _Fatal(Exception):
@@ -324,11 +331,13 @@ class DicomNode(Receiving):
                     ", ".join(self.config.served))
 
     def stop(self) -> None:
-        """Stop listening; the series being processed finishes first, nothing spooled is removed."""
+        """Stop listening and abort the associations still open (within ``ABORT_GRACE_S``); the series
+        being processed finishes first, nothing spooled is removed."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._close_server()
+        self._abort_associations()
         receive_into(None, previous=self.spool.tmp)
         for thread in self._threads:
             thread.join(timeout=600)
@@ -343,6 +352,37 @@ class DicomNode(Receiving):
         if server is not None:
             with contextlib.suppress(Exception):
                 server.shutdown()
+
+    def _abort_associations(self) -> None:
+        """Abort every association still open, so that ``stop`` (SIGTERM) does not wait for an idle one
+        to time out (pynetdicom's reader thread keeps the process alive for ``network_timeout_s``).
+
+        Nothing acknowledged is lost: a C-STORE is answered only once its instance is durable in the spool.
+        An instance being received when the A-ABORT goes out is not answered, so its sender keeps it and
+        sends it again (and one stored meanwhile is acknowledged as known). The C-STORE handlers still
+        running are waited for (``ABORT_GRACE_S``); a peer that does not close its end after the A-ABORT
+        has its connection closed."""
+        server = self._server
+        if server is None:
+            return
+        open_associations = list(server.active_associations)
+        for assoc in open_associations:
+            with contextlib.suppress(Exception):
+                assoc.abort(block=False)  # the A-ABORT is queued; its reader thread sends it
+        deadline = time.monotonic() + ABORT_GRACE_S
+        for assoc in open_associations:
+            assoc.join(max(0.0, deadline - time.monotonic()))
+        for assoc in open_associations:
+            dul = assoc.dul
+            if dul.is_alive():
+                LOGGER.warning("an association from %s did not end %g s after the A-ABORT; its connection "
+                               "is closed", assoc.requestor.address, ABORT_GRACE_S)
+                dul.kill_dul()
+                with contextlib.suppress(Exception):
+                    dul.socket.close()
+            dul.join(max(0.0, deadline + 1.0 - time.monotonic()))
+        if open_associations:
+            LOGGER.info("stopped: aborted %d open association(s)", len(open_associations))
 
     def wait_fatal(self, timeout_s: float | None = None) -> str | None:
         """Wait until the node cannot go on and has said so (returns why) or ``timeout_s`` passed (None)."""
@@ -382,7 +422,7 @@ class DicomNode(Receiving):
         if status != STATUS_SUCCESS:
             return status
         try:
-            self._note_route(series, sop, called, decision)
+            self._note_route(series, sop, called, decision, study=study)
         except OSError as exc:  # the instance is kept; the sender sends it again and the route is recorded
             return self._spool_error(f"recording the route of series {series}", exc)
         return status
@@ -401,9 +441,10 @@ class DicomNode(Receiving):
             return exc
 
     def _note_route(self, series: str, sop: str, called: str | None,
-                    decision: Route | NoRoute | None) -> None:
+                    decision: Route | NoRoute | None, *, study: str) -> None:
         """Record the route of a series in its state unless it has one (a later instance follows it, and so
-        does a series whose earlier SEG was sent: its record keeps the route)."""
+        does a series whose earlier SEG was sent: its record keeps the route), with its study (a restart
+        keeps the series with the other series of its study)."""
         with self._lock:
             entry = self._pending.get(series)
             if entry is None:  # a known instance of a sent series: nothing waits for a route
@@ -426,7 +467,7 @@ class DicomNode(Receiving):
             if new:
                 if decision is None:
                     decision = self._decide(self.spool.instance(series, sop), called)
-                state.update(self._route_keys(series, called, decision))
+                state.update(self._route_keys(series, called, decision), study=study)
                 self.spool.write_state(series, state)
         with self._lock:
             _route_entry(entry, state)
@@ -568,17 +609,18 @@ class DicomNode(Receiving):
                 self._set_degraded("destination", f"series {uid}: {self._describe(uid, exc)}")
                 self._retry_or_fail(uid, attempt, self._describe(uid, exc))
             else:  # the endpoint refused this series (e.g. INVALID_ARG): it would refuse it again
-                self._fail(uid, self._describe(uid, exc))
+                self._fail(uid, self._describe(uid, exc), unless_grown=True)
         except OSError as exc:  # a full disk, a spool folder in trouble: may pass
             self._set_degraded("disk", f"series {uid}: {self._describe(uid, exc)}")
             self._retry_or_fail(uid, attempt, self._describe(uid, exc))
-        except NnunetTritonError as exc:  # the series itself cannot be segmented: no retry helps
-            self._fail(uid, self._describe(uid, exc))
+        except NnunetTritonError as exc:  # the series as it is cannot be segmented: no retry helps
+            self._fail(uid, self._describe(uid, exc), unless_grown=True)
         except Exception as exc:  # noqa: BLE001 - a bug must not stop the node; the series is kept aside
             LOGGER.error("series %s: unexpected error %s", uid, self._describe(uid, exc))
-            self._fail(uid, self._describe(uid, exc))
+            self._fail(uid, self._describe(uid, exc), unless_grown=True)
         finally:
             self._busy = None
+            entry.round = None
 
     def _describe(self, uid: str, exc: BaseException) -> str:
         """``describe(exc)`` with the patient/study values of the series' first instance redacted too."""
@@ -604,6 +646,7 @@ class DicomNode(Receiving):
             with contextlib.suppress(OSError):
                 done_dir.rmdir()
         names = [p.name for p in self.spool.instances(folder)]
+        entry.round = frozenset(names)
         missing = set(record.get("covers", [])) - set(names)
         if missing:
             raise InputValidationError(
@@ -785,8 +828,13 @@ class DicomNode(Receiving):
                 LOGGER.error("series %s: could not record the attempt: %s", uid, describe(exc))
         LOGGER.warning("series %s: attempt %d failed (%s); retrying in %.1f s", uid, attempt, message, delay)
 
-    def _fail(self, uid: str, message: str) -> None:
-        """Move the series (instances, state, unsent SEG) to ``failed/`` with ``error.txt``."""
+    def _fail(self, uid: str, message: str, *, unless_grown: bool = False) -> None:
+        """Move the series (instances, state, unsent SEG) to ``failed/`` with ``error.txt``.
+
+        ``unless_grown``: the series' data made the attempt fail (a partial volume, a refusal of the
+        endpoint); when instances arrived meanwhile (a PACS sending the series again after a restart) it
+        is tried again with them after the idle timeout instead, so the instances acknowledged during the
+        attempt are not set aside with a verdict on data they were not part of."""
         target = self.spool.unique_failed(uid)
         folder = self.spool.series_dir(uid)
         seg = self.spool.seg_file(uid)
@@ -796,6 +844,10 @@ class DicomNode(Receiving):
         routed = f"model: {model} ({route})\n" if model else ""
         try:
             with self._series_lock(uid):
+                if unless_grown and self._grown(uid, entry, folder):
+                    LOGGER.warning("series %s: %s; instances arrived during the attempt: it is tried again "
+                                   "with them", uid, message)
+                    return
                 if folder.is_dir():
                     self.spool.move(folder, target)
                 else:
@@ -817,6 +869,20 @@ class DicomNode(Receiving):
         self._kept.pop(uid, None)
         self._outcome(uid, f"failed: {message}", model)
         LOGGER.error("series %s: moved to %s: %s", uid, target, message)
+
+    def _grown(self, uid: str, entry: _Series | None, folder: Path) -> bool:
+        """Whether instances arrived in the series' folder during the attempt in progress (then the entry
+        is made ready for another round, after the idle timeout; called under the series' lock)."""
+        if entry is None or entry.round is None or not folder.is_dir():
+            return False
+        with self._lock:  # one being stored now is linked into the folder once the series' lock is free
+            storing = any(series == uid for series, _ in self._storing)
+        if not storing and not {p.name for p in self.spool.instances(folder)} - entry.round:
+            return False
+        with self._lock:
+            entry.attempts, entry.first_failure, entry.next_attempt = 0, None, 0.0
+        self._kept.pop(uid, None)
+        return True
 
     # --- health ------------------------------------------------------------------------------------
     def _monitor(self) -> None:

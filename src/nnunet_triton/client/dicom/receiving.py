@@ -247,10 +247,12 @@ class Receiving:
         now = time.monotonic()
         with self._lock:
             if (series, sop) in self._storing:  # another association is storing the same instance now
+                self._seen(series, study, now, assoc_key)
                 LOGGER.warning("refused instance %s of series %s: another association is storing it now",
                                sop, series)
                 return STATUS_OUT_OF_RESOURCES
-            if self.spool.known(series, sop):
+            if self.spool.known(series, sop):  # e.g. a PACS sending the whole series again after a restart
+                self._seen(series, study, now, assoc_key)
                 LOGGER.info("series %s: instance %s is spooled already; not stored again", series, sop)
                 return STATUS_SUCCESS
             pending = self._pending.get(series)
@@ -302,9 +304,22 @@ class Receiving:
             self._degraded.pop("disk", None)
             self._degraded.pop("quota", None)
             self._pending.setdefault(series, entry)  # the worker may have finished the series meanwhile
+            self._seen(series, study, now, assoc_key, entry)
+
+    def _seen(self, series: str, study: str, now: float, assoc_key: int, entry: Any = None) -> None:
+        """An instance of ``series`` arrived (stored now, or one the spool has already): the series and its
+        study are not idle, and the association counts as delivering the study (it holds the study's series
+        while it is open). Called under the node's lock. A sender that sends a whole series again (a PACS
+        after the node restarted) keeps it open with the instances the spool has too, so it is not cut in
+        the middle of the re-send; a series recovered from the spool without a recorded study (it stands
+        for its own study then) learns it here."""
+        entry = entry if entry is not None else self._pending.get(series)
+        if entry is not None:
             entry.last_seen = now
-            self._study_seen[study] = now
-            self._carrying.setdefault(assoc_key, set()).add(study)
+            if entry.study == series:
+                entry.study = study
+        self._study_seen[study] = now
+        self._carrying.setdefault(assoc_key, set()).add(study)
 
     def _spool_error(self, what: str, exc: OSError) -> int:
         reason = f"{what} failed: {os.strerror(exc.errno) if exc.errno else type(exc).__name__}"
