@@ -308,3 +308,39 @@ def test_requests_in_flight_during_a_reclaim_are_answered(reclaiming):
         assert during, (event, sent)  # requests came while the new instance was loading
     assert set(models) <= set(reclaimed()), reclaimed()
     _wait_back_to_default(reclaiming, models)
+
+
+def test_status_counts_the_shm_reclaims_of_a_detached_server(identity_model_repository, tmp_path, capsys,
+                                                            monkeypatch):
+    """``nnunet-triton-server start`` (detached, any Python model: here the identity echo): a 64 MiB echo
+    grows the stub's region, the watchdog gives it back, ``status`` counts it and the model still echoes."""
+    import tritonclient.http as http
+
+    from nnunet_triton.cli import serve as embedded_cli
+
+    monkeypatch.setenv(shm_reclaim.ABOVE_ENV, str(RECLAIM_MIB))
+    monkeypatch.setenv(shm_reclaim.IDLE_ENV, str(RECLAIM_IDLE_S))
+    args = ["--home", str(tmp_path / "home")]
+
+    def status() -> dict:
+        embedded_cli.main([*args, "status"])
+        return json.loads(capsys.readouterr().out)
+
+    assert embedded_cli.main([*args, "start", "--model-repository", str(identity_model_repository)]) == 0
+    started = json.loads(capsys.readouterr().out)
+    try:
+        data = np.arange(2**24, dtype=np.float32).reshape(1, 1, -1)  # 64 MiB in, 64 MiB out
+        small = np.ones((1, 1, 1), np.int16)
+        with http.InferenceServerClient(f"127.0.0.1:{started['http_port']}", network_timeout=300) as client:
+            inputs = [_tensor("INPUT_FP32", data, "FP32"), _tensor("INPUT_INT16", small, "INT16")]
+            np.testing.assert_array_equal(client.infer("identity", inputs).as_numpy("OUTPUT_FP32"), data)
+            server = type("Started", (), {"pid": started["pid"]})
+            assert max(_regions(server, "identity").values()) > 128 * 2**20
+            _wait_back_to_default(server, ("identity",))
+            deadline = time.monotonic() + 30
+            while status().get("shm_reclaims") != 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert status()["shm_reclaims"] == 1
+            np.testing.assert_array_equal(client.infer("identity", inputs).as_numpy("OUTPUT_FP32"), data)
+    finally:
+        assert embedded_cli.main([*args, "stop"]) == 0
