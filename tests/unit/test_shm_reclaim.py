@@ -48,7 +48,7 @@ class _Api:
         self.loads: list[tuple[str, dict[str, Any]]] = []
         self.fail_load = False
 
-    def statistics(self, model: str) -> dict[str, Any]:
+    def statistics(self, model: str | None = None) -> dict[str, Any]:
         stats = {"success": {"count": self.count}, "fail": {"count": 0}}
         return {"model_stats": [{"inference_count": self.count, "execution_count": self.count,
                                  "inference_stats": stats}]}
@@ -71,7 +71,8 @@ def _stub(tmp_path: Path, pid: int, model: str, size: int) -> StubProcess:
 
 
 def test_only_regions_grown_beyond_the_threshold_count(tmp_path):
-    reclaimer = ShmReclaimer(_Api(), ReclaimPolicy(32 * MiB, 0.0), shm=tmp_path)  # type: ignore[arg-type]
+    reclaimer = ShmReclaimer(_Api(), ReclaimPolicy(32 * MiB, 0.0), shm=tmp_path,
+                             proc=tmp_path / "proc")  # type: ignore[arg-type]
     stubs = [_stub(tmp_path, 10, "preprocess_model", DEFAULT + 32 * MiB),  # at the threshold: kept
              _stub(tmp_path, 11, "stitch_model", DEFAULT + 64 * MiB)]
     assert reclaimer.grown(stubs) == {"stitch_model": {"stitch_model_0_0": DEFAULT + 64 * MiB}}
@@ -80,7 +81,8 @@ def test_only_regions_grown_beyond_the_threshold_count(tmp_path):
 def test_a_grown_idle_model_is_loaded_again_with_a_changed_parameter_and_its_old_stub_is_not_counted_again(
         tmp_path):
     api = _Api()
-    reclaimer = ShmReclaimer(api, ReclaimPolicy(32 * MiB, 0.0), shm=tmp_path)  # type: ignore[arg-type]
+    reclaimer = ShmReclaimer(api, ReclaimPolicy(32 * MiB, 0.0), shm=tmp_path,
+                             proc=tmp_path / "proc")  # type: ignore[arg-type]
     stubs = [_stub(tmp_path, 11, "stitch_model", DEFAULT + 64 * MiB)]
     (reclaim,) = reclaimer.check(stubs)
     assert reclaim.ok and reclaim.model == "stitch_model" and reclaim.default_bytes == DEFAULT
@@ -93,7 +95,8 @@ def test_a_grown_idle_model_is_loaded_again_with_a_changed_parameter_and_its_old
 
 def test_a_busy_model_waits_for_the_idle_time(tmp_path):
     api = _Api()
-    reclaimer = ShmReclaimer(api, ReclaimPolicy(32 * MiB, 3600.0), shm=tmp_path)  # type: ignore[arg-type]
+    reclaimer = ShmReclaimer(api, ReclaimPolicy(32 * MiB, 3600.0), shm=tmp_path,
+                             proc=tmp_path / "proc")  # type: ignore[arg-type]
     stubs = [_stub(tmp_path, 11, "stitch_model", DEFAULT + 64 * MiB)]
     assert reclaimer.check(stubs) == []
     api.count += 1
@@ -103,8 +106,37 @@ def test_a_busy_model_waits_for_the_idle_time(tmp_path):
 def test_a_failed_load_is_reported_and_retried_later(tmp_path):
     api = _Api()
     api.fail_load = True
-    reclaimer = ShmReclaimer(api, ReclaimPolicy(32 * MiB, 0.0), shm=tmp_path)  # type: ignore[arg-type]
+    reclaimer = ShmReclaimer(api, ReclaimPolicy(32 * MiB, 0.0), shm=tmp_path,
+                             proc=tmp_path / "proc")  # type: ignore[arg-type]
     stubs = [_stub(tmp_path, 11, "stitch_model", DEFAULT + 64 * MiB)]
     (reclaim,) = reclaimer.check(stubs)
     assert not reclaim.ok and "nope" in str(reclaim.error)
     assert reclaimer.check(stubs) == []  # backoff: 1 s before the next try
+
+
+def _cpu(proc: Path, pid: int, ticks: int) -> None:
+    (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+    fields = ["S", "1", *["0"] * 9, str(ticks), "0"]  # state, ppid, ..., utime (field 14), stime (15)
+    (proc / str(pid) / "stat").write_text(f"{pid} (triton_python_b) {' '.join(fields)}\n")
+
+
+def test_a_model_whose_stub_burns_cpu_is_busy_although_no_count_moved(tmp_path, monkeypatch):
+    """A long single step (resampling a large image) moves no Triton count until it is done."""
+    clock = [1000.0]
+    monkeypatch.setattr("nnunet_triton.server.shm_reclaim.time.monotonic", lambda: clock[0])
+    api = _Api()
+    reclaimer = ShmReclaimer(api, ReclaimPolicy(32 * MiB, 10.0), shm=tmp_path,  # type: ignore[arg-type]
+                             proc=tmp_path / "proc")
+    stubs = [_stub(tmp_path, 11, "preprocess_model", DEFAULT + 64 * MiB)]
+    _cpu(tmp_path / "proc", 11, 0)
+    assert reclaimer.check(stubs) == []
+    for second in range(1, 21):  # 20 s without a count moving, the stub at 100 % of a core
+        clock[0] += 1.0
+        _cpu(tmp_path / "proc", 11, second * 100)
+        assert reclaimer.check(stubs) == [], second
+    done = []
+    for _ in range(10):  # the step is done: quiet from now on, reloaded once quiet for 10 s
+        clock[0] += 1.0
+        assert not done
+        done = reclaimer.check(stubs)
+    assert [r.model for r in done] == ["preprocess_model"] and len(api.loads) == 1

@@ -15,8 +15,12 @@ with the stubs it scanned, in the embedded server and in containers alike):
 
 * a stub whose region is larger than its own default (its argv) by more than ``policy.above_bytes`` marks
   its model grown;
-* the model is idle once its Triton statistics (inference, execution, success and failure counts; the
-  restricted statistics API with the watchdog's token) stayed the same for ``policy.idle_s``;
+* the model is idle once, for ``policy.idle_s``, the Triton statistics of every model of the server
+  (inference, execution, success and failure counts; the restricted statistics API with the watchdog's
+  token) stayed the same and the model's own stubs used at most :data:`BUSY_CPU_SHARE` of a core. Triton
+  2.51 counts a request only once it is done and has no gauge of requests in flight; the two together
+  see one: a request anywhere in a pipeline moves the fold models' counts tile batch by tile batch, and a
+  long single step (resampling a large image) burns its stub's CPU;
 * a grown, idle model is loaded again with the configuration Triton serves it with plus the parameter
   :data:`RELOAD_PARAMETER` (a counter). A configuration change re-creates the model: Triton loads new
   instances (fresh stubs, fresh regions of the default size) while the old ones keep serving, swaps them
@@ -58,7 +62,9 @@ DEFAULT_ABOVE_MIB = 256
 DEFAULT_IDLE_S = 10.0
 # the model-config parameter a reclaim changes (our models ignore it): a changed configuration re-creates
 RELOAD_PARAMETER = "nnunet_shm_reclaim"
+BUSY_CPU_SHARE = 0.02  # CPU time of a model's stubs, per second of the idle window, that counts as work
 RETRY = RetryPolicy(backoff_s=1.0, max_delay_s=30.0)
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,7 @@ class _Watch:
     """A grown model: its counts and since when they stayed the same; when a failed reload is tried next."""
 
     activity: tuple[int, ...] | None = None
+    cpu_ticks: int = 0  # the model's stubs' CPU time when the quiet began (clock ticks)
     quiet_since: float = 0.0  # time.monotonic()
     attempt: int = 1
     retry_at: float = 0.0  # time.monotonic()
@@ -149,10 +156,11 @@ class ShmReclaimer:
     """Reload the models whose stubs' regions grew beyond ``policy`` once idle (see the module doc)."""
 
     def __init__(self, api: ModelControl, policy: ReclaimPolicy | None = None, *,
-                 shm: str | Path = "/dev/shm") -> None:
+                 shm: str | Path = "/dev/shm", proc: str | Path = "/proc") -> None:
         self.api = api
         self.policy = policy or ReclaimPolicy()
         self.shm = Path(shm)
+        self.proc = Path(proc)
         self.reclaims = 0  # successful ones
         self._watch: dict[str, _Watch] = {}
         self._retiring: set[int] = set()  # pids of stubs replaced by a reclaim, still finishing requests
@@ -182,20 +190,33 @@ class ShmReclaimer:
         done = []
         for model, regions in grown.items():
             watch = self._watch.setdefault(model, _Watch(detected_at=time.time()))
-            if self._idle(model, watch) and time.monotonic() >= watch.retry_at:
-                done.append(self._reclaim(model, regions, [s for s in stubs if s.model == model], watch))
+            own = [s for s in stubs if s.model == model]
+            if self._idle(own, watch) and time.monotonic() >= watch.retry_at:
+                done.append(self._reclaim(model, regions, own, watch))
         return done
 
-    def _idle(self, model: str, watch: _Watch) -> bool:
+    def _cpu_ticks(self, stubs: Sequence[StubProcess]) -> int:
+        """User + system CPU time of ``stubs`` (clock ticks; a stub gone meanwhile counts 0)."""
+        total = 0
+        for stub in stubs:
+            try:
+                fields = (self.proc / str(stub.pid) / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime (proc(5) fields 14 and 15)
+        return total
+
+    def _idle(self, stubs: Sequence[StubProcess], watch: _Watch) -> bool:
         try:
-            activity = _activity(self.api.statistics(model))
-        except ServerError as exc:  # not ready, unloading: look again next time
-            LOGGER.debug("no statistics for model %r: %s", model, exc)
+            activity = _activity(self.api.statistics())  # every model: a pipeline request moves the folds'
+        except ServerError as exc:  # not reachable meanwhile: look again next time
+            LOGGER.debug("no statistics: %s", exc)
             watch.activity = None
             return False
-        now = time.monotonic()
-        if activity != watch.activity:
-            watch.activity, watch.quiet_since = activity, now
+        now, cpu = time.monotonic(), self._cpu_ticks(stubs)
+        busy_ticks = max(2.0, BUSY_CPU_SHARE * self.policy.idle_s * _CLOCK_TICKS)
+        if activity != watch.activity or cpu - watch.cpu_ticks > busy_ticks:
+            watch.activity, watch.cpu_ticks, watch.quiet_since = activity, cpu, now
         return now - watch.quiet_since >= self.policy.idle_s
 
     def _reclaim(self, model: str, regions: dict[str, int], stubs: Sequence[StubProcess],
