@@ -140,3 +140,18 @@ def test_a_model_whose_stub_burns_cpu_is_busy_although_no_count_moved(tmp_path, 
         assert not done
         done = reclaimer.check(stubs)
     assert [r.model for r in done] == ["preprocess_model"] and len(api.loads) == 1
+
+
+def test_a_bad_setting_stops_the_container_entry_point_and_the_watchdog_with_its_name(tmp_path, monkeypatch,
+                                                                                      caplog):
+    """Not a watchdog that dies unseen after the fork (containers) or with a traceback (embedded)."""
+    from nnunet_triton.server import watchdog
+
+    monkeypatch.setenv(ABOVE_ENV, "lots")
+    with pytest.raises(ValueError, match=rf"\${ABOVE_ENV} must be a number >= 0, got 'lots'"):
+        watchdog.fork_for_exec(["tritonserver", "--http-port=8000", f"--model-repository={tmp_path}"],
+                               tmp_path)
+    monkeypatch.setenv(watchdog.TOKEN_ENV, "token")
+    argv = ["--url", "127.0.0.1:1", "--server-pid", "1", "--model-repository", str(tmp_path)]
+    assert watchdog.main(argv) == 2
+    assert f"${ABOVE_ENV} must be a number" in caplog.text

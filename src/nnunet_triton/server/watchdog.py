@@ -395,6 +395,7 @@ def fork_for_exec(server_args: list[str], model_repository: str | Path, *,
         raise ValueError(f"the server command names no HTTP port, so the watchdog cannot watch it: "
                          f"{server_args}")
     token = os.environ.get(TOKEN_ENV) or new_token()
+    reclaim = ReclaimPolicy.from_env()  # a bad value stops the entry point here, not the watchdog unseen
     # a container's /dev/shm (a pod's emptyDir) outlives a crashed server: nothing of ours runs yet here
     stale = remove_shm_regions(unmapped_shm_regions())
     if stale:
@@ -407,7 +408,7 @@ def fork_for_exec(server_args: list[str], model_repository: str | Path, *,
         try:
             logging.basicConfig(level=logging.INFO, format="watchdog %(levelname)s %(message)s")
             watchdog = Watchdog(url, parent, models, token, events_file=events_file,
-                                model_repository=model_repository)
+                                model_repository=model_repository, reclaim=reclaim)
             signal.signal(signal.SIGTERM, watchdog.stop)
             code = watchdog.run()
         finally:
@@ -438,8 +439,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not token:
         LOGGER.error("%s is not set: the watchdog cannot use the model-control API", TOKEN_ENV)
         return 2
+    try:
+        reclaim = ReclaimPolicy.from_env()
+    except ValueError as exc:
+        LOGGER.error("%s", exc)
+        return 2
     watchdog = Watchdog(args.url, args.server_pid, repository_models(args.model_repository), token,
-                        events_file=args.events_file, interval_s=args.interval,
+                        events_file=args.events_file, interval_s=args.interval, reclaim=reclaim,
                         model_repository=args.model_repository, proxy_config=args.proxy_config,
                         launch=LaunchSpec.read(args.launch_file, token=token) if args.launch_file else None)
     signal.signal(signal.SIGTERM, watchdog.stop)
