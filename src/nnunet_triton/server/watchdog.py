@@ -303,7 +303,7 @@ class Watchdog:
                       if now >= pending.retry_at]
         busy = set(suspects) | set(self._pending)  # models being checked or recovered keep their stubs
         for reclaim in self._reclaimer.check([s for s in stubs if s.model not in busy]):  # grown shm regions
-                self._record_event(reclaim.to_event())
+            self._record_event(reclaim.to_event())
         return recoveries
 
     def _rescan(self) -> None:
