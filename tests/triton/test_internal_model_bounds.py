@@ -154,16 +154,28 @@ def _tree_pss_mib(server) -> float:
 
 
 def _wait_back_to_default(server, models: tuple[str, ...]) -> float:
-    """Seconds until every stub of ``models`` is one stub with a default-size region again."""
-    default, start = _default_bytes(server), time.monotonic()
+    """Seconds until every stub of ``models`` is one stub with a default-size region again and the regions
+    of their earlier stubs are gone (Triton removes one when it destroys the old instance, a moment after
+    its stub left)."""
+    default, start, seen = _default_bytes(server), time.monotonic(), set()
     while True:
+        stubs = [s for s in health.stub_processes(server.pid) if s.model in models]
+        seen |= {s.shm_region for s in stubs}
         regions = {m: _regions(server, m) for m in models}
-        if all(len(r) == 1 and set(r.values()) == {default} for r in regions.values()):
+        left = {r: size for r in seen if (size := _file_bytes(SHM, r)) not in (None, default)}
+        if all(len(r) == 1 and set(r.values()) == {default} for r in regions.values()) and not left:
             return time.monotonic() - start
         if time.monotonic() - start > RECLAIM_LIMIT_S:
             raise AssertionError(f"shm regions not back to {default} bytes after {RECLAIM_LIMIT_S:.0f} s: "
-                                 f"{regions}")
+                                 f"{regions}, grown regions left: {left}")
         time.sleep(0.2)
+
+
+def _file_bytes(folder: str, name: str) -> int | None:
+    try:
+        return Path(folder, name).stat().st_size
+    except OSError:
+        return None
 
 
 def _reclaims(server) -> list[dict]:

@@ -59,7 +59,7 @@ MiB = 2**20
 ABOVE_ENV = "NNUNET_TRITON_SHM_RECLAIM_MIB"
 IDLE_ENV = "NNUNET_TRITON_SHM_RECLAIM_IDLE_S"
 DEFAULT_ABOVE_MIB = 256
-DEFAULT_IDLE_S = 10.0
+DEFAULT_IDLE_S = 30.0  # the series of one study arrive seconds apart: one instance serves them
 # the model-config parameter a reclaim changes (our models ignore it): a changed configuration re-creates
 RELOAD_PARAMETER = "nnunet_shm_reclaim"
 BUSY_CPU_SHARE = 0.02  # CPU time of a model's stubs, per second of the idle window, that counts as work
