@@ -11,6 +11,7 @@ answering the probe case correctly.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pipeline_support import (
+    REPO_ROOT,
     SYNTHCT,
     TEST_MAX_REQUEST_BYTES,
     TEST_MAX_VOXELS,
@@ -356,3 +358,57 @@ def test_status_counts_the_shm_reclaims_of_a_detached_server(identity_model_repo
             np.testing.assert_array_equal(client.infer("identity", inputs).as_numpy("OUTPUT_FP32"), data)
     finally:
         assert embedded_cli.main([*args, "stop"]) == 0
+
+
+def test_the_container_entry_points_watchdog_gives_a_grown_region_back(identity_model_repository, tmp_path):
+    """What the Docker image and the Kubernetes pod run, minus Docker (``thread_budget exec --watchdog --
+    tritonserver ...``, as tests/triton/test_recovery.py starts it): the forked watchdog reads the same
+    environment and gives the identity stub's grown region back."""
+    import socket
+    import subprocess
+    import sys
+
+    import tritonclient.http as http
+
+    from nnunet_triton.server.triton_install import prepare_home, server_env
+
+    installation = prepare_home(os.environ.get("NNUNET_TRITON_HOME", REPO_ROOT / "build" / "triton-home"))
+    repo = identity_model_repository
+    with socket.socket() as a, socket.socket() as b, socket.socket() as c:
+        for s in (a, b, c):
+            s.bind(("127.0.0.1", 0))
+        http_port, grpc_port, metrics_port = (s.getsockname()[1] for s in (a, b, c))
+    command = [
+        sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
+        "--model-repository", str(repo), "--", str(installation.server_bin), f"--model-repository={repo}",
+        f"--backend-directory={installation.backend_dir}", f"--cache-directory={installation.cache_dir}",
+        "--http-address=127.0.0.1", f"--http-port={http_port}", "--grpc-address=127.0.0.1",
+        f"--grpc-port={grpc_port}", "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port}",
+        "--model-control-mode=explicit", "--load-model=*", "--disable-auto-complete-config",
+        "--exit-timeout-secs=5",
+    ]
+    env = {**server_env(installation), shm_reclaim.ABOVE_ENV: str(RECLAIM_MIB),
+           shm_reclaim.IDLE_ENV: str(RECLAIM_IDLE_S)}
+    with open(tmp_path / "container.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    server = type("Container", (), {"pid": process.pid})
+    try:
+        deadline = time.monotonic() + 120
+        while len({s.model for s in health.stub_processes(process.pid)}) < 2 or not health.check_health(
+                f"127.0.0.1:{http_port}", ["identity"], server_pid=process.pid).healthy:
+            assert process.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "container.log").read_text()[-3000:]
+            time.sleep(0.2)
+        data = np.arange(2**24, dtype=np.float32).reshape(1, 1, -1)  # 64 MiB in, 64 MiB out
+        small = np.ones((1, 1, 1), np.int16)
+        inputs = [_tensor("INPUT_FP32", data, "FP32"), _tensor("INPUT_INT16", small, "INT16")]
+        with http.InferenceServerClient(f"127.0.0.1:{http_port}", network_timeout=300) as client:
+            np.testing.assert_array_equal(client.infer("identity", inputs).as_numpy("OUTPUT_FP32"), data)
+            assert max(_regions(server, "identity").values()) > 128 * 2**20
+            _wait_back_to_default(server, ("identity",))
+            np.testing.assert_array_equal(client.infer("identity", inputs).as_numpy("OUTPUT_FP32"), data)
+        assert b"model 'identity' loaded again" in (tmp_path / "container.log").read_bytes()
+    finally:
+        process.terminate()  # docker stop: SIGTERM to PID 1
+        process.wait(60)
