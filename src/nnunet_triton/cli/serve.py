@@ -296,8 +296,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         LOGGER.warning("the server runs DEGRADED (started with %s): %s", ALLOW_DEGRADED_FLAG,
                        "; ".join(handle.degraded))
     if handle.events_file and Path(handle.events_file).is_file():
-        lines = Path(handle.events_file).read_text().splitlines()
-        state["recoveries"] = [json.loads(line) for line in lines[-10:]]  # the last ten
+        events = [json.loads(line) for line in Path(handle.events_file).read_text().splitlines()]
+        state["recoveries"] = events[-10:]  # the last ten
+        # grown Python-backend shm regions given back by reloading their model (server.shm_reclaim)
+        state["shm_reclaims"] = sum(1 for e in events if e.get("event") == "shm_reclaim" and e.get("ok"))
     sys.stdout.write(json.dumps(state, indent=2) + "\n")
     if state["healthy"]:
         return ExitCode.OK

@@ -69,6 +69,7 @@ class StubProcess:
     model: str
     instance: str
     shm_region: str  # its shared-memory region, /dev/shm/<shm_region>
+    shm_default_bytes: int = 0  # the region's size at the start (shm-default-byte-size; 0: unknown)
 
 
 def _proc_entries(proc: Path) -> Iterable[tuple[int, str, int, list[str]]]:
@@ -99,7 +100,8 @@ def stub_processes(server_pid: int | None = None, *, proc: str | Path = "/proc")
         if server_pid is not None and ppid != server_pid:
             continue
         found.append(StubProcess(pid=pid, parent_pid=ppid, model=Path(argv[1]).parent.parent.name,
-                                 instance=argv[8], shm_region=argv[2]))
+                                 instance=argv[8], shm_region=argv[2],
+                                 shm_default_bytes=int(argv[3]) if argv[3].isdigit() else 0))
     return sorted(found, key=lambda s: s.pid)
 
 

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +63,11 @@ class ModelControl:
         """The header every restricted API (``RESTRICTED_APIS``) needs; empty without a token."""
         return {CONTROL_HEADER: self.token} if self.token else {}
 
-    def _post(self, path: str) -> tuple[int, bytes]:
-        """POST ``{}`` to the model-repository API with the token."""
+    def _post(self, path: str, body: Mapping[str, Any] | None = None) -> tuple[int, bytes]:
+        """POST ``body`` (default ``{}``) to the model-repository API with the token."""
         headers = {"Content-Type": "application/json", **self.headers}
-        return self._open(urllib.request.Request(f"http://{self.url}{path}", data=b"{}", method="POST",
+        data = json.dumps(body or {}).encode()
+        return self._open(urllib.request.Request(f"http://{self.url}{path}", data=data, method="POST",
                                                  headers=headers))
 
     def statistics(self, model: str | None = None) -> dict[str, Any]:
@@ -78,17 +79,32 @@ class ModelControl:
                               f"{body.decode(errors='replace').strip()}")
         return dict(json.loads(body))
 
-    def _control(self, model: str, action: str) -> None:
-        status, body = self._post(f"/v2/repository/models/{urllib.parse.quote(model)}/{action}")
+    def config(self, model: str) -> dict[str, Any]:
+        """The configuration Triton serves ``model`` with (``GET /v2/models/<model>/config``; open)."""
+        url = f"http://{self.url}/v2/models/{urllib.parse.quote(model)}/config"
+        status, body = self._open(urllib.request.Request(url))
+        if status != 200:
+            raise ServerError(f"the config of model {model!r} on {self.url} answered {status}: "
+                              f"{body.decode(errors='replace').strip()}")
+        return dict(json.loads(body))
+
+    def _control(self, model: str, action: str, request: Mapping[str, Any] | None = None) -> None:
+        status, body = self._post(f"/v2/repository/models/{urllib.parse.quote(model)}/{action}", request)
         if status != 200:
             text = body.decode(errors="replace").strip()
             hint = (f" (the model-repository API needs the server's token: ${TOKEN_ENV})"
                     if status in (401, 403) or "restricted" in text.lower() else "")
             raise ServerError(f"{action} of model {model!r} on {self.url} answered {status}: {text}{hint}")
 
-    def load(self, model: str) -> None:
-        """Load ``model`` (reload it when its files changed; a no-op when loaded and unchanged)."""
-        self._control(model, "load")
+    def load(self, model: str, config: Mapping[str, Any] | None = None) -> None:
+        """Load ``model`` (reload it when its files changed; a no-op when loaded and unchanged).
+
+        With ``config`` (JSON model configuration): load it with that configuration instead of its
+        config.pbtxt. A loaded model whose configuration changed beyond its instance groups is re-created:
+        the new instances load while the old ones keep serving, then replace them; requests in flight
+        finish on the old ones (Triton's explicit model control). Returns once the new model is ready."""
+        request = None if config is None else {"parameters": {"config": json.dumps(config)}}
+        self._control(model, "load", request)
 
     def unload(self, model: str) -> None:
         self._control(model, "unload")

@@ -12,7 +12,10 @@ every launcher starts the server with ``--model-control-mode=explicit``:
   until it succeeds;
 * every recovery is appended to ``events_file`` (JSON lines: model, dead instances, seconds taken).
 
-A model somebody unloaded on purpose has no stubs *and* is not ready: the watchdog leaves it alone. The
+A model somebody unloaded on purpose has no stubs *and* is not ready: the watchdog leaves it alone.
+A model whose stub's ``/dev/shm`` region grew (one large or refused request grows it for good) is loaded
+again once idle, which gives the memory back without failing a request (``server.shm_reclaim``; events
+``shm_reclaim``; ``$NNUNET_TRITON_SHM_RECLAIM_MIB`` / ``$NNUNET_TRITON_SHM_RECLAIM_IDLE_S``). The
 repository's model folders are listed again every ``RESCAN_S`` seconds, so an endpoint version built and
 loaded while the server runs (``server.rollout``) is watched too.
 ``make stop`` stops the watchdog first. When the server died on its own (``kill -9``, the OOM killer, an
@@ -69,6 +72,7 @@ from nnunet_triton.server.model_control import CONTROL_HEADER, TOKEN_ENV, ModelC
 from nnunet_triton.server.proxy_keeper import ProxyKeeper
 from nnunet_triton.server.restart import LaunchSpec, RestartPolicy
 from nnunet_triton.server.server_config import flag_values
+from nnunet_triton.server.shm_reclaim import ReclaimPolicy, ShmReclaimer
 from nnunet_triton.util.durable import write_json_atomic
 from nnunet_triton.util.retry import RetryPolicy
 
@@ -137,7 +141,8 @@ class Watchdog:
                  events_file: str | Path | None = None, interval_s: float = DEFAULT_INTERVAL_S,
                  load_timeout_s: float = 900.0, shm: str | Path = "/dev/shm",
                  model_repository: str | Path | None = None, proxy_config: str | Path | None = None,
-                 launch: LaunchSpec | None = None, policy: RestartPolicy | None = None) -> None:
+                 launch: LaunchSpec | None = None, policy: RestartPolicy | None = None,
+                 reclaim: ReclaimPolicy | None = None) -> None:
         self.url = url
         # the TLS proxy in front of the server (server.proxy): started again when its nginx died
         self._proxy = ProxyKeeper(proxy_config) if proxy_config is not None else None
@@ -154,6 +159,8 @@ class Watchdog:
         self.interval_s = interval_s
         self._api = ModelControl(url, token, timeout_s=load_timeout_s)
         self.shm = Path(shm)
+        # grown shm regions given back (None: the environment's policy, server.shm_reclaim)
+        self._reclaimer = ShmReclaimer(self._api, reclaim or ReclaimPolicy.from_env(), shm=self.shm)
         self._configs: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, _Pending] = {}
         self._stop = False
@@ -221,6 +228,7 @@ class Watchdog:
         self._server = _spawn_server(self.launch)
         self.server_pid, self.restarts = self._server.pid, self.restarts + 1
         self._stubs, self._needed, self._pending, self._configs = {}, {}, {}, {}
+        self._reclaimer = ShmReclaimer(self._api, self._reclaimer.policy, shm=self.shm)
         self._record_restart()
         ready = self._wait_ready()
         LOGGER.warning("tritonserver restarted as pid %d: %s %.1f s after the restart began", self.server_pid,
@@ -291,8 +299,12 @@ class Watchdog:
                 if model.broken and model.name not in self._pending:
                     self._start_recovery(model, previous)
         now = time.monotonic()
-        return [self._recover(name, pending) for name, pending in list(self._pending.items())
-                if now >= pending.retry_at]
+        recoveries = [self._recover(name, pending) for name, pending in list(self._pending.items())
+                      if now >= pending.retry_at]
+        busy = set(suspects) | set(self._pending)  # models being checked or recovered keep their stubs
+        for reclaim in self._reclaimer.check([s for s in stubs if s.model not in busy]):  # grown shm regions
+            self._record_event(reclaim.to_event())
+        return recoveries
 
     def _rescan(self) -> None:
         """List the repository's model folders again (every ``RESCAN_S``): versions come and go."""
@@ -383,6 +395,7 @@ def fork_for_exec(server_args: list[str], model_repository: str | Path, *,
         raise ValueError(f"the server command names no HTTP port, so the watchdog cannot watch it: "
                          f"{server_args}")
     token = os.environ.get(TOKEN_ENV) or new_token()
+    reclaim = ReclaimPolicy.from_env()  # a bad value stops the entry point here, not the watchdog unseen
     # a container's /dev/shm (a pod's emptyDir) outlives a crashed server: nothing of ours runs yet here
     stale = remove_shm_regions(unmapped_shm_regions())
     if stale:
@@ -395,7 +408,7 @@ def fork_for_exec(server_args: list[str], model_repository: str | Path, *,
         try:
             logging.basicConfig(level=logging.INFO, format="watchdog %(levelname)s %(message)s")
             watchdog = Watchdog(url, parent, models, token, events_file=events_file,
-                                model_repository=model_repository)
+                                model_repository=model_repository, reclaim=reclaim)
             signal.signal(signal.SIGTERM, watchdog.stop)
             code = watchdog.run()
         finally:
@@ -426,8 +439,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not token:
         LOGGER.error("%s is not set: the watchdog cannot use the model-control API", TOKEN_ENV)
         return 2
+    try:
+        reclaim = ReclaimPolicy.from_env()
+    except ValueError as exc:
+        LOGGER.error("%s", exc)
+        return 2
     watchdog = Watchdog(args.url, args.server_pid, repository_models(args.model_repository), token,
-                        events_file=args.events_file, interval_s=args.interval,
+                        events_file=args.events_file, interval_s=args.interval, reclaim=reclaim,
                         model_repository=args.model_repository, proxy_config=args.proxy_config,
                         launch=LaunchSpec.read(args.launch_file, token=token) if args.launch_file else None)
     signal.signal(signal.SIGTERM, watchdog.stop)
