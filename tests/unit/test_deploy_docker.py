@@ -611,3 +611,14 @@ def test_the_container_proxy_is_the_embedded_renderers_config_for_the_repository
     assert "liver" in text and "lung" in text and "stitch_model" not in text
     with pytest.raises(ProxyError, match="does not exist in this image"):
         container_proxy.prepare(config, nginx=nginx, temp_dir=temp, user="no-such-user-here")
+
+
+def test_endpoint_usage_behind_the_tls_proxy_says_https_the_client_certificate_and_what_is_not_published(
+        tmp_path: Path) -> None:
+    info = RepositoryInfo.from_repository(two_endpoints(tmp_path))
+    text = docker.endpoint_usage(info, "h:8443", None, None, undeploy="make undeploy", tls=True)
+    assert "  liver  https://h:8443/v2/models/liver" in text and "http://" not in text
+    assert "  gRPC     not published" in text and "  metrics  not published" in text
+    assert ("nnunet-triton predict --endpoint lung -i <images> -o build/predictions/lung --url h:8443 "
+            "--ca ca.pem --cert client.pem --key client.key") in text
+    assert "tls=client_tls('ca.pem', 'client.pem', 'client.key')" in text

@@ -404,12 +404,14 @@ def cpu_export_command(spec: DeploySpec, *, source_root: str, model_dir: str, ou
     )
 
 
-def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str, *, undeploy: str,
-                   images: str = "<images>") -> str:
+def endpoint_usage(info: RepositoryInfo, http: str, grpc: str | None, metrics: str | None, *, undeploy: str,
+                   images: str = "<images>", tls: bool = False) -> str:
     """What ``make deploy`` prints once the server is up: every endpoint of the repository with its URL and
-    versions, example calls, how to stop it."""
+    versions, example calls, how to stop it. ``tls``: ``http`` is the TLS proxy (HTTPS, client certificate);
+    ``grpc`` or ``metrics`` None: not published."""
     names = info.endpoints
-    urls = {name: f"http://{http}/v2/models/{name}" for name in names}
+    scheme = "https" if tls else "http"
+    urls = {name: f"{scheme}://{http}/v2/models/{name}" for name in names}
     width, url_width = max(map(len, names)), max(map(len, urls.values()))
     lines = [f"{len(names)} endpoint(s) on one server, each IMAGE fp32 [C, z, y, x] + SPACING fp64 [3] -> "
              "SEGMENTATION:"]
@@ -419,19 +421,24 @@ def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str, *, 
         lines.append(f"  {name:<{width}}  {urls[name]:<{url_width}}  (runs version {mine[0].version}; "
                      f"pinned: {pinned})")
     lines.append("  typed copies <name>_fp16, _int16, _uint16, _uint8 take those images as they are")
+    client_flags = " --ca ca.pem --cert client.pem --key client.key" if tls else ""
     calls = [f"  nnunet-triton predict --endpoint {name} -i {images} -o build/predictions/{name} --url {http}"
-             for name in names]
+             f"{client_flags}" for name in names]
+    client_tls = ", tls=client_tls('ca.pem', 'client.pem', 'client.key')" if tls else ""
+    tls_import = "from nnunet_triton.client.tls import client_tls; " if tls else ""
+    imports = f"from nnunet_triton.client.client import NnunetClient; {tls_import}import numpy as np; \\"
     return "\n".join([
         "",
         *lines,
-        f"  HTTP     http://{http}   (ready: http://{http}/v2/health/ready)",
-        f"  gRPC     {grpc}",
-        f"  metrics  http://{metrics}/metrics",
-        f"call it (or python -m nnunet_triton; `nnunet-triton info --url {http}` describes every endpoint):",
+        f"  {'HTTPS' if tls else 'HTTP':<8} {scheme}://{http}   (ready: {scheme}://{http}/v2/health/ready)",
+        f"  gRPC     {grpc if grpc is not None else 'not published'}",
+        f"  metrics  {f'http://{metrics}/metrics' if metrics is not None else 'not published'}",
+        f"call it (or python -m nnunet_triton; `nnunet-triton info --url {http}{client_flags}` describes "
+        "every endpoint):",
         *calls,
-        '  python -c "from nnunet_triton.client.client import NnunetClient; import numpy as np; \\',
+        f'  python -c "{imports}',
         "image = np.zeros((1, 32, 64, 64), np.float32); \\",
-        f"client = NnunetClient('{http}', endpoint='{names[0]}'); \\",
+        f"client = NnunetClient('{http}', endpoint='{names[0]}'{client_tls}); \\",
         'print(client.segment(image, (1.0, 1.0, 1.0)).segmentation.shape)"',
         "stop it:",
         f"  {undeploy}",

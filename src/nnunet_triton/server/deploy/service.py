@@ -266,9 +266,9 @@ def _build(plan: DeployPlan, target: str, say: Say, export_device: str | None = 
             f"(endpoint {result.name} version {result.version})")
 
 
-def _usage(plan: DeployPlan, info: RepositoryInfo, http: str, grpc: str, metrics: str, undeploy: str,
-           say: Say, images: str = "<images>") -> None:
-    say(docker.endpoint_usage(info, http, grpc, metrics, undeploy=undeploy, images=images))
+def _usage(plan: DeployPlan, info: RepositoryInfo, http: str, grpc: str | None, metrics: str | None,
+           undeploy: str, say: Say, images: str = "<images>", tls: bool = False) -> None:
+    say(docker.endpoint_usage(info, http, grpc, metrics, undeploy=undeploy, images=images, tls=tls))
     asked = {endpoint.name for endpoint in plan.endpoints}
     others = [name for name in info.endpoints if asked and name not in asked]
     if others:
@@ -462,11 +462,9 @@ def _start_container(plan: DeployPlan, spec: docker.DeploySpec, say: Say, step: 
     host = "127.0.0.1" if spec.publish_host in ("0.0.0.0", "::") else spec.publish_host
     say(f"only the TLS proxy is published: https://{host}:{spec.proxy_port} (nginx in the container, "
         f"workers as {container_proxy.PROXY_USER}; Triton's HTTP, gRPC and metrics bind 127.0.0.1 inside "
-        "it); "
-        "clients give --ca (the CA of the server's certificate) and --cert/--key (a client certificate of "
-        "--tls-ca), or the bearer token of --tls-token-file")
-    _usage(plan, spec.info, f"{host}:{spec.proxy_port}", "not published (TLS proxy: HTTPS only)",
-           "not published (TLS proxy)", undeploy, say)
+        "it); clients give --ca (the CA of the server's certificate) and --cert/--key (a client certificate "
+        "of --tls-ca), or the bearer token of --tls-token-file")
+    _usage(plan, spec.info, f"{host}:{spec.proxy_port}", None, None, undeploy, say, tls=True)
 
 
 def _wait_container_healthy(spec: docker.DeploySpec) -> float:
