@@ -1,9 +1,14 @@
 """The cpu serving image built and run for real with podman, and the Kubernetes Deployment under kube play.
 
-``nnunet-triton deploy --target docker --variant cpu`` (what ``make deploy TARGET=docker`` runs on a host
-without a GPU) builds the image from docker/Dockerfile on the debootstrapped Debian base (its build-time check
-serves the fixture), builds the repository in the image's export stage, starts the container and waits for
-ready. Then: the CLI's answer from the container equals nnU-Net's; a killed model process inside the
+``nnunet-triton deploy --target docker --variant cpu --tls-cert --tls-key --tls-ca`` (what ``make deploy
+TARGET=docker`` runs on a host without a GPU, with the image's TLS proxy) builds the image from
+docker/Dockerfile on the debootstrapped Debian base (its build-time check serves the fixture with the preload
+library), builds the repository in the image's export stage, starts the container and waits until it is
+healthy. Then: only the proxy's port is published, it refuses clients without a certificate of the CA and
+non-public paths, its workers are not root, a killed nginx is started again by the container's watchdog,
+tritonserver runs with the preload library and the placeholder instead of the token on its command line,
+its /dev/shm regions are owner-only; the CLI's answer from the container (through the proxy, with a client
+certificate) equals nnU-Net's; a killed model process inside the
 container makes the container's health command fail naming the model and is reloaded by the watchdog; a
 SIGKILLed tritonserver (PID 1) is restarted by the restart policy and answers correctly again; the
 repository volume is read-only; a bad repository exits with one clear line, not an endless restart loop.
@@ -19,10 +24,12 @@ podman's store and the wheels under build/containers, so only the first run buil
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -36,9 +43,11 @@ from recovery_support import RECOVERY_LIMIT_S, REQUEST_TIMEOUT_S, paused, wait_u
 
 from nnunet_triton.cli import deploy as deploy_tool
 from nnunet_triton.client.client import NnunetClient
-from nnunet_triton.server import health
-from nnunet_triton.server.deploy import service
+from nnunet_triton.client.tls import ClientTls, client_tls
+from nnunet_triton.server import health, preload
+from nnunet_triton.server.deploy import container_proxy, entrypoint, service
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
+from tests.tls_support import Certificates, make_certificates
 from tools import container_host
 
 CONTAINER = "nnunet-triton-test"
@@ -90,9 +99,9 @@ def _healthy_in(name: str, command: list[str]) -> subprocess.CompletedProcess:
     return podman("exec", name, *command, timeout=60)
 
 
-def _assert_probe_answers(url: str) -> None:
+def _assert_probe_answers(url: str, tls: ClientTls | None = None) -> None:
     probe = probe_case(SYNTHCT)
-    with NnunetClient(url, timeout_s=REQUEST_TIMEOUT_S) as client:
+    with NnunetClient(url, timeout_s=REQUEST_TIMEOUT_S, tls=tls) as client:
         result = client.segment(probe.image, probe.spacing, mirroring=False)
     np.testing.assert_array_equal(result.segmentation, reference(SYNTHCT, probe.name, False).segmentation)
 
@@ -117,14 +126,19 @@ def _deploy(argv: list[str], what: str) -> float:
 
 @pytest.fixture(scope="module")
 def cpu_container(engine, tmp_path_factory):
-    ports = _free_ports(3)
+    ports = _free_ports(4)
+    certs = make_certificates(tmp_path_factory.mktemp("certs"))
     argv = ["--target", "docker", "--model-dir", str(model_dir(SYNTHCT)), "--variant", "cpu",
             "--engine", engine,
             "--container-name", CONTAINER,
             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+            "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+            "--tls-ca", str(certs.ca),
+            "--proxy-port", str(ports[3]),
             "--max-volume", "64", "128", "128", "--execute"]
-    took = _deploy(argv, "make deploy TARGET=docker (cpu image, podman)")
-    yield {"url": f"127.0.0.1:{ports[0]}", "deploy_s": took}
+    took = _deploy(argv, "make deploy TARGET=docker (cpu image, podman, TLS proxy)")
+    yield {"url": f"127.0.0.1:{ports[3]}", "deploy_s": took, "certs": certs,
+           "tls": client_tls(certs.ca, certs.client_cert, certs.client_key)}
     assert deploy_tool.main(["undeploy", "--target", "docker", "--engine", engine,
                              "--container-name", CONTAINER]) == 0
     assert _state(CONTAINER) == {}, "undeploy left the container behind"
@@ -138,12 +152,81 @@ def test_cpu_image_container_answers_equal_nnunet_through_the_cli(cpu_container,
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "nnunet_triton", "predict", "-i", str(images), "-o", str(out),
-         "--url", cpu_container["url"]], capture_output=True, text=True, timeout=900, check=False)
+         "--url", cpu_container["url"], "--ca", str(cpu_container["certs"].ca),
+         "--cert", str(cpu_container["certs"].client_cert), "--key", str(cpu_container["certs"].client_key)],
+        capture_output=True, text=True, timeout=900, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     for case in cases(SYNTHCT):
         served = sitk.GetArrayFromImage(sitk.ReadImage(str(out / f"{case.name}.nii.gz")))
         np.testing.assert_array_equal(served, reference(SYNTHCT, case.name, True).segmentation,
                                       err_msg=case.name)
+
+
+def _https(url: str, certs: Certificates, path: str, client: tuple[Path, Path] | None) -> int:
+    context = ssl.create_default_context(cafile=str(certs.ca))
+    if client is not None:
+        context.load_cert_chain(str(client[0]), str(client[1]))
+    host, port = url.rsplit(":", 1)
+    connection = http.client.HTTPSConnection(host, int(port), context=context, timeout=60)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def _nginx_master() -> int | None:
+    """Host pid of the container's nginx master (started by its watchdog on the container's config; the
+    watchdog's own command line names that config too)."""
+    config = str(container_proxy.RUN_DIR / "nginx.conf").encode()
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            cmdline, stat = Path(f"/proc/{pid}/cmdline").read_bytes(), Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        comm, state = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(") ", 1)[1][0]
+        if comm == "nginx" and config in cmdline and state != "Z" and _uid(pid) == 0:
+            return pid
+    return None
+
+
+def _uid(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+
+
+def test_tls_container_publishes_only_its_proxy_refuses_strangers_and_keeps_the_token_off_argv(cpu_container):
+    url, certs = cpu_container["url"], cpu_container["certs"]
+    ports = podman("port", CONTAINER).stdout.split()
+    assert ports == [f"{container_proxy.PROXY_PORT}/tcp", "->", url], ports  # Triton's ports: not published
+    client = (certs.client_cert, certs.client_key)
+    assert _https(url, certs, "/v2/health/ready", None) == 400  # nginx: "No required SSL certificate"
+    assert _https(url, certs, "/v2/health/ready", (certs.stranger_cert, certs.stranger_key)) == 400
+    assert _https(url, certs, "/v2/health/ready", client) == 200
+    assert _https(url, certs, "/v2/models/stitch_model/config", client) == 403  # internal model
+    assert _https(url, certs, "/v2/repository/index", client) == 403
+    server = _server_pid(CONTAINER)
+    cmdline = Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")
+    restricted = [arg for arg in cmdline if b"restricted" in arg]
+    placeholder = f"={preload.PLACEHOLDER}".encode()
+    assert restricted and all(arg.endswith(placeholder) for arg in restricted), restricted
+    assert str(entrypoint.PRELOAD_LIBRARY) in Path(f"/proc/{server}/maps").read_text()
+    for stub in health.stub_processes(server):
+        mode = podman("exec", CONTAINER, "stat", "-c", "%a", f"/dev/shm/{stub.shm_region}").stdout.strip()
+        assert mode == "600", (stub.shm_region, mode)
+    master = _nginx_master()
+    assert master is not None
+    workers = [p for p in (int(p) for p in os.listdir("/proc") if p.isdigit()) if _parent(p) == master]
+    assert workers and all(_uid(w) != 0 for w in workers)  # nnunet-proxy, not root
+    os.kill(master, signal.SIGKILL)  # its workers keep the port until the watchdog ends them
+    def answers() -> bool:
+        try:
+            return _https(url, certs, "/v2/health/ready", client) == 200
+        except OSError:
+            return False
+
+    took = wait_until(lambda: _nginx_master() not in (None, master) and answers(), "proxy restarted", 60)
+    print(f"containers: killed nginx restarted by the container's watchdog in {took:.1f} s")
 
 
 def test_container_health_command_names_a_killed_model_until_the_watchdog_reloads_it(cpu_container):
@@ -161,7 +244,7 @@ def test_container_health_command_names_a_killed_model_until_the_watchdog_reload
                       RECOVERY_LIMIT_S)
     print(f"containers: fold_0 reloaded by the container's watchdog in {took:.1f} s")
     assert podman("healthcheck", "run", CONTAINER).returncode == 0
-    _assert_probe_answers(cpu_container["url"])
+    _assert_probe_answers(cpu_container["url"], cpu_container["tls"])
 
 
 def test_killed_tritonserver_in_the_container_is_restarted_by_the_restart_policy(cpu_container):
@@ -173,13 +256,13 @@ def test_killed_tritonserver_in_the_container_is_restarted_by_the_restart_policy
                "healthy after the restart", 300)
     print(f"containers: SIGKILLed tritonserver restarted and healthy in {time.monotonic() - start:.1f} s")
     assert _state(CONTAINER)["pid"] != before["pid"]
-    _assert_probe_answers(cpu_container["url"])
+    _assert_probe_answers(cpu_container["url"], cpu_container["tls"])
 
 
 def test_repository_volume_is_read_only_inside_the_container(cpu_container):
     written = podman("exec", CONTAINER, "touch", "/models/written-by-the-container")
     assert written.returncode != 0 and "Read-only file system" in written.stderr
-    _assert_probe_answers(cpu_container["url"])
+    _assert_probe_answers(cpu_container["url"], cpu_container["tls"])
 
 
 def test_bad_repository_container_exits_with_a_clear_line_instead_of_restarting_forever(cpu_container,

@@ -121,17 +121,22 @@ def _parent(pid: int) -> int | None:
 
 def test_container_entry_point_forks_a_watchdog_that_reloads_a_killed_model(tmp_path):
     """What the Docker image and the Kubernetes pod run (``deploy.docker.server_command``), minus Docker:
-    ``thread_budget exec --watchdog -- tritonserver ...`` forks the watchdog and execs the server."""
+    ``thread_budget exec --watchdog --preload LIB -- tritonserver ...`` forks the watchdog and execs the
+    server with the preload library: the token reaches Triton (the watchdog's reload works) but not its
+    command line."""
     import subprocess
     import sys
 
+    from nnunet_triton.server import preload
     from nnunet_triton.server.triton_install import prepare_home, server_env
 
     installation = prepare_home(os.environ.get("NNUNET_TRITON_HOME", REPO_ROOT / "build" / "triton-home"))
     repo = build(SYNTHCT)
+    token = "container-entry-token-0123456789"
     http_port, grpc_port, metrics_port = _free_ports(3)
     command = [
         sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
+        "--preload", str(preload.library(tmp_path / "preload")),
         "--model-repository", str(repo), "--", str(installation.server_bin), f"--model-repository={repo}",
         f"--backend-directory={installation.backend_dir}", f"--cache-directory={installation.cache_dir}",
         "--http-address=127.0.0.1", f"--http-port={http_port}", "--grpc-address=127.0.0.1",
@@ -141,7 +146,8 @@ def test_container_entry_point_forks_a_watchdog_that_reloads_a_killed_model(tmp_
     ]
     with open(tmp_path / "container.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env=server_env(installation), start_new_session=True)
+                                   env={**server_env(installation), "NNUNET_TRITON_CONTROL_TOKEN": token},
+                                   start_new_session=True)
     url = f"127.0.0.1:{http_port}"
     try:
         def healthy() -> bool:
@@ -150,6 +156,8 @@ def test_container_entry_point_forks_a_watchdog_that_reloads_a_killed_model(tmp_
         wait_until(lambda: healthy() or process.poll() is not None, "the container's server healthy", 300)
         assert process.poll() is None, (tmp_path / "container.log").read_text()[-3000:]
         assert Path(f"/proc/{process.pid}/exe").resolve() == installation.server_bin.resolve()  # exec'd
+        cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        assert token.encode() not in cmdline and preload.PLACEHOLDER.encode() in cmdline
         (watchdog,) = [p for p in _children(process.pid)
                        if b"thread_budget" in Path(f"/proc/{p}/cmdline").read_bytes()]
         with pytest.raises(Exception, match="This API is restricted"):

@@ -4,7 +4,9 @@ Python 3.10 compatibility of everything the Triton 24.10 stub imports. Nothing n
 
 from __future__ import annotations
 
+import grp
 import json
+import pwd
 import re
 import shutil
 import subprocess
@@ -21,8 +23,11 @@ from nnunet_triton.builder.build_inputs import ADAPTERS, COMBINE_ADAPTER, FOLD_R
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.builder.torch_compat import GPU_TRITON_RELEASE, TRITON_RELEASES
 from nnunet_triton.errors import DeployError
-from nnunet_triton.server.deploy import docker, entrypoint, sizing
+from nnunet_triton.server import watchdog
+from nnunet_triton.server.deploy import container_proxy, docker, entrypoint, k8s_proxy, service, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
+from nnunet_triton.server.proxy_config import ExposureError, ProxyError, TlsSettings, render_config
+from tests.tls_support import make_certificates
 
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 
@@ -61,7 +66,8 @@ def test_dockerfile_is_one_recipe_whose_serving_stage_checks_adapters_and_the_fi
     stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, flags=re.MULTILINE)
     assert stages == [("scratch", "wheels"), ("${BASE_IMAGE}", "runtime"), ("runtime", "export"),
                       ("export", "fixture-cpu"), ("runtime", "fixture-gpu"),
-                      ("fixture-${VARIANT}", "fixture"), ("runtime", "serving")]  # the last: the image
+                      ("fixture-${VARIANT}", "fixture"), ("runtime", "preload"),
+                      ("runtime", "serving")]  # the last: the image
     installs = re.findall(r"pip install --no-deps .*-r (\S+)", text)
     assert installs == ['"/opt/nnunet_triton/requirements/image-${VARIANT}.txt"',
                         "/opt/nnunet_triton/requirements/export.txt"]
@@ -106,7 +112,7 @@ def test_the_gpu_image_is_on_a_current_ngc_release_and_pip_into_its_system_pytho
 
 def test_dockerfile_copies_and_mounts_only_paths_its_dockerignore_keeps() -> None:
     text = DOCKERFILE.read_text().replace("${VARIANT}", "cpu")
-    copies = re.findall(r"^COPY (.+) \S+$", text, flags=re.MULTILINE)
+    copies = re.findall(r"^COPY (?!--from=)(.+) \S+$", text, flags=re.MULTILINE)  # from the context
     copied = [src for line in copies for src in line.split()]
     mounted = re.findall(r"/context/(\S+)", text) + re.findall(r"/src/(tests/\S+)", text)
     assert copied == ["requirements/image-cpu.txt", "pyproject.toml", "README.md", "src/",
@@ -116,6 +122,31 @@ def test_dockerfile_copies_and_mounts_only_paths_its_dockerignore_keeps() -> Non
     for path in (*copied, *mounted):
         assert (REPO_ROOT / path).exists(), path
         assert any(path == k.rstrip("/") or path.startswith(k) for k in kept), f"{path} is ignored"
+
+
+def _stage(text: str, name: str) -> str:
+    start = text.index(f" AS {name}\n")
+    following = text.find("\nFROM ", start)
+    return text[start:] if following < 0 else text[start:following]
+
+
+def test_the_images_build_the_preload_library_and_carry_nginx_and_the_proxys_own_user() -> None:
+    """No silent downgrade in the images: the preload stage compiles the library (gcc stays there), the
+    serving stage copies it to where the entry point looks before its check serves the fixture with it; both
+    variants install nginx and the user its workers run as."""
+    text = DOCKERFILE.read_text()
+    library = entrypoint.PRELOAD_LIBRARY
+    preload, serving, runtime = _stage(text, "preload"), _stage(text, "serving"), _stage(text, "runtime")
+    assert f"python3 -m nnunet_triton.server.preload {library}" in preload
+    assert "gcc" in preload and "gcc" not in runtime and "gcc" not in serving
+    copy = f"COPY --from=preload {library} {library.parent}/"
+    assert copy in serving and serving.index(copy) < serving.index("image_check")
+    assert 'packages="python3 python3-venv libpython3.11 ca-certificates nginx-light"' in runtime  # Debian
+    assert 'packages="nginx"' in runtime  # Ubuntu (NGC)
+    assert re.search(rf"useradd --system .*\\\n\s+{container_proxy.PROXY_USER} ", runtime)
+    assert "policy-rc.d" in runtime and "/etc/nginx/sites-enabled/default" in runtime  # never started there
+    assert re.search(r"^EXPOSE .*\b8443\b", text, flags=re.MULTILINE)
+    assert container_proxy.PROXY_PORT == k8s_proxy.PROXY_PORT == 8443
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.models"])
@@ -360,14 +391,84 @@ print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() if n.startswi
     assert check.returncode == 0, check.stdout
 
 
-def test_docker_run_publishes_on_loopback_unless_a_network_address_is_given(tmp_path: Path) -> None:
-    def published(spec) -> list[str]:
-        argv = docker.docker_run_command(spec)
-        return [argv[i + 1] for i, arg in enumerate(argv) if arg == "--publish"]
+def _published(argv: tuple[str, ...]) -> list[str]:
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == "--publish"]
 
+
+def _volumes(argv: tuple[str, ...]) -> list[str]:
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == "--volume"]
+
+
+def test_docker_run_publishes_tritons_ports_on_loopback_by_default(tmp_path: Path) -> None:
     spec = docker_spec(tmp_path)
-    assert published(spec) == ["127.0.0.1:8000:8000", "127.0.0.1:8001:8001", "127.0.0.1:8002:8002"]
-    assert published(replace(spec, publish_host="0.0.0.0"))[0] == "0.0.0.0:8000:8000"
+    argv = docker.docker_run_command(spec)
+    assert _published(argv) == ["127.0.0.1:8000:8000", "127.0.0.1:8001:8001", "127.0.0.1:8002:8002"]
+    assert not any(arg.startswith(("--http-address", "--grpc-address", "--metrics-address")) for arg in argv)
+    assert "--tls-cert" not in argv and "--proxy-allow-statistics" not in argv
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.10.5", "::"])
+def test_docker_beyond_loopback_without_tls_is_refused_with_the_embedded_servers_error(tmp_path: Path,
+                                                                                        host: str) -> None:
+    with pytest.raises(ExposureError) as refused:
+        docker_spec(tmp_path, publish_host=host)
+    assert f"would listen on {host!r} (beyond loopback) without TLS: give --tls-cert" in str(refused.value)
+    plan = service.DeployPlan(target="docker", out=tmp_path / "out", host=host)
+    with pytest.raises(ExposureError, match="beyond loopback.*without TLS: give --tls-cert"):
+        service.check_exposure(plan)  # before anything is built
+    with pytest.raises(ExposureError, match="beyond loopback.*without TLS: give --tls-cert"):
+        service.check_exposure(replace(plan, target="embedded"))  # the same refusal
+
+
+def _tls_files(folder: Path, *, token: bool = False) -> TlsSettings:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("server.pem", "server.key", "ca.pem", "token"):
+        (folder / name).write_text("x" * 32 + "\n")
+    return TlsSettings(cert=folder / "server.pem", key=folder / "server.key", client_ca=folder / "ca.pem",
+                       token_file=folder / "token" if token else None)
+
+
+def test_docker_beyond_loopback_publishes_only_the_tls_proxy_port(tmp_path: Path) -> None:
+    tls = _tls_files(tmp_path / "tls", token=True)
+    spec = docker_spec(tmp_path / "repo", publish_host="0.0.0.0", tls=tls, proxy_port=9443,
+                       proxy_allow_statistics=True)
+    service.check_exposure(service.DeployPlan(target="docker", out=tmp_path / "out", host="0.0.0.0", tls=tls))
+    argv = docker.docker_run_command(spec)
+    assert _published(argv) == ["0.0.0.0:9443:8443"]  # Triton's HTTP, gRPC and metrics are not published
+    inside = "/etc/nnunet-triton/tls"
+    assert _volumes(argv) == [
+        "/srv/repo:/models:ro",
+        f"{tls.cert}:{inside}/tls.crt:ro", f"{tls.key}:{inside}/tls.key:ro",
+        f"{tls.client_ca}:{inside}/ca.crt:ro",
+        f"{tls.token_file}:{inside}/token:ro",
+        "nnunet-triton-cupy-cache:/var/cache/cupy",
+    ]
+    image_at = argv.index(spec.image_tag)
+    assert argv[image_at + 1 : argv.index("tritonserver")] == (
+        "python3", "-m", "nnunet_triton.server.deploy.entrypoint", "--model-repository", "/models",
+        "--tls-cert", f"{inside}/tls.crt", "--tls-key", f"{inside}/tls.key", "--tls-ca", f"{inside}/ca.crt",
+        "--tls-token-file", f"{inside}/token", "--proxy-allow-statistics", "--")
+    server = argv[argv.index("tritonserver"):]
+    for flag in ("--http-address", "--grpc-address", "--metrics-address"):  # unreachable past the proxy
+        assert [a for a in server if a.startswith(f"{flag}=")] == [f"{flag}=127.0.0.1"]
+    # the health command runs inside the container, on Triton's loopback port
+    assert argv[argv.index("--health-cmd") + 1] == docker.health_command()
+    # on loopback with TLS: the proxy too (what the real container check runs), IPv6 in brackets
+    assert _published(docker.docker_run_command(replace(spec, publish_host="::1"))) == ["[::1]:9443:8443"]
+    without_token = docker.docker_run_command(replace(spec, tls=replace(tls, token_file=None)))
+    assert "--tls-token-file" not in without_token and len(_volumes(without_token)) == 5
+
+
+def test_the_rendered_container_command_differs_from_the_plain_one_only_by_the_proxy(tmp_path: Path) -> None:
+    spec = docker_spec(tmp_path / "repo")
+    plain = docker.server_command(spec.info, spec.plan, gpus=1)
+    proxied = docker.server_command(spec.info, spec.plan, gpus=1, tls=_tls_files(tmp_path / "tls"))
+    added = [a for a in proxied if a not in plain]
+    assert added == ["--tls-cert", "/etc/nnunet-triton/tls/tls.crt",
+                     "--tls-key", "/etc/nnunet-triton/tls/tls.key",
+                     "--tls-ca", "/etc/nnunet-triton/tls/ca.crt", "--http-address=127.0.0.1",
+                     "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"]
+    assert [a for a in plain if a not in proxied] == []
 
 
 # --- several endpoints behind one server ------------------------------------------------------------------
@@ -441,3 +542,86 @@ def test_endpoint_usage_lists_every_endpoint_with_its_url_versions_and_call(tmp_
         assert (f"nnunet-triton predict --endpoint {name} -i <images> -o build/predictions/{name} "
                 "--url h:8000" in text)
     assert "NnunetClient('h:8000', endpoint='liver')" in text and text.endswith("stop it:\n  make undeploy")
+
+
+# --- the container's preload library and TLS proxy ---------------------------------------------------------
+
+
+def test_the_container_entry_point_refuses_to_start_without_the_preload_library(tmp_path: Path,
+                                                                                 capsys) -> None:
+    repo = two_endpoints(tmp_path / "repo")
+    missing = tmp_path / "lib" / "nnunet_triton_preload.so"
+    code = entrypoint.main(["--model-repository", str(repo), "--preload", str(missing), "--",
+                            "tritonserver", "--http-port=8000"])
+    assert code == entrypoint.EXIT_BAD_REPOSITORY == docker.EXIT_BAD_REPOSITORY
+    assert capsys.readouterr().err == (
+        f"nnunet-triton: cannot start the server: the preload library {missing} is missing from this image: "
+        "the control token would be on tritonserver's command line and /dev/shm regions readable by other "
+        "users; rebuild the image from docker/Dockerfile (its preload stage compiles it)\n")
+
+
+@pytest.mark.parametrize("preload", [None, "missing.so"])
+def test_the_containers_watchdog_refuses_to_fork_without_the_preload_library(tmp_path: Path,
+                                                                             preload: str | None) -> None:
+    """No fallback to the token on tritonserver's command line: refused before anything is forked."""
+    library = tmp_path / preload if preload else None
+    with pytest.raises(ValueError, match="is not a file: without it the control token would be on "
+                                         "tritonserver's command line"):
+        watchdog.fork_for_exec(["tritonserver", "--http-port=8000"], tmp_path, preload=library)
+
+
+def _entrypoint_tls(certs, *extra: str) -> list[str]:
+    return ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+            "--tls-ca", str(certs.ca), *extra]
+
+
+def test_the_container_entry_point_refuses_a_tls_proxy_that_triton_could_be_reached_past(tmp_path: Path,
+                                                                                         capsys) -> None:
+    certs = make_certificates(tmp_path / "certs")
+    repo, library = two_endpoints(tmp_path / "repo"), tmp_path / "preload.so"
+    library.write_bytes(b"\x7fELF")  # only its presence is checked before the proxy
+    argv = ["--model-repository", str(repo), "--preload", str(library), *_entrypoint_tls(certs), "--",
+            "tritonserver", "--http-port=8000"]
+    assert entrypoint.main(argv) == 78
+    assert "with the TLS proxy tritonserver must bind 127.0.0.1 only" in capsys.readouterr().err
+    certs.server_key.unlink()
+    loopback = [f"--{name}-address=127.0.0.1" for name in ("http", "grpc", "metrics")]
+    assert entrypoint.main([*argv, *loopback]) == 78
+    assert f"--tls-key: no such file {str(certs.server_key)!r}" in capsys.readouterr().err
+
+
+def test_the_container_proxy_is_the_embedded_renderers_config_for_the_repositorys_endpoints(tmp_path: Path
+                                                                                            ) -> None:
+    """``container_proxy.prepare`` (what the entry point runs): nginx.conf 0600 from ``render_config``,
+    workers as their own user, request bodies in that user's 0700 folder, accepted by ``nginx -t``."""
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").is_file() else None)
+    if nginx is None:
+        pytest.skip("nginx not installed (apt-get install nginx-light)")
+    certs = make_certificates(tmp_path / "certs")
+    info = RepositoryInfo.from_repository(two_endpoints(tmp_path / "repo"))
+    tls = TlsSettings(cert=certs.server_cert, key=certs.server_key, client_ca=certs.ca)
+    config = replace(container_proxy.proxy_config(info.endpoints, tls, upstream_port=8000),
+                     run_dir=tmp_path / "run")
+    assert (config.listen_host, config.listen_port) == ("0.0.0.0", container_proxy.PROXY_PORT)
+    temp = tmp_path / "temp"
+    written = container_proxy.prepare(config, nginx=nginx, temp_dir=temp, user="nobody")
+    text = written.read_text()
+    worker = f"nobody {grp.getgrgid(pwd.getpwnam('nobody').pw_gid).gr_name}"
+    assert text == render_config(config, worker_user=worker, temp_dir=temp)  # the embedded proxy's renderer
+    assert written.stat().st_mode & 0o777 == 0o600 and (tmp_path / "run").stat().st_mode & 0o777 == 0o700
+    assert (temp.stat().st_uid, temp.stat().st_mode & 0o777) == (pwd.getpwnam("nobody").pw_uid, 0o700)
+    assert "ssl_verify_client on;" in text and "proxy_pass http://127.0.0.1:8000$uri;" in text
+    assert "liver" in text and "lung" in text and "stitch_model" not in text
+    with pytest.raises(ProxyError, match="does not exist in this image"):
+        container_proxy.prepare(config, nginx=nginx, temp_dir=temp, user="no-such-user-here")
+
+
+def test_endpoint_usage_behind_the_tls_proxy_says_https_the_client_certificate_and_what_is_not_published(
+        tmp_path: Path) -> None:
+    info = RepositoryInfo.from_repository(two_endpoints(tmp_path))
+    text = docker.endpoint_usage(info, "h:8443", None, None, undeploy="make undeploy", tls=True)
+    assert "  liver  https://h:8443/v2/models/liver" in text and "http://" not in text
+    assert "  gRPC     not published" in text and "  metrics  not published" in text
+    assert ("nnunet-triton predict --endpoint lung -i <images> -o build/predictions/lung --url h:8443 "
+            "--ca ca.pem --cert client.pem --key client.key") in text
+    assert "tls=client_tls('ca.pem', 'client.pem', 'client.key')" in text

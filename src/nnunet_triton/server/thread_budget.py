@@ -419,6 +419,12 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--watchdog", action="store_true",
                              help="fork server.watchdog first: it reloads a model whose process dies "
                                   "(the server must run with --model-control-mode=explicit)")
+            cmd.add_argument("--preload", type=Path, default=None,
+                             help="with --watchdog, required: server.preload's library (the token goes to "
+                                  "tritonserver through it, never on its command line)")
+            cmd.add_argument("--proxy-config", type=Path, default=None,
+                             help="with --watchdog: the TLS proxy's nginx.conf, started and kept running "
+                                  "by the watchdog")
             cmd.add_argument("server_command", nargs=argparse.REMAINDER, help="-- tritonserver ...")
     return parser
 
@@ -442,11 +448,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     sys.stderr.write(f"thread budget: {json.dumps(budget.to_dict(), sort_keys=True)}\n")
     command += budget.server_args()
+    environment = {**os.environ, **budget.environment()}
     if args.watchdog:
         from nnunet_triton.server.watchdog import fork_for_exec
 
-        command = fork_for_exec(command, args.model_repository)
-    os.execvpe(command[0], command, {**os.environ, **budget.environment()})
+        try:
+            command, added = fork_for_exec(command, args.model_repository, preload=args.preload,
+                                           proxy_config=args.proxy_config)
+        except ValueError as exc:
+            sys.stderr.write(f"thread budget: {exc}\n")
+            return 2
+        environment.update(added)
+    elif args.proxy_config is not None:
+        sys.stderr.write("thread budget: --proxy-config needs --watchdog (it keeps the proxy running)\n")
+        return 2
+    os.execvpe(command[0], command, environment)
     return 0  # pragma: no cover - exec does not return
 
 

@@ -384,16 +384,29 @@ def _spawn_server(launch: LaunchSpec) -> subprocess.Popen[bytes]:
                                 start_new_session=True, umask=PRIVATE_UMASK)
 
 
-def fork_for_exec(server_args: list[str], model_repository: str | Path, *,
-                  events_file: str | Path | None = None) -> list[str]:
+def fork_for_exec(server_args: list[str], model_repository: str | Path, *, preload: str | Path | None = None,
+                  events_file: str | Path | None = None,
+                  proxy_config: str | Path | None = None) -> tuple[list[str], dict[str, str]]:
     """For a container entry point that is about to ``exec`` tritonserver: fork the watchdog (it will
-    watch its parent, which becomes tritonserver) and return ``server_args`` plus the restricted-API
-    flags with a fresh token. The command must name its HTTP port (every renderer's
-    ``server_config.TritonServerConfig`` does): ValueError otherwise."""
+    watch its parent, which becomes tritonserver, and keeps the TLS proxy of ``proxy_config`` running) and
+    return ``server_args`` plus the restricted-API flags, and the environment to add for the exec.
+
+    The flags carry ``server.preload.PLACEHOLDER``; the fresh token goes into the returned environment with
+    ``LD_PRELOAD=<preload>`` (the library swaps it into argv before tritonserver's ``main`` and keeps
+    /dev/shm regions owner-only), never onto the command line. The command must name its HTTP port (every
+    renderer's ``server_config.TritonServerConfig`` does) and ``preload`` must be a file: ValueError
+    otherwise, before anything is forked (no fallback to the token on the command line)."""
+    from nnunet_triton.server.preload import PLACEHOLDER
+
     ports = flag_values(server_args, "http-port")
     if not ports:
         raise ValueError(f"the server command names no HTTP port, so the watchdog cannot watch it: "
                          f"{server_args}")
+    if preload is None or not Path(preload).is_file():
+        raise ValueError(f"the preload library {str(preload)!r} is not a file: without it the control token "
+                         "would be on tritonserver's command line (readable in /proc by every process that "
+                         "sees it) and /dev/shm regions 0644; refusing to start (docker/Dockerfile builds "
+                         "it into the image, server.preload compiles it).")
     token = os.environ.get(TOKEN_ENV) or new_token()
     reclaim = ReclaimPolicy.from_env()  # a bad value stops the entry point here, not the watchdog unseen
     # a container's /dev/shm (a pod's emptyDir) outlives a crashed server: nothing of ours runs yet here
@@ -407,13 +420,19 @@ def fork_for_exec(server_args: list[str], model_repository: str | Path, *,
         code = 1
         try:
             logging.basicConfig(level=logging.INFO, format="watchdog %(levelname)s %(message)s")
+            if proxy_config is not None:
+                LOGGER.info("starting the TLS proxy (nginx on %s); it is kept running from here",
+                            proxy_config)
             watchdog = Watchdog(url, parent, models, token, events_file=events_file,
-                                model_repository=model_repository, reclaim=reclaim)
+                                model_repository=model_repository, reclaim=reclaim,
+                                proxy_config=proxy_config)
             signal.signal(signal.SIGTERM, watchdog.stop)
             code = watchdog.run()
         finally:
             os._exit(code)
-    return [*server_args, *restricted_api_args(token)]
+    preloads = " ".join(p for p in (str(Path(preload).absolute()), os.environ.get("LD_PRELOAD")) if p)
+    return ([*server_args, *restricted_api_args(PLACEHOLDER)],
+            {"LD_PRELOAD": preloads, TOKEN_ENV: token})
 
 
 def _parser() -> argparse.ArgumentParser:

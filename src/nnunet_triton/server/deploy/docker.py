@@ -33,8 +33,10 @@ from nnunet_triton import __version__, io_names
 from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE, GPU_TRITON_RELEASE, TRITON_RELEASES
 from nnunet_triton.errors import DeployError
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, DEFAULT_PORTS
+from nnunet_triton.server.deploy import container_proxy
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible, triton_release
 from nnunet_triton.server.deploy.sizing import MemoryPlan
+from nnunet_triton.server.proxy_config import TlsSettings, check_exposure
 from nnunet_triton.server.server_config import CONTAINER, server_config
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "dockerfile_build_args",
     "docker_build_command",
     "docker_run_command",
+    "published_ports",
     "docker_stop_commands",
     "builder_args",
     "export_container_command",
@@ -94,7 +97,12 @@ class DeploySpec:
         gpus: host GPU ids given to the container; empty = CPU-only host (no ``--gpus``).
         http_port, grpc_port, metrics_port: host ports published for the container's 8000/8001/8002.
         publish_host: the host address they are published on: loopback by default, like the embedded
-            server (``0.0.0.0`` opens them to the network; docker's own default would).
+            server. Beyond loopback only with ``tls`` (``proxy_config.ExposureError`` otherwise, the
+            embedded server's refusal).
+        tls: the TLS proxy inside the container (``container_proxy``; host paths of the certificate, key,
+            client CA and/or token file, mounted read-only): tritonserver then binds 127.0.0.1 inside the
+            container and only the proxy's port is published, as ``proxy_port`` on ``publish_host``.
+        proxy_allow_statistics: the proxy lets the statistics API through too.
         image_torch_version: libtorch (or pip torch) major.minor override for releases not in
             ``TRITON_RELEASES``.
         startup_timeout_s: model loading + warm-up allowance (docker health start period, k8s startup probe).
@@ -122,8 +130,13 @@ class DeploySpec:
     variant: str = "gpu"
     engine: str = "docker"
     base_image_ref: str | None = None
+    tls: TlsSettings | None = None
+    proxy_port: int = container_proxy.PROXY_PORT
+    proxy_allow_statistics: bool = False
 
     def __post_init__(self) -> None:
+        if self.tls is None:  # the same refusal as the embedded server's (the files are checked at deploy)
+            check_exposure(self.publish_host, None, what=f"--target docker's {self.container_name}")
         if self.variant not in VARIANTS or self.engine not in ("docker", "podman"):
             raise ValueError(f"variant must be one of {VARIANTS} and engine docker or podman, got "
                              f"{self.variant!r}, {self.engine!r}.")
@@ -138,7 +151,8 @@ class DeploySpec:
                 "the repository was built for target 'gpu' (KIND_GPU models, libtorch on CUDA) but no GPU "
                 "was given; pass --gpus or build with --target cpu."
             )
-        names = ("http_port", "grpc_port", "metrics_port", "exit_timeout_s", "startup_timeout_s")
+        names = ("http_port", "grpc_port", "metrics_port", "proxy_port", "exit_timeout_s",
+                 "startup_timeout_s")
         bad = {name: getattr(self, name) for name in names if getattr(self, name) < 1}
         if bad:
             raise ValueError(f"deploy ports and timeouts must be >= 1, got {bad}.")
@@ -181,13 +195,14 @@ def replace_spec(spec: DeploySpec, **changes: Any) -> DeploySpec:
 
 def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int,
                       exit_timeout_s: int = CONTAINER.exit_timeout_s,
-                      repository: str = CONTAINER_REPOSITORY, triton_release: str | None = None,
-                      client_shm: bool = False) -> tuple[str, ...]:
+                      repository: str = CONTAINER_REPOSITORY, host: str | None = None,
+                      triton_release: str | None = None, client_shm: bool = False) -> tuple[str, ...]:
     """``tritonserver`` argv (container side: fixed ports 8000/8001/8002, repository at ``/models``; the
-    ``server.server_config.CONTAINER`` preset with the plan's shm sizes and pools). ``client_shm``: one of our
-    tools (perf_analyzer's ``--shared-memory system``) needs client shared memory; on an image of
-    ``triton_release`` >= 26.05 that passes ``--allow-client-shm=true``, otherwise nothing (off)."""
-    config = server_config(repository, CONTAINER, load_models=info.models, ports=CONTAINER_PORTS,
+    ``server.server_config.CONTAINER`` preset with the plan's shm sizes and pools; ``host``: the address
+    every endpoint binds, 127.0.0.1 behind the container's TLS proxy). ``client_shm``: one of our tools
+    (perf_analyzer's ``--shared-memory system``) needs client shared memory; on an image of ``triton_release``
+    >= 26.05 that passes ``--allow-client-shm=true``, otherwise nothing (off)."""
+    config = server_config(repository, CONTAINER, load_models=info.models, ports=CONTAINER_PORTS, host=host,
                            exit_timeout_s=exit_timeout_s, shm_default_bytes=plan.shm_default_bytes,
                            shm_growth_bytes=plan.shm_growth_bytes, allow_metrics=True,
                            allow_gpu_metrics=bool(gpus), memory_pools=plan.pools(gpus),
@@ -197,7 +212,8 @@ def tritonserver_args(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int,
 
 def server_command(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int,
                    exit_timeout_s: int = CONTAINER.exit_timeout_s,
-                   repository: str = CONTAINER_REPOSITORY, triton_release: str | None = None,
+                   repository: str = CONTAINER_REPOSITORY, tls: TlsSettings | None = None,
+                   proxy_allow_statistics: bool = False, triton_release: str | None = None,
                    client_shm: bool = False) -> tuple[str, ...]:
     """The container's command: the repository check, then ``tritonserver_args`` through the thread budget.
 
@@ -207,11 +223,18 @@ def server_command(info: RepositoryInfo, plan: MemoryPlan, *, gpus: int,
     so
     ``docker run --cpus`` and a pod's ``limits.cpu`` count) and the repository's fold instances, sets
     ``OMP_WAIT_POLICY=PASSIVE`` and the fold threads, forks the watchdog (``nnunet_triton.server.watchdog``:
-    it reloads a model whose process died) and execs tritonserver (same pid, same signals).
+    it reloads a model whose process died) and execs tritonserver (same pid, same signals) with the image's
+    preload library (the token off its command line, owner-only /dev/shm regions).
+
+    ``tls`` (host files; ``container_proxy``): the entry point's TLS flags for the mounted files, and every
+    tritonserver endpoint on 127.0.0.1 behind the proxy the watchdog keeps running.
     """
-    return ("python3", "-m", "nnunet_triton.server.deploy.entrypoint", "--model-repository", repository, "--",
+    proxy = container_proxy.entrypoint_args(tls, allow_statistics=proxy_allow_statistics) if tls else ()
+    host = "127.0.0.1" if tls is not None else None
+    return ("python3", "-m", "nnunet_triton.server.deploy.entrypoint", "--model-repository", repository,
+            *proxy, "--",
             *tritonserver_args(info, plan, gpus=gpus, exit_timeout_s=exit_timeout_s, repository=repository,
-                               triton_release=triton_release, client_shm=client_shm))
+                               host=host, triton_release=triton_release, client_shm=client_shm))
 
 
 def health_probe(port: int = CONTAINER_PORTS["http"],
@@ -273,12 +296,22 @@ def _gpus_flag(gpus: tuple[int, ...]) -> tuple[str, ...]:
     return ("--gpus", f"device={devices}" if len(gpus) == 1 else f'"device={devices}"')
 
 
+def published_ports(spec: DeploySpec) -> tuple[tuple[int, int], ...]:
+    """``(host port, container port)`` pairs ``docker run`` publishes on ``spec.publish_host``: Triton's three
+    ports, or with TLS only the proxy's (Triton binds 127.0.0.1 inside the container then)."""
+    if spec.tls is not None:
+        return ((spec.proxy_port, container_proxy.PROXY_PORT),)
+    return ((spec.http_port, CONTAINER_PORTS["http"]), (spec.grpc_port, CONTAINER_PORTS["grpc"]),
+            (spec.metrics_port, CONTAINER_PORTS["metrics"]))
+
+
 def docker_run_command(spec: DeploySpec) -> tuple[str, ...]:
     """``docker run`` of the server; raises DeployError for TorchScript the image cannot load."""
     check_image_compatible(spec)
-    ports = {"http": spec.http_port, "grpc": spec.grpc_port, "metrics": spec.metrics_port}
-    publish = [part for name, host_port in ports.items()
-               for part in ("--publish", f"{spec.publish_host}:{host_port}:{CONTAINER_PORTS[name]}")]
+    host = f"[{spec.publish_host}]" if ":" in spec.publish_host else spec.publish_host
+    publish = [part for host_port, port in published_ports(spec)
+               for part in ("--publish", f"{host}:{host_port}:{port}")]
+    tls_files = container_proxy.volumes(spec.tls) if spec.tls is not None else ()
     gpu = spec.variant == "gpu"
     # pinned host memory for the CUDA copies (NGC's recommended limits); nothing to pin on the cpu image
     ulimits = ("--ulimit", "memlock=-1", "--ulimit", "stack=67108864") if gpu else ()
@@ -290,13 +323,15 @@ def docker_run_command(spec: DeploySpec) -> tuple[str, ...]:
         *ulimits,
         *publish,
         "--volume", f"{spec.repository}:{CONTAINER_REPOSITORY}:ro",
+        *tls_files,
         *cupy_cache,
         "--health-cmd", health_command(),
         "--health-interval", "30s", "--health-timeout", "10s", "--health-retries", "3",
         "--health-start-period", f"{spec.startup_timeout_s}s",
         "--stop-timeout", str(spec.exit_timeout_s + 10),
         spec.image_tag,
-        *server_command(spec.info, spec.plan, gpus=len(spec.gpus), exit_timeout_s=spec.exit_timeout_s),
+        *server_command(spec.info, spec.plan, gpus=len(spec.gpus), exit_timeout_s=spec.exit_timeout_s,
+                        tls=spec.tls, proxy_allow_statistics=spec.proxy_allow_statistics),
     )
 
 
@@ -374,12 +409,14 @@ def cpu_export_command(spec: DeploySpec, *, source_root: str, model_dir: str, ou
     )
 
 
-def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str | None, *, undeploy: str,
-                   images: str = "<images>") -> str:
+def endpoint_usage(info: RepositoryInfo, http: str, grpc: str | None, metrics: str | None, *, undeploy: str,
+                   images: str = "<images>", tls: bool = False) -> str:
     """What ``make deploy`` prints once the server is up: every endpoint of the repository with its URL and
-    versions, example calls, how to stop it (``metrics`` None: the embedded server's metrics are closed)."""
+    versions, example calls, how to stop it. ``tls``: ``http`` is the TLS proxy (HTTPS, client certificate);
+    ``grpc`` or ``metrics`` None: not published (the embedded server's metrics: closed unless asked for)."""
     names = info.endpoints
-    urls = {name: f"http://{http}/v2/models/{name}" for name in names}
+    scheme = "https" if tls else "http"
+    urls = {name: f"{scheme}://{http}/v2/models/{name}" for name in names}
     width, url_width = max(map(len, names)), max(map(len, urls.values()))
     lines = [f"{len(names)} endpoint(s) on one server, each IMAGE fp32 [C, z, y, x] + SPACING fp64 [3] -> "
              "SEGMENTATION:"]
@@ -389,20 +426,26 @@ def endpoint_usage(info: RepositoryInfo, http: str, grpc: str, metrics: str | No
         lines.append(f"  {name:<{width}}  {urls[name]:<{url_width}}  (runs version {mine[0].version}; "
                      f"pinned: {pinned})")
     lines.append("  typed copies <name>_fp16, _int16, _uint16, _uint8 take those images as they are")
+    client_flags = " --ca ca.pem --cert client.pem --key client.key" if tls else ""
     calls = [f"  nnunet-triton predict --endpoint {name} -i {images} -o build/predictions/{name} --url {http}"
-             for name in names]
+             f"{client_flags}" for name in names]
+    client_tls = ", tls=client_tls('ca.pem', 'client.pem', 'client.key')" if tls else ""
+    tls_import = "from nnunet_triton.client.tls import client_tls; " if tls else ""
+    imports = f"from nnunet_triton.client.client import NnunetClient; {tls_import}import numpy as np; \\"
     return "\n".join([
         "",
         *lines,
-        f"  HTTP     http://{http}   (ready: http://{http}/v2/health/ready)",
-        f"  gRPC     {grpc}",
-        f"  metrics  http://{metrics}/metrics" if metrics else
-        "  metrics  closed (no authentication there: deploy with --metrics or --metrics-port to open it)",
-        f"call it (or python -m nnunet_triton; `nnunet-triton info --url {http}` describes every endpoint):",
+        f"  {'HTTPS' if tls else 'HTTP':<8} {scheme}://{http}   (ready: {scheme}://{http}/v2/health/ready)",
+        f"  gRPC     {grpc if grpc is not None else 'not published'}",
+        f"  metrics  http://{metrics}/metrics" if metrics is not None else
+        ("  metrics  not published" if tls else
+         "  metrics  closed (no authentication there: deploy with --metrics or --metrics-port to open it)"),
+        f"call it (or python -m nnunet_triton; `nnunet-triton info --url {http}{client_flags}` describes "
+        "every endpoint):",
         *calls,
-        '  python -c "from nnunet_triton.client.client import NnunetClient; import numpy as np; \\',
+        f'  python -c "{imports}',
         "image = np.zeros((1, 32, 64, 64), np.float32); \\",
-        f"client = NnunetClient('{http}', endpoint='{names[0]}'); \\",
+        f"client = NnunetClient('{http}', endpoint='{names[0]}'{client_tls}); \\",
         'print(client.segment(image, (1.0, 1.0, 1.0)).segmentation.shape)"',
         "stop it:",
         f"  {undeploy}",

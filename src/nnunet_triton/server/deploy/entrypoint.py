@@ -12,8 +12,16 @@ stderr, ``nnunet-triton: cannot serve the model repository /models: <reason>``, 
 of times (:data:`~.docker.RESTART_POLICY`), so such a container ends up exited with that line in its log
 instead of restarting without a word.
 
+Then the image's preload library (:data:`PRELOAD_LIBRARY`, built by docker/Dockerfile) must be there: without
+it the control token would be on tritonserver's command line and /dev/shm regions 0644, so the entry point
+refuses to start (same line format, exit 78) instead of falling back. With ``--tls-cert``, ``--tls-key`` and
+``--tls-ca`` and/or ``--tls-token-file`` (files mounted read-only by the generated ``docker run``), the TLS
+proxy's nginx.conf is written and checked (``server.deploy.container_proxy``) and tritonserver must bind
+every endpoint to 127.0.0.1; a problem there is refused the same way.
+
 Otherwise it execs (same pid, so PID 1 of the container stays the server)
-``python3 -m nnunet_triton.server.thread_budget exec --watchdog --model-repository DIR -- <command>``.
+``python3 -m nnunet_triton.server.thread_budget exec --watchdog --preload LIB [--proxy-config FILE]
+--model-repository DIR -- <command>``.
 """
 
 from __future__ import annotations
@@ -21,16 +29,21 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible
 
-__all__ = ["repository_problem", "budget_command", "main"]
+__all__ = ["PRELOAD_LIBRARY", "repository_problem", "preload_problem", "budget_command", "main"]
 
 EXIT_BAD_REPOSITORY = 78  # = docker.EXIT_BAD_REPOSITORY (not imported: keep this start light)
+# where docker/Dockerfile puts server.preload's library (its `preload` stage compiles it)
+PRELOAD_LIBRARY = Path("/opt/nnunet_triton/lib/nnunet_triton_preload.so")
+LOOPBACK = "127.0.0.1"
 
 
 def repository_problem(repository: Path) -> str | None:
@@ -54,15 +67,67 @@ def repository_problem(repository: Path) -> str | None:
     return None
 
 
-def budget_command(repository: Path, command: Sequence[str]) -> list[str]:
+def preload_problem(library: Path) -> str | None:
+    """Why ``library`` cannot be preloaded, or None."""
+    if not library.is_file():
+        return (f"the preload library {library} is missing from this image: the control token would be on "
+                "tritonserver's command line and /dev/shm regions readable by other users; rebuild the image "
+                "from docker/Dockerfile (its preload stage compiles it)")
+    return None
+
+
+def budget_command(repository: Path, command: Sequence[str], *, preload: Path = PRELOAD_LIBRARY,
+                   proxy_config: Path | None = None) -> list[str]:
+    proxy = ["--proxy-config", str(proxy_config)] if proxy_config is not None else []
     return [sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
-            "--model-repository", str(repository), "--", *command]
+            "--preload", str(preload), *proxy, "--model-repository", str(repository), "--", *command]
+
+
+def _tls(args: argparse.Namespace) -> Any:
+    from nnunet_triton.server.proxy_config import TlsSettings
+
+    if args.tls_cert is None and args.tls_key is None and args.tls_ca is None and args.tls_token_file is None:
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("the TLS proxy needs --tls-cert and --tls-key")
+    return TlsSettings(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_ca,
+                       token_file=args.tls_token_file)
+
+
+def proxy_problem(args: argparse.Namespace, command: Sequence[str]) -> tuple[str | None, Path | None]:
+    """(why the TLS proxy cannot start, None) or (None, its nginx.conf; None without TLS)."""
+    from nnunet_triton.server.server_config import flag_values
+
+    try:
+        tls = _tls(args)
+        if tls is None:
+            return None, None
+        exposed = {flag: flag_values(command, flag) for flag in ("http-address", "grpc-address",
+                                                                 "metrics-address")}
+        if any(values != [LOOPBACK] for values in exposed.values()):
+            return (f"with the TLS proxy tritonserver must bind {LOOPBACK} only (it would be reachable past "
+                    f"the proxy): {exposed}"), None
+        from nnunet_triton.server.deploy import container_proxy
+
+        info = RepositoryInfo.from_repository(args.model_repository)
+        config = container_proxy.proxy_config(
+            info.endpoints, tls, upstream_port=int(flag_values(command, "http-port")[-1]),
+            allow_statistics=args.proxy_allow_statistics)
+        return None, container_proxy.prepare(config)
+    except (NnunetTritonError, OSError, ValueError, IndexError, subprocess.SubprocessError) as exc:
+        return str(exc), None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m nnunet_triton.server.deploy.entrypoint",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model-repository", type=Path, required=True)
+    parser.add_argument("--preload", type=Path, default=PRELOAD_LIBRARY,
+                        help=f"server.preload's library (default: the image's {PRELOAD_LIBRARY})")
+    tls = parser.add_argument_group("TLS proxy (server.deploy.container_proxy)")
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--tls-token-file"):
+        tls.add_argument(flag, type=Path, default=None)
+    tls.add_argument("--proxy-allow-statistics", action="store_true")
     parser.add_argument("server_command", nargs=argparse.REMAINDER, help="-- tritonserver ...")
     args = parser.parse_args(argv)
     command = list(args.server_command)
@@ -77,7 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"nnunet-triton: cannot serve the model repository {args.model_repository}: {problem}\n")
         sys.stderr.flush()
         return EXIT_BAD_REPOSITORY
-    argv_exec = budget_command(args.model_repository, command)
+    problem = preload_problem(args.preload)
+    if problem is None:
+        problem, proxy_config = proxy_problem(args, command)
+    if problem is not None:
+        sys.stderr.write(f"nnunet-triton: cannot start the server: {problem}\n")
+        sys.stderr.flush()
+        return EXIT_BAD_REPOSITORY
+    argv_exec = budget_command(args.model_repository, command, preload=args.preload,
+                               proxy_config=proxy_config)
     os.execv(argv_exec[0], argv_exec)
     return 0  # pragma: no cover - exec does not return
 

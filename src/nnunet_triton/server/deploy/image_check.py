@@ -8,9 +8,13 @@
    stub by DLPack), torch must be there whatever the fold runner (the orchestrator imports it).
 2. **The fixture repository, initialized** (``--fixture DIR`` with a built repository; the cpu image builds
    the SynthCT fixture in its ``fixture`` stage): the container's own entry point
-   (``thread_budget exec --watchdog -- tritonserver ...``, as :func:`.docker.server_command` runs it) starts
-   on it, on loopback ports, and the check waits until :func:`nnunet_triton.server.health.check_health`
-   finds every model ready with its Python-backend processes alive; then the server is stopped.
+   (``thread_budget exec --watchdog --preload LIB -- tritonserver ...``, as :func:`.docker.server_command`
+   runs it) starts on it, on loopback ports, and the check waits until
+   :func:`nnunet_triton.server.health.check_health` finds every model ready with its Python-backend
+   processes alive. Then the image's preload library is checked at work: tritonserver's
+   ``/proc/<pid>/cmdline`` holds the placeholder, not the token, the token opens the model-repository API
+   (it reached Triton through the library), and every stub's /dev/shm region is owner-only. Then the
+   server is stopped.
 
 Exit status 0 when all passed, 1 with one line per failure otherwise. Runs on the image's Python (3.10 on
 the NGC base), so it needs nothing beyond the runtime packages.
@@ -23,6 +27,7 @@ import ast
 import importlib
 import importlib.util
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -134,10 +139,11 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def fixture_command(repository: Path, ports: Sequence[int]) -> list[str]:
+def fixture_command(repository: Path, ports: Sequence[int], preload: Path | None = None) -> list[str]:
     """The container's entry point on ``repository``, loopback only, small shm regions (a build's /dev/shm
     is 64 MiB; the fixture's tensors are small)."""
     from nnunet_triton.server import health
+    from nnunet_triton.server.deploy.entrypoint import PRELOAD_LIBRARY
     from nnunet_triton.server.server_config import IMAGE_CHECK, server_config
 
     http, grpc, metrics = ports
@@ -145,8 +151,32 @@ def fixture_command(repository: Path, ports: Sequence[int]) -> list[str]:
                            ports={"http": http, "grpc": grpc, "metrics": metrics}, allow_gpu_metrics=False)
     return [
         sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
-        "--model-repository", str(repository), "--", *config.to_args(),
+        "--preload", str(preload or PRELOAD_LIBRARY), "--model-repository", str(repository), "--",
+        *config.to_args(),
     ]
+
+
+def preload_failures(server_pid: int, url: str, token: str, shm: Path = Path("/dev/shm")) -> list[str]:
+    """What the preload library failed to do for the running server: the token on its command line, the
+    token not reaching Triton (the model-repository API refuses it), a stub's region readable by others."""
+    from nnunet_triton.errors import NnunetTritonError
+    from nnunet_triton.server import health
+    from nnunet_triton.server.model_control import ModelControl
+
+    failures = []
+    if token.encode() in Path(f"/proc/{server_pid}/cmdline").read_bytes():
+        failures.append("the control token is on tritonserver's command line (the preload library did not "
+                        "take it)")
+    try:
+        ModelControl(url, token, timeout_s=30).index()
+    except NnunetTritonError as exc:
+        failures.append(f"the token did not reach tritonserver through the preload library: {exc}")
+    for stub in health.stub_processes(server_pid):
+        region = shm / stub.shm_region
+        if region.exists() and region.stat().st_mode & 0o077:
+            failures.append(f"the /dev/shm region {region} is {oct(region.stat().st_mode & 0o777)}, "
+                            "not owner-only")
+    return failures
 
 
 def check_fixture(repository: Path, timeout_s: float = 600.0) -> list[str]:
@@ -156,7 +186,9 @@ def check_fixture(repository: Path, timeout_s: float = 600.0) -> list[str]:
     models = health.repository_models(repository)
     ports = _free_ports(3)
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "NNUNET_TRITON_CACHE_DIR": tmp}  # the thread check's cache: not in the image
+        token = secrets.token_urlsafe(24)  # known here, so the check can look for it
+        env = {**os.environ, "NNUNET_TRITON_CACHE_DIR": tmp,  # the thread check's cache: not in the image
+               "NNUNET_TRITON_CONTROL_TOKEN": token}
         log_path = Path(tmp) / "server.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(fixture_command(repository, ports), stdout=log,
@@ -168,7 +200,11 @@ def check_fixture(repository: Path, timeout_s: float = 600.0) -> list[str]:
                 if report.healthy:
                     sys.stdout.write(f"image check: fixture repository {repository} healthy after "
                                      f"{time.monotonic() - start:.1f} s ({', '.join(models)})\n")
-                    return []
+                    failures = preload_failures(process.pid, f"127.0.0.1:{ports[0]}", token)
+                    if not failures:
+                        sys.stdout.write("image check: the preload library keeps the token off "
+                                         "tritonserver's command line and its /dev/shm regions owner-only\n")
+                    return failures
                 time.sleep(1)
         finally:
             if process.poll() is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nnunet_triton.server.deploy import container_proxy
 from nnunet_triton.server.deploy.docker import CONTAINER_PORTS
 from nnunet_triton.server.proxy_config import ProxyConfig, TlsSettings, public_model_pattern, render_config
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_PROXY_IMAGE", "PROXY_PORT", "network_policy", "proxy_config_map", "proxy_container",
            "proxy_volumes"]
 
-PROXY_PORT = 8443
+PROXY_PORT = container_proxy.PROXY_PORT  # the docker image's proxy port too
 # nginx's own unprivileged image (uid 101, no root needed to bind 8443)
 DEFAULT_PROXY_IMAGE = "docker.io/nginxinc/nginx-unprivileged:1.27-alpine"
 # Paths inside the proxy sidecar's container, not on the host that renders the manifest: each is a volume

@@ -39,7 +39,7 @@ from nnunet_triton.parameters import (
     DEFAULT_TILE_BATCH_SIZE,
 )
 from nnunet_triton.server import cves, proxy, readiness
-from nnunet_triton.server.deploy import docker, k8s
+from nnunet_triton.server.deploy import container_proxy, docker, k8s
 from nnunet_triton.server.deploy import engine as container_engine
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, triton_release
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
@@ -269,9 +269,9 @@ def _build(plan: DeployPlan, target: str, say: Say, export_device: str | None = 
             f"(endpoint {result.name} version {result.version})")
 
 
-def _usage(plan: DeployPlan, info: RepositoryInfo, http: str, grpc: str, metrics: str | None, undeploy: str,
-           say: Say, images: str = "<images>") -> None:
-    say(docker.endpoint_usage(info, http, grpc, metrics, undeploy=undeploy, images=images))
+def _usage(plan: DeployPlan, info: RepositoryInfo, http: str, grpc: str | None, metrics: str | None,
+           undeploy: str, say: Say, images: str = "<images>", tls: bool = False) -> None:
+    say(docker.endpoint_usage(info, http, grpc, metrics, undeploy=undeploy, images=images, tls=tls))
     asked = {endpoint.name for endpoint in plan.endpoints}
     others = [name for name in info.endpoints if asked and name not in asked]
     if others:
@@ -359,7 +359,9 @@ def _docker_spec(plan: DeployPlan, info: RepositoryInfo, *, variant: str = "gpu"
     return docker.DeploySpec(info=info, plan=memory, repository=str(plan.out.absolute()),
                              triton_release=plan.triton_release, gpus=gpus, variant=variant, engine=engine,
                              base_image_ref=plan.base_image, container_name=plan.container_name,
-                             image_torch_version=plan.image_torch_version, publish_host=plan.host, **ports)
+                             image_torch_version=plan.image_torch_version, publish_host=plan.host,
+                             tls=plan.tls, proxy_port=plan.proxy_port or container_proxy.PROXY_PORT,
+                             proxy_allow_statistics=plan.proxy_allow_statistics, **ports)
 
 
 def _run(commands: list[tuple[str, ...]], execute: bool, say: Say, tool: str = "docker") -> None:
@@ -461,12 +463,44 @@ def _start_container(plan: DeployPlan, spec: docker.DeploySpec, say: Say, step: 
     _run([run], plan.execute, say, tool=spec.engine)
     http = f"127.0.0.1:{spec.http_port}"
     if plan.execute:
-        took = _wait_container_ready(http, spec.startup_timeout_s, spec)
+        took = (_wait_container_healthy(spec) if spec.tls is not None
+                else _wait_container_ready(http, spec.startup_timeout_s, spec))
         say(f"container {spec.container_name} ready in {took:.1f} s")
     undeploy = "nnunet-triton undeploy --target docker" + (f" --engine {spec.engine}"
                                                           if spec.engine != "docker" else "")
-    _usage(plan, spec.info, http, f"127.0.0.1:{spec.grpc_port}", f"127.0.0.1:{spec.metrics_port}", undeploy,
-           say)
+    if spec.tls is None:
+        _usage(plan, spec.info, http, f"127.0.0.1:{spec.grpc_port}", f"127.0.0.1:{spec.metrics_port}",
+               undeploy, say)
+        return
+    host = "127.0.0.1" if spec.publish_host in ("0.0.0.0", "::") else spec.publish_host
+    say(f"only the TLS proxy is published: https://{host}:{spec.proxy_port} (nginx in the container, "
+        f"workers as {container_proxy.PROXY_USER}; Triton's HTTP, gRPC and metrics bind 127.0.0.1 inside "
+        "it); clients give --ca (the CA of the server's certificate) and --cert/--key (a client certificate "
+        "of --tls-ca), or the bearer token of --tls-token-file")
+    _usage(plan, spec.info, f"{host}:{spec.proxy_port}", None, None, undeploy, say, tls=True)
+
+
+def _wait_container_healthy(spec: docker.DeploySpec) -> float:
+    """Seconds until the container's own health command passes (behind the TLS proxy nothing of Triton is
+    published); DeployError with the container's log when it stops first or the deadline passes."""
+    start = time.monotonic()
+    while True:
+        status, code = _container_state(spec)
+        if status in ("exited", "stopped", "missing"):
+            reason = f"container {spec.container_name} {status} (exit {code}) before it was healthy"
+            break
+        probe = subprocess.run([spec.engine, "exec", spec.container_name, *docker.health_probe()],
+                               capture_output=True, text=True, check=False, timeout=120)
+        if probe.returncode == 0:
+            return time.monotonic() - start
+        if time.monotonic() - start > spec.startup_timeout_s:
+            reason = (f"container {spec.container_name} was not healthy after {spec.startup_timeout_s} s "
+                      f"({probe.stdout.strip()[-500:]})")
+            break
+        time.sleep(2.0)
+    logs = subprocess.run([spec.engine, "logs", "--tail", "20", spec.container_name],
+                          capture_output=True, text=True, check=False, timeout=60)
+    raise DeployError(f"{reason}; its log ends:\n{logs.stdout}{logs.stderr}")
 
 
 def _deploy_docker_gpu(plan: DeployPlan, engine: str, say: Say) -> None:
@@ -607,11 +641,8 @@ def check_exposure(plan: DeployPlan) -> None:
     """ExposureError for a server reachable beyond loopback without TLS and client authentication."""
     if plan.target == "embedded":
         proxy.check_exposure(plan.host, plan.tls, what="the embedded tritonserver")
-    elif plan.target == "docker" and not proxy.is_loopback(plan.host):
-        raise proxy.ExposureError(
-            f"--target docker publishes Triton's ports on {plan.host!r} (beyond loopback) without TLS or "
-            f"authentication: the image has no TLS proxy. Publish on 127.0.0.1, or use --target embedded "
-            f"with --tls-cert/--tls-key/--tls-ca (docs/security.md).")
+    elif plan.target == "docker":  # the image's TLS proxy (server.deploy.container_proxy) with TLS
+        proxy.check_exposure(plan.host, plan.tls, what="--target docker's tritonserver")
 
 
 def deploy(plan: DeployPlan, say: Say) -> None:
