@@ -20,8 +20,8 @@ from pathlib import Path
 import pydicom
 import pytest
 
-__all__ = ["SOURCE_WARNINGS", "UNCODED_WARNINGS", "DciodvfyReport", "dciodvfy", "check_object", "check_written_objects",
-           "VALIDATED_SOP_CLASSES"]
+__all__ = ["SOURCE_WARNINGS", "UNCODED_WARNINGS", "DciodvfyReport", "dciodvfy", "check_object",
+           "check_written_objects", "VALIDATED_SOP_CLASSES"]
 
 VALIDATED_SOP_CLASSES = {
     "1.2.840.10008.5.1.4.1.1.66.4": "Segmentation",

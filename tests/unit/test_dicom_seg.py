@@ -191,7 +191,8 @@ def _rewrite(files, **values):
 
 @pytest.mark.dciodvfy_allows({
     "Missing attribute or value that would be needed to build DICOMDIR":
-        "the test's source lacks PatientID, StudyDate, StudyTime and StudyID: the SEG keeps them empty (Type 2)",
+        "the test's source lacks PatientID, StudyDate, StudyTime and StudyID: the SEG keeps them empty "
+        "(Type 2)",
 })
 @pytest.mark.parametrize("values", [
     {"PatientBirthDate": "1975-03-01", "PatientSex": "female", "StudyTime": "25:61"},  # break their VRs
