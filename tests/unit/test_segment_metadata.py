@@ -144,3 +144,12 @@ def test_seg_without_metadata_keeps_private_codes_and_says_so(tmp_path, caplog):
     first = pydicom.dcmread(path).SegmentSequence[0]
     assert first.SegmentedPropertyTypeCodeSequence[0].CodingSchemeDesignator == dicom_seg.PRIVATE_SCHEME
     assert "RecommendedDisplayCIELabValue" not in first
+
+
+def test_info_lists_the_published_segment_metadata_one_line_per_segment():
+    from nnunet_triton.client.endpoint import format_description
+
+    metadata = sm.read_segment_metadata(FIXTURES / "organ_lesion.json")
+    text = format_description(_description({"labels": LABELS, sm.PUBLISHED_KEY: metadata.to_published()}))
+    assert "segment_metadata 2 coded segment(s)" in " ".join(text.split())
+    assert "1: Organ (SCT 91772007)" in text and "2: Lesion (SCT 52988006)" in text
