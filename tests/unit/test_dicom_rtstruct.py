@@ -164,3 +164,41 @@ def test_rtstruct_refuses_a_mismatched_label_map(tmp_path):
         rtstruct.write_rtstruct(np.full(volume.data.shape, 7, np.uint8), volume,
                                 dicom_seg.segment_labels(LABELS), tmp_path / "rt.dcm")
     assert not (tmp_path / "rt.dcm").exists()
+
+
+@pytest.mark.parametrize("source", ["enhanced", "single-slice"])
+def test_rtstruct_of_an_enhanced_or_single_slice_source_references_its_frames_and_gives_the_map_back(
+        source, tmp_path):
+    built = support.write_ct_series(tmp_path / "ct", n_slices=1 if source == "single-slice" else 4,
+                                    valid_ds=True)
+    folder = built.folder
+    if source == "enhanced":
+        folder = support.write_enhanced(built, tmp_path / "mf" / "MF.dcm").parent
+    volume = dicom.read_dicom_folder(folder)
+    seg = np.zeros(volume.data.shape, np.uint8)
+    seg[:, 30:60, 30:70], seg[-1, 40:50, 40:50] = 1, 2
+    path = rtstruct.write_rtstruct(seg, volume, _coded(LABELS), tmp_path / "rt.dcm")
+
+    ds = pydicom.dcmread(path)
+    images = ds.ReferencedFrameOfReferenceSequence[0].RTReferencedStudySequence[0] \
+        .RTReferencedSeriesSequence[0].ContourImageSequence
+    if source == "enhanced":  # one multi-frame instance: each contour names its frame (1-based)
+        assert sorted(int(i.ReferencedFrameNumber) for i in images) == [1, 2, 3, 4]
+        frames = {int(c.ContourImageSequence[0].ReferencedFrameNumber)
+                  for c in ds.ROIContourSequence[0].ContourSequence}
+        assert frames == {f.frame + 1 for f in volume.frames}
+    else:
+        assert len(images) == 1
+    contours = {name: [] for name in ("Organ", "Lesion")}
+    names = {r.ROINumber: r.ROIName for r in ds.StructureSetROISequence}
+    for roi in ds.ROIContourSequence:
+        for c in roi.ContourSequence:
+            points = np.asarray([float(v) for v in c.ContourData]).reshape(-1, 3)
+            item = c.ContourImageSequence[0]
+            k = next(k for k, f in enumerate(volume.frames)
+                     if f.sop_instance_uid == item.ReferencedSOPInstanceUID
+                     and (f.frame is None or f.frame + 1 == int(item.ReferencedFrameNumber)))
+            contours[names[roi.ReferencedROINumber]].append((k, points))
+    np.testing.assert_array_equal(rtstruct.rasterize_roi(contours["Organ"], volume), seg == 1)
+    np.testing.assert_array_equal(rtstruct.rasterize_roi(contours["Lesion"], volume), seg == 2)
+    check_object(path)
