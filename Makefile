@@ -60,7 +60,7 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
-.PHONY: help setup lock lint test test-unit serve stop status clean repository export fixtures deploy undeploy container-engine demo pacs-demo validate perf \
+.PHONY: help setup lock lint test test-viewer test-unit serve stop status clean repository export fixtures deploy undeploy container-engine demo pacs-demo validate perf \
 	perf-defaults perf-two-models soak gpu-check gpu-bundle triton-backends perf-fold-runners
 
 help: ## Show this help
@@ -110,6 +110,9 @@ test: $(SETUP_STAMP) $(PERF_STAMP) triton-backends ## Run the full test suite (u
 BACKEND_SOURCE ?=
 triton-backends: $(SETUP_STAMP) ## Build Triton's PyTorch backend for libtorch fold models into build/triton-backends (cached)
 	$(VENV)/bin/nnunet-triton install-backend pytorch $(if $(BACKEND_SOURCE),--source $(BACKEND_SOURCE))
+
+test-viewer: $(SETUP_STAMP) ## Only the OHIF browser test of our DICOM-SEG (Orthanc, nginx, chromium; also in `make test`; screenshot in build/ohif/screenshots/)
+	$(PY) -m pytest tests/integration/test_ohif_seg.py $(PYTEST_ARGS)
 
 test-unit: $(SETUP_STAMP) ## Run the unit tests only (no server)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -1,7 +1,9 @@
 """Shared pytest fixtures: the embedded Triton server factory and a tiny identity model repository.
 
 Everything under ``tests/triton/`` is marked ``triton`` automatically (``-m "not triton"`` skips it);
-tests marked ``gpu`` are skipped on machines without an NVIDIA driver.
+tests marked ``gpu`` are skipped on machines without an NVIDIA driver. Every DICOM-SEG and RTSTRUCT a test
+writes below its ``tmp_path`` is validated by dciodvfy when the test ends (``tests/dciodvfy_support.py``;
+``@pytest.mark.dciodvfy_allows({...})`` names and explains a warning a test expects).
 
 Typical use in a test module::
 
@@ -66,6 +68,21 @@ IDENTITY_MODEL_PY = textwrap.dedent(
             return responses
     """
 )
+
+
+@pytest.fixture(autouse=True)
+def _dciodvfy_on_written_objects(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that has a ``tmp_path``: dciodvfy finds no error and no unexplained warning in any
+    DICOM-SEG or RTSTRUCT below it."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    root = request.getfixturevalue("tmp_path")  # torn down after this fixture: still there below
+    yield
+    from tests.dciodvfy_support import check_written_objects
+
+    marker = request.node.get_closest_marker("dciodvfy_allows")
+    check_written_objects(root, dict(marker.args[0]) if marker else None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -101,13 +101,18 @@ class Orthanc:
 
     def wait_for_seg(self, study_uid: str, timeout_s: float = 180.0) -> list[bytes]:
         """The DICOM-SEG file(s) of the study, waiting until one arrives."""
+        return self.wait_for_modality(study_uid, "SEG", timeout_s)
+
+    def wait_for_modality(self, study_uid: str, modality: str, timeout_s: float = 180.0) -> list[bytes]:
+        """The files of the study's series of ``modality`` (SEG, RTSTRUCT), waiting until one arrives."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            segs = self.seg_series(study_uid)
-            if segs:
-                return [self._open("GET", f"/instances/{i}/file") for s in segs for i in s["Instances"]]
+            found = [s for s in self.series_of_study(study_uid)
+                     if s["MainDicomTags"].get("Modality") == modality]
+            if found:
+                return [self._open("GET", f"/instances/{i}/file") for s in found for i in s["Instances"]]
             time.sleep(0.5)
-        raise AssertionError(f"no DICOM-SEG arrived in study {study_uid} within {timeout_s} s; log:\n"
+        raise AssertionError(f"no {modality} arrived in study {study_uid} within {timeout_s} s; log:\n"
                              + self.log.read_text()[-3000:])
 
 

@@ -126,33 +126,63 @@ def _auth() -> DicomWebAuth:
     return DicomWebAuth(user=USER, password=PASSWORD)
 
 
-def test_predict_fetches_a_study_over_dicomweb_and_stores_its_seg_back_by_stow_rs(server, orthanc, tmp_path):
+def _rtstruct_matches(rt_file: bytes, folder: Path, expected: np.ndarray, kept: Path) -> dict[str, float]:
+    """The RTSTRUCT fetched from the PACS, its contours filled by the even-odd rule on the source grid:
+    Dice per ROI against the label map the client gets (kept under ``kept`` for dciodvfy at teardown)."""
+    from nnunet_triton.client.dicom.rtstruct import rasterize_roi
+
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_bytes(rt_file)
+    ds, volume = pydicom.dcmread(kept), dicom.read_dicom_folder(folder)
+    uids = [f.sop_instance_uid for f in volume.frames]
+    names = {r.ROINumber: r.ROIName for r in ds.StructureSetROISequence}
+    labels = dict(zip(names.values(), (1, 2), strict=True))  # SynthCT: organ 1, lesion 2 (value order)
+    dice = {}
+    for roi in ds.ROIContourSequence:
+        contours = [(uids.index(c.ContourImageSequence[0].ReferencedSOPInstanceUID),
+                     np.asarray([float(v) for v in c.ContourData]).reshape(-1, 3))
+                    for c in roi.get("ContourSequence", [])]
+        name = names[roi.ReferencedROINumber]
+        mask, truth = rasterize_roi(contours, volume), expected == labels[name]
+        total = mask.sum() + truth.sum()
+        dice[name] = 1.0 if total == 0 else 2.0 * (mask & truth).sum() / total
+    return dice
+
+
+def test_predict_fetches_a_study_over_dicomweb_and_stores_its_seg_and_rtstruct_back_by_stow_rs(
+        server, orthanc, tmp_path):
     series, study = _study(tmp_path / "dicom")
     orthanc.upload(sorted((tmp_path / "dicom").iterdir()))
 
     run = _cli(server, "predict", "-i", orthanc.dicomweb, "--study", study, "-o", orthanc.dicomweb,
-               "--disable-tta", "-v")
+               "--output-format", "dicom-seg+rtstruct", "--disable-tta", "-v")
 
     assert run.returncode == 0, run.stderr
     assert "1 case(s) written" in run.stderr
     assert PATIENT_NAME not in run.stderr and PASSWORD not in run.stderr
     (seg,) = orthanc.wait_for_seg(study, timeout_s=30)
-    np.testing.assert_array_equal(_decoded(seg, series), _expected(server, tmp_path / "dicom"))
+    expected = _expected(server, tmp_path / "dicom")
+    np.testing.assert_array_equal(_decoded(seg, series), expected)
     names = [s.SegmentLabel for s in pydicom.dcmread(io.BytesIO(seg)).SegmentSequence]
     assert names and not any(n.startswith("label_") for n in names)  # the names the endpoint publishes
+    (rt,) = orthanc.wait_for_modality(study, "RTSTRUCT", timeout_s=30)
+    dice = _rtstruct_matches(rt, tmp_path / "dicom", expected, tmp_path / "pacs" / "rtstruct.dcm")
+    assert list(dice) == names and all(d >= 0.99 for d in dice.values()), dice
 
 
-def test_listen_segments_a_series_routed_by_c_store_and_sends_the_seg_to_the_pacs(server, orthanc, tmp_path):
+def test_listen_segments_a_series_routed_by_c_store_and_sends_the_seg_and_rtstruct_to_the_pacs(
+        server, orthanc, tmp_path):
     series, study = _study(tmp_path / "dicom")
     orthanc_series = orthanc.upload(sorted((tmp_path / "dicom").iterdir()))
     spool = tmp_path / "spool"
     node = _listen(server, spool, orthanc.node_port, orthanc.store_destination,
-                   "--allow", "ORTHANC@127.0.0.1")
+                   "--allow", "ORTHANC@127.0.0.1", "--output", "both")
     try:
         spoofed = _associate(orthanc.node_port, calling="EVIL")  # only Orthanc's AE title may store
         orthanc.request("POST", "/modalities/nnunet/store",
                         json.dumps({"Resources": orthanc_series, "Synchronous": True}).encode())
         (seg,) = orthanc.wait_for_seg(study)
+        (rt,) = orthanc.wait_for_modality(study, "RTSTRUCT")
         probe = _cli_plain("node-status", "--spool", str(spool))
     finally:
         node.terminate()
@@ -160,7 +190,10 @@ def test_listen_segments_a_series_routed_by_c_store_and_sends_the_seg_to_the_pac
     assert node.returncode == 0, log
     assert spoofed.is_rejected and "calling AE title 'EVIL' is not an allowed sender" in log
     assert probe.returncode == 0 and json.loads(probe.stdout)["state"] == "ok", probe.stdout
-    np.testing.assert_array_equal(_decoded(seg, series), _expected(server, tmp_path / "dicom"))
+    expected = _expected(server, tmp_path / "dicom")
+    np.testing.assert_array_equal(_decoded(seg, series), expected)
+    dice = _rtstruct_matches(rt, tmp_path / "dicom", expected, tmp_path / "pacs" / "rtstruct.dcm")
+    assert len(dice) == 2 and all(d >= 0.99 for d in dice.values()), dice
     assert f"series {series.series_uid}: DICOM-SEG sent" in log
     assert PATIENT_NAME not in log
     assert not any((spool / "incoming").iterdir()) and not any((spool / "outgoing").iterdir())

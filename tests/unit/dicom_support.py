@@ -18,6 +18,7 @@ import numpy as np
 import pydicom
 from pydicom.data import get_testdata_file
 from pydicom.uid import generate_uid
+from pydicom.valuerep import DSfloat
 
 TILT_DEG = 15.0  # an oblique axial stack: rotated about x, still axial (normal mostly along z)
 _C, _S = np.cos(np.deg2rad(TILT_DEG)), np.sin(np.deg2rad(TILT_DEG))
@@ -47,6 +48,13 @@ def _normal(orientation: Sequence[float]) -> np.ndarray:
     return np.cross(np.asarray(orientation[:3]), np.asarray(orientation[3:]))
 
 
+def _ds(value: float) -> DSfloat:
+    """A DS value of at most 16 characters (PS3.5), as a scanner writes it (``valid_ds``). By default the
+    series keep full ``float`` text, which the geometry tests compare exactly; a SEG of an enhanced image
+    copies its functional groups verbatim, so the series behind one that dciodvfy checks uses valid DS."""
+    return DSfloat(float(value), auto_format=True)
+
+
 def _save(ds: pydicom.Dataset, path: Path) -> None:
     ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,6 +73,7 @@ def write_ct_series(
     positions: Sequence[float] | None = None,
     orientations: dict[int, Sequence[float]] | None = None,
     modality: str = "CT",
+    valid_ds: bool = False,
 ) -> BuiltSeries:
     """Write a CT series; ``skip`` leaves slices out (gaps), ``positions`` overrides the offsets along the
     normal, ``orientations`` overrides ImageOrientationPatient per slice index."""
@@ -83,8 +92,9 @@ def write_ct_series(
         ds.SOPInstanceUID = generate_uid()
         ds.Modality = modality
         ds.InstanceNumber = k + 1
-        ds.ImageOrientationPatient = [float(v) for v in (orientations or {}).get(k, orientation)]
-        ds.ImagePositionPatient = [float(v) for v in np.asarray(origin) + offset * normal]
+        text = _ds if valid_ds else float
+        ds.ImageOrientationPatient = [text(v) for v in (orientations or {}).get(k, orientation)]
+        ds.ImagePositionPatient = [text(v) for v in np.asarray(origin) + offset * normal]
         slope, intercept = (1.0, 2.0)[k % 2], -1024.0 + k
         ds.RescaleSlope, ds.RescaleIntercept = slope, intercept
         stored = (pixels + 7 * k).astype(np.int16)

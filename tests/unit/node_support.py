@@ -23,6 +23,7 @@ import pydicom
 
 from nnunet_triton.client.dicom.node import DicomNode, NodeConfig, StoreDestination
 
+RTSTRUCT_STORAGE = "1.2.840.10008.5.1.4.1.1.481.3"
 SEG_STORAGE = "1.2.840.10008.5.1.4.1.1.66.4"
 NODE_AE = "NNUNET"
 SENDER_AE = "PACS"
@@ -63,6 +64,7 @@ class Destination:
 
         ae = AE(ae_title="DEST")
         ae.add_supported_context(SEG_STORAGE)
+        ae.add_supported_context(RTSTRUCT_STORAGE)  # a node whose output is rtstruct or both
         self.server = ae.start_server(("127.0.0.1", self.port), block=False,
                                       evt_handlers=[(evt.EVT_C_STORE, on_store)])
         return self

@@ -74,6 +74,7 @@ from nnunet_triton.numerics.postprocessing import (
     load_postprocessing_pkl,
 )
 from nnunet_triton.registry import Registry, locked, write_registry
+from nnunet_triton.segment_metadata import PUBLISHED_KEY, SegmentMetadata, label_values, read_segment_metadata
 from nnunet_triton.util.hashing import sha256_file
 
 __all__ = [
@@ -241,6 +242,7 @@ def build_repository(
     postprocessing: str | Path | None = "auto",
     previous_stage_model: str | Path | None = None,
     endpoint: VersionChoice | None = None,
+    seg_metadata: str | Path | None = None,
 ) -> BuildResult:
     """Build (or keep, when up to date) one version of one endpoint of the repository ``out`` from the
     results folder ``model_dir``.
@@ -259,6 +261,9 @@ def build_repository(
             stage's model folder; default: nnU-Net's sibling ``<trainer>__<plans>__<previous stage>``. Both
             stages run in one endpoint call (the previous stage's segmentation feeds this one).
         endpoint: the name and version to write (default: ``nnunet``, its latest version, or 1).
+        seg_metadata: dcmqi segment metadata JSON (``client.dicom.segment_metadata``) for the labels of
+            the model, checked against them here and published with the version (SEG and RTSTRUCT codes,
+            names and colours); None: the DICOM writers use private codes.
 
     Raises:
         PlansError / UnsupportedModelError / ExportError: see ``read_model_folder`` and ``export_fold``;
@@ -285,6 +290,8 @@ def build_repository(
         previous_hash = compute_input_hash(*previous, options, folds_only=False,
                                            export_options=export_options)
         input_hash = hashlib.sha256(f"{input_hash}\nprevious_stage={previous_hash}".encode()).hexdigest()
+    metadata_of_segments = _segment_metadata(seg_metadata, config)
+    input_hash = _with_segment_metadata(input_hash, metadata_of_segments)
     if previous is not None and not folds_only:
         specs = composite_specs.cascade_repository_specs(previous[1], config, options)
     else:
@@ -299,10 +306,10 @@ def build_repository(
             metadata["previous_stage"] = {"model_folder": previous[0].name,
                                           "configuration": previous[1].configuration,
                                           "folds": list(previous[1].folds)}
-        return metadata
+        return metadata | _recorded_segment_metadata(metadata_of_segments)
 
     result = _land(out, endpoint, input_hash, specs, write, force=force, start=start,
-                   described=_published_postprocessing(pp_plan))
+                   described=_published_postprocessing(pp_plan) | _published_segments(metadata_of_segments))
     if result.rebuilt:
         LOGGER.info("built %s version %d into %s in %.1f s (folds %s, target %s)", result.name,
                     result.version, out, result.seconds, list(config.folds), options.target)
@@ -373,6 +380,7 @@ def build_ensemble_repository(
     export_device: str | None = None,
     postprocessing: str | Path | None = None,
     endpoint: VersionChoice | None = None,
+    seg_metadata: str | Path | None = None,
 ) -> BuildResult:
     """An ensemble of configurations (``nnUNetv2_ensemble``) behind one endpoint (one version of it).
 
@@ -402,7 +410,8 @@ def build_ensemble_repository(
         digest.update(f"member{index}={member_hash}\n".encode())
     digest.update(f"combine={adapter_source(COMBINE_ADAPTER)}\n".encode())
     digest.update(f"postprocessing={pp_plan.to_json() if pp_plan else 'none'}\n".encode())
-    input_hash = digest.hexdigest()
+    metadata_of_segments = _segment_metadata(seg_metadata, configs[0])
+    input_hash = _with_segment_metadata(digest.hexdigest(), metadata_of_segments)
 
     def write(tmp: Path) -> dict[str, Any]:
         members = []
@@ -421,11 +430,11 @@ def build_ensemble_repository(
             "exports": [e for m in members for e in m["exports"]],
             "postprocessing": None if pp_plan is None else json.loads(pp_plan.to_json()),
             "build_seconds": round(time.perf_counter() - start, 3),
-        }
+        } | _recorded_segment_metadata(metadata_of_segments)
 
     specs = composite_specs.ensemble_repository_specs(configs, options)
     result = _land(out, endpoint, input_hash, specs, write, force=force, start=start,
-                   described=_published_postprocessing(pp_plan))
+                   described=_published_postprocessing(pp_plan) | _published_segments(metadata_of_segments))
     if result.rebuilt:
         LOGGER.info("built ensemble %s version %d of %d members into %s in %.1f s", result.name,
                     result.version, len(configs), out, result.seconds)
@@ -462,6 +471,41 @@ def _chosen_version(registry: Registry | None, choice: VersionChoice, input_hash
                 return version, True, False
     version = entry.latest + 1 if choice.new_version else entry.latest
     return version, False, choice.promote or entry.promoted == version
+
+
+def _segment_metadata(path: str | Path | None, config: InferenceConfig) -> SegmentMetadata | None:
+    """The segment metadata file ``path``, checked against the model's labels (None: no file)."""
+    if path is None:
+        LOGGER.info("no --seg-metadata: DICOM-SEG and RTSTRUCT of this endpoint code its labels with the "
+                    "private scheme 99NNUNET and carry no display colour")
+        return None
+    metadata = read_segment_metadata(path)
+    names = {name: list(v) if isinstance(v, tuple) else v for name, v in config.labels.label_names}
+    labels = label_values(names, config.labels.regions_class_order)
+    metadata.check_against_labels({value: name for value, name, _ in labels})
+    LOGGER.info("segment metadata %s: %d coded segment(s)", path, len(metadata.segments))
+    return metadata
+
+
+def _with_segment_metadata(input_hash: str, metadata: SegmentMetadata | None) -> str:
+    """The input hash with the segment metadata in it (unchanged without: builds before it stay current)."""
+    if metadata is None:
+        return input_hash
+    text = json.dumps(metadata.to_published(), sort_keys=True)
+    return hashlib.sha256(f"{input_hash}\nsegment_metadata={text}".encode()).hexdigest()
+
+
+def _recorded_segment_metadata(metadata: SegmentMetadata | None) -> dict[str, Any]:
+    """What the registry records of the segment metadata: its digest (the content is published)."""
+    if metadata is None:
+        return {}
+    text = json.dumps(metadata.to_published(), sort_keys=True)
+    return {"segment_metadata_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def _published_segments(metadata: SegmentMetadata | None) -> dict[str, Any]:
+    """What the endpoint's description publishes of the segments (the DICOM writers read it)."""
+    return {} if metadata is None else {PUBLISHED_KEY: metadata.to_published()}
 
 
 def _published_postprocessing(plan: PostprocessingPlan | None) -> dict[str, Any]:

@@ -117,6 +117,11 @@ def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> N
                    help="no custom nnunet_* metrics in the Python models")
     p.add_argument("--previous-stage-model", type=Path, default=None,
                    help="cascade: the previous stage's results folder (default: nnU-Net's sibling folder)")
+    p.add_argument("--seg-metadata", type=Path, default=None, metavar="FILE",
+                   help="dcmqi segment metadata JSON (segmentAttributes: per labelID its coded category, "
+                        "type, label text and colour; docs/clients.md), checked against the model's "
+                        "labels and published with this endpoint version for its DICOM-SEG and RTSTRUCT; "
+                        "default: private codes, no colours")
     p.add_argument("--folds-only", action="store_true", help="only the fold models")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
 
@@ -165,13 +170,15 @@ def run(args: argparse.Namespace) -> int:
             pp = None if args.postprocessing == "auto" else args.postprocessing
             result = build_ensemble_repository(args.model, args.out, options=options, folds=args.folds,
                                                force=args.force, export_device=args.export_device,
-                                               postprocessing=pp, endpoint=endpoint)
+                                               postprocessing=pp, endpoint=endpoint,
+                                               seg_metadata=args.seg_metadata)
         else:
             result = build_repository(args.model[0], args.out, options=options, folds=args.folds,
                                       configuration=configurations[0], force=args.force,
                                       folds_only=args.folds_only, export_device=args.export_device,
                                       postprocessing=args.postprocessing,
-                                      previous_stage_model=args.previous_stage_model, endpoint=endpoint)
+                                      previous_stage_model=args.previous_stage_model, endpoint=endpoint,
+                                      seg_metadata=args.seg_metadata)
     except (NnunetTritonError, ValueError) as exc:
         LOGGER.error("%s", exc)
         return ExitCode.USAGE

@@ -93,10 +93,12 @@ def predict_over_dicomweb(args: argparse.Namespace, run_predict: Any, describe: 
     source = str(args.input)
     destination = str(args.output)
     if is_dicomweb(destination):
-        if args.output_format not in ("nifti", "dicom-seg"):  # nifti: the default, not asked for
+        if args.output_format == "nifti":  # the default, not asked for: the SEG
+            args.output_format = "dicom-seg"
+        if not args.output_format.startswith("dicom-"):
             raise InputValidationError(
-                "-o dicomweb://... stores DICOM-SEG; --output-format must be dicom-seg.")
-        args.output_format = "dicom-seg"
+                "-o dicomweb://... stores DICOM objects; --output-format must be dicom-seg, dicom-rtstruct "
+                "or dicom-seg+rtstruct.")
     # both locations are checked (scheme, plain http, UIDs) before anything is asked of a server
     target = _location(destination, args, auth) if is_dicomweb(destination) else None
     origin = _location(source, args, auth) if is_dicomweb(source) else None
@@ -140,16 +142,18 @@ def _check_eligible(folder: Path, study_uid: str) -> None:
 def _store_all(location: DicomWebLocation, folder: Path) -> int:
     failed = 0
     for path in sorted(folder.glob("*.dcm")):
+        rtstruct = path.stem.endswith("_rtstruct")  # predict's <series>_rtstruct.dcm beside <series>.dcm
+        kind, series = ("RTSTRUCT", path.stem.removesuffix("_rtstruct")) if rtstruct else ("SEG", path.stem)
         try:
-            store_files(location, [path], what=f"the DICOM-SEG of series {path.stem}")
+            store_files(location, [path], what=f"the {'DICOM-' * (not rtstruct)}{kind} of series {series}")
         except PacsError as exc:
             failed += 1
-            sys.stderr.write(f"nnunet-triton: {exc} The SEG is kept in {path}.\n")
+            sys.stderr.write(f"nnunet-triton: {exc} The {kind} is kept in {path}.\n")
         else:
             path.unlink()
     if failed == 0:
         for leftover in folder.iterdir():  # probabilities (.npz/.pkl) have no DICOMweb home
-            sys.stderr.write(f"nnunet-triton: kept {leftover} (not a DICOM-SEG)\n")
+            sys.stderr.write(f"nnunet-triton: kept {leftover} (not a DICOM-SEG or RTSTRUCT)\n")
         if not any(folder.iterdir()):
             folder.rmdir()
     return ExitCode.USAGE if failed else ExitCode.OK

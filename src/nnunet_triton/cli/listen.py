@@ -135,6 +135,10 @@ def add_parsers(sub: Any) -> None:
     timing.add_argument("--max-retry-delay", type=float, default=300.0, help="longest retry delay (300)")
     p.add_argument("--no-mirroring", "--disable-tta", action="store_false", dest="mirroring",
                    help="no test-time mirroring")
+    p.add_argument("--output", choices=("seg", "rtstruct", "both"), default="seg",
+                   help="the DICOM objects a segmented series becomes and is sent as: a DICOM-SEG, an "
+                        "RTSTRUCT (one ROI per label, planar contours per slice) or both; per model: "
+                        "\"output\" in the routes file's \"models\" (default seg)")
     p.add_argument("--dataset-json", type=Path, default=None,
                    help="dataset.json naming the default model's segments (when the server does not publish "
                         "labels)")
@@ -244,6 +248,7 @@ def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tupl
     from nnunet_triton.client.client import NnunetClient, endpoint_model
     from nnunet_triton.client.dicom.modality import modality_rule
     from nnunet_triton.client.dicom.node import NodeModel
+    from nnunet_triton.client.dicom.outputs import DicomOutput
     from nnunet_triton.client.endpoint import describe_endpoint
 
     options = RequestOptions(mirroring=args.mirroring)
@@ -278,7 +283,8 @@ def _node_models(args: argparse.Namespace, server_url: str, routes: Any) -> tupl
                                  endpoint=name, version=settings.version, tls=connection_tls(args))
             clients.extend((client, probe))
             models[name] = NodeModel(_segmenter(client, options), labels or None, rule,
-                                     ready=probe.check_ready)
+                                     ready=probe.check_ready,
+                                     output=settings.output or DicomOutput(args.output))
     except BaseException:
         for client in clients:
             client.close()

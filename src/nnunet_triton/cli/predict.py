@@ -2,7 +2,7 @@
 
     nnunet-triton predict -i IN -o OUT [--url HOST:PORT] [--protocol http|grpc] [--no-mirroring]
         [--tile-step-size 0.5] [-f 0 1] [--save-probabilities] [--continue-prediction]
-        [--output-format nifti|nrrd|mha|dicom-seg] [--concurrency N]
+        [--output-format nifti|nrrd|mha|dicom-seg|dicom-rtstruct|dicom-seg+rtstruct] [--concurrency N]
     nnunet-triton predict -i dicomweb://HOST/ROOT --study UID [--series UID] -o dicomweb://HOST/ROOT|OUT ...
         (DICOMweb: nnunet_triton.cli.dicomweb)
     nnunet-triton info [--url HOST:PORT] [--protocol http|grpc] [--json]
@@ -56,7 +56,10 @@ from nnunet_triton.errors import InputValidationError
 __all__ = ["add_parsers", "predict", "info", "default_concurrency"]
 
 LOGGER = logging.getLogger(__name__)
-OUTPUT_FORMATS = (*imageio.OUTPUT_ENDINGS, "dicom-seg")
+# DICOM outputs: the objects each format writes (<case>.dcm: the SEG, <case>_rtstruct.dcm: the RTSTRUCT)
+DICOM_FORMATS = {"dicom-seg": "seg", "dicom-rtstruct": "rtstruct", "dicom-seg+rtstruct": "both"}
+RTSTRUCT_SUFFIX = "_rtstruct"
+OUTPUT_FORMATS = (*imageio.OUTPUT_ENDINGS, *DICOM_FORMATS)
 
 
 def add_parsers(sub: Any) -> None:
@@ -104,8 +107,12 @@ def add_parsers(sub: Any) -> None:
 def _outputs(out: Path, job: Job, args: argparse.Namespace) -> list[Path]:
     """The files of ``job`` in ``out``; a name that would leave ``out`` is refused (names of DICOM cases come
     from the data: :func:`~nnunet_triton.client.dicom.uids.child_path`)."""
-    ending = ".dcm" if args.output_format == "dicom-seg" else imageio.OUTPUT_ENDINGS[args.output_format]
-    paths = [child_path(out, f"{job.name}{ending}")]
+    if args.output_format in DICOM_FORMATS:
+        kind = DICOM_FORMATS[args.output_format]
+        paths = ([child_path(out, f"{job.name}.dcm")] if kind != "rtstruct" else []) + (
+            [child_path(out, f"{job.name}{RTSTRUCT_SUFFIX}.dcm")] if kind != "seg" else [])
+    else:
+        paths = [child_path(out, f"{job.name}{imageio.OUTPUT_ENDINGS[args.output_format]}")]
     if args.probabilities:
         paths.append(child_path(out, f"{job.name}.npz"))
     return paths
@@ -139,22 +146,22 @@ def _infer(job: Job, client: Any, description: Any, args: argparse.Namespace) ->
 
 def _write(done: _Inferred, description: Any, args: argparse.Namespace) -> None:
     job, case, result = done.job, done.case, done.result
-    target = _outputs(args.output, job, args)[0]
     if args.probabilities:
         imageio.write_probabilities(result.probabilities, child_path(args.output, job.name),
                                     case.properties())
-    if args.output_format == "dicom-seg":
-        from nnunet_triton.client.dicom.seg import (
-            generic_segment_labels,
-            model_segment_labels,
-            write_dicom_seg,
-        )
+    if args.output_format in DICOM_FORMATS:
+        from nnunet_triton.client.dicom.outputs import DicomOutput, write_dicom_outputs
+        from nnunet_triton.client.dicom.seg import generic_segment_labels, model_segment_labels
 
         labels = model_segment_labels(description, args.dataset_json) or generic_segment_labels(
             result.segmentation)
-        write_dicom_seg(result.segmentation, done.volume, labels, target)
+        kind = DicomOutput(DICOM_FORMATS[args.output_format])
+        paths = _outputs(args.output, job, args)
+        write_dicom_outputs(result.segmentation, done.volume, labels, kind,
+                            seg_path=paths[0] if kind.seg else None,
+                            rtstruct_path=paths[1 if kind.seg else 0] if kind.rtstruct else None)
     else:
-        imageio.write_segmentation(result.segmentation, target, case.geometry)
+        imageio.write_segmentation(result.segmentation, _outputs(args.output, job, args)[0], case.geometry)
 
 
 def default_concurrency(description: Any) -> int:
@@ -240,9 +247,9 @@ def _predict_folders(args: argparse.Namespace) -> int:
     from nnunet_triton.client.endpoint import describe_endpoint
 
     jobs = collect_jobs(args.input)
-    if args.output_format == "dicom-seg" and not all(j.is_dicom for j in jobs):
+    if args.output_format in DICOM_FORMATS and not all(j.is_dicom for j in jobs):
         raise InputValidationError(
-            "--output-format dicom-seg needs DICOM input (it references the source series)."
+            f"--output-format {args.output_format} needs DICOM input (it references the source series)."
         )
     args.output.mkdir(parents=True, exist_ok=True)
     for stale in imageio.remove_stale_partials(args.output):

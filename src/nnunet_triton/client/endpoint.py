@@ -190,7 +190,16 @@ def format_description(d: EndpointDescription) -> str:
         f"labels          {json.dumps(d.labels)}" + ("" if d.published.get("labels") else " (generic)"),
     ]
     for key in sorted(set(d.published) - {"labels", "endpoint", "version"}):
-        lines.append(f"{key:<15} {json.dumps(d.published[key])}")
+        value = d.published[key]
+        if key == "segment_metadata" and isinstance(value, dict):  # one line per segment, not one long line
+            segments = [s for group in value.get("segmentAttributes", []) for s in group]
+            lines.append(f"{key:<15} {len(segments)} coded segment(s)")
+            lines.extend(f"{'':<15}   {s.get('labelID')}: {s.get('SegmentLabel', '')} "
+                         f"({s.get('SegmentedPropertyTypeCodeSequence', {}).get('CodingSchemeDesignator')} "
+                         f"{s.get('SegmentedPropertyTypeCodeSequence', {}).get('CodeValue')})"
+                         for s in segments)
+            continue
+        lines.append(f"{key:<15} {json.dumps(value)}")
     if not d.published:
         lines.append(
             f"(the repository does not publish '{DESCRIPTION_PARAMETER}': dataset, labels and "

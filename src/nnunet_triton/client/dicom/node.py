@@ -81,10 +81,11 @@ from nnunet_triton.client.dicom.admission import Admission, AdmittingServer
 from nnunet_triton.client.dicom.destination import DicomWebDestination, StoreDestination, parse_destination
 from nnunet_triton.client.dicom.modality import ModalityRule
 from nnunet_triton.client.dicom.node_admin import read_status, requeue
+from nnunet_triton.client.dicom.outputs import DicomOutput, write_dicom_outputs
 from nnunet_triton.client.dicom.phi import describe
 from nnunet_triton.client.dicom.receiving import STATUS_SUCCESS, Receiving, receive_into
 from nnunet_triton.client.dicom.routing import NoRoute, Route, Routes
-from nnunet_triton.client.dicom.seg import SegmentLabel, generic_segment_labels, write_dicom_seg
+from nnunet_triton.client.dicom.seg import SegmentLabel, generic_segment_labels
 from nnunet_triton.client.dicom.spool import Spool, SpoolLimits, durable_json, durable_output
 from nnunet_triton.client.dicom.uids import shown, valid_uid
 from nnunet_triton.client.dicom.volume import DicomOptions, read_series, scan_folder
@@ -110,12 +111,14 @@ class NodeModel:
     """A model (endpoint) the node segments with: ``segment(volume)`` returns the label map of a
     :class:`~.volume.DicomVolume`; ``labels`` name the DICOM-SEG segments (None: ``label_<v>`` for the values
     present); ``modalities`` says which series fit it; ``ready()`` raises when the endpoint is not ready (the
-    monitor calls it every ``endpoint_check_s``; None: not checked)."""
+    monitor calls it every ``endpoint_check_s``; None: not checked); ``output``: the DICOM objects its
+    results become (SEG, RTSTRUCT or both, sent together)."""
 
     segment: Callable[[Any], Any]
     labels: Sequence[SegmentLabel] | None = None
     modalities: ModalityRule = field(default_factory=lambda: ModalityRule(None))
     ready: Callable[[], Any] | None = None
+    output: DicomOutput = DicomOutput.SEG
 
 
 @dataclass(frozen=True)
@@ -664,12 +667,12 @@ class DicomNode(Receiving):
             LOGGER.info("series %s: its DICOM-SEG of these %d instance(s) was sent already", uid, len(names))
             seg = sent
         else:
-            if seg is not None and seg.get("covers") == names and _seg_sop(seg_path) == seg.get("sop_uid"):
+            if seg is not None and seg.get("covers") == names and self._written(uid, seg):
                 LOGGER.info("series %s: sending the DICOM-SEG written before (no inference)", uid)
             else:
                 seg = self._segment(uid, entry, folder, state, record, names, seg)
             if not seg.get("unchanged"):
-                self._send(uid, seg_path)
+                self._send(uid, seg_path, seg)
         self._finish(uid, seg, names)
 
     def _segment(self, uid: str, entry: _Series, folder: Path, state: dict[str, Any], record: dict[str, Any],
@@ -702,8 +705,13 @@ class DicomNode(Receiving):
             series_uid = state.get("seg_series_uid") or record.get("seg_series_uid") or generate_uid()
             seg = {"series_uid": series_uid, "sop_uid": generate_uid(),
                    "instance_number": int(record.get("instance_number", 0)) + 1, "covers": names}
+        if model.output.rtstruct and not seg.get("rt_sop_uid"):  # the RTSTRUCT's own series, kept likewise
+            rt_series = state.get("rt_series_uid") or record.get("rt_series_uid") or generate_uid()
+            seg.update(rt_series_uid=rt_series, rt_sop_uid=generate_uid())
+        seg["output"] = str(model.output)
         seg["volume"] = used
-        state.update(seg=seg, seg_series_uid=seg["series_uid"], study=entry.study)
+        state.update(seg=seg, seg_series_uid=seg["series_uid"], study=entry.study,
+                     **({"rt_series_uid": seg["rt_series_uid"]} if seg.get("rt_series_uid") else {}))
         self.spool.write_state(uid, state)  # the UIDs exist before the file does
         kept = self._kept.get(uid)
         if kept is not None and kept[0] == names:
@@ -714,12 +722,24 @@ class DicomNode(Receiving):
             segmentation = model.segment(volume)
             self._kept[uid] = (names, segmentation)
         labels = model.labels or generic_segment_labels(segmentation)
-        path = write_dicom_seg(segmentation, volume, labels, self.spool.seg_file(uid),
-                               series_instance_uid=seg["series_uid"], sop_instance_uid=seg["sop_uid"],
-                               instance_number=int(seg["instance_number"]), durable=True)
+        paths = write_dicom_outputs(
+            segmentation, volume, labels, model.output, seg_path=self.spool.seg_file(uid),
+            rtstruct_path=self.spool.rtstruct_file(uid), seg_uids=(seg["series_uid"], seg["sop_uid"]),
+            rtstruct_uids=(seg.get("rt_series_uid"), seg.get("rt_sop_uid")),
+            instance_number=int(seg["instance_number"]), durable=True)
         self._kept.pop(uid, None)
-        self.spool.add(path.stat().st_size)
+        self.spool.add(sum(path.stat().st_size for path in paths))
         return seg
+
+    def _outputs(self, uid: str, seg: Mapping[str, Any]) -> list[tuple[Path, str | None]]:
+        """(file, its SOP Instance UID) of every object of the round ``seg`` (the SEG, the RTSTRUCT)."""
+        output = DicomOutput(seg.get("output") or DicomOutput.SEG)
+        return ([(self.spool.seg_file(uid), seg.get("sop_uid"))] if output.seg else []) + (
+            [(self.spool.rtstruct_file(uid), seg.get("rt_sop_uid"))] if output.rtstruct else [])
+
+    def _written(self, uid: str, seg: Mapping[str, Any]) -> bool:
+        """Whether every object of the round ``seg`` is in outgoing/ as written (sent again, no inference)."""
+        return all(_seg_sop(path) == sop for path, sop in self._outputs(uid, seg))
 
     def _check_seg_space(self, uid: str, volume: Any, model: NodeModel) -> None:
         """Raise ENOSPC before inference when the SEG would not fit: on the spool's disk or in its quota
@@ -759,8 +779,11 @@ class DicomNode(Receiving):
             _route_entry(entry, state)
         return str(recorded), model
 
-    def _send(self, uid: str, seg_path: Path) -> None:
-        self.config.destination.send([seg_path], what=f"the DICOM-SEG of series {uid}")
+    def _send(self, uid: str, seg_path: Path, seg: Mapping[str, Any] | None = None) -> None:
+        files = [path for path, _ in self._outputs(uid, seg)] if seg is not None else [seg_path]
+        what = "the DICOM-SEG" if files == [seg_path] else (
+            f"the {'DICOM-SEG and ' * (seg_path in files)}RTSTRUCT")
+        self.config.destination.send(files, what=f"{what} of series {uid}")
         self._set_degraded("destination", None)
 
     def _finish(self, uid: str, seg: dict[str, Any], names: list[str]) -> None:
@@ -770,10 +793,13 @@ class DicomNode(Receiving):
                   "instance_number": seg["instance_number"], "covers": names, "sent_at": time.time(), **route}
         if seg.get("volume"):  # the volume's instances: late ones that leave it as it is give no new SEG
             record["volume"] = seg["volume"]
+        if seg.get("rt_sop_uid"):
+            record.update(rt_series_uid=seg.get("rt_series_uid"), rt_sop_uid=seg["rt_sop_uid"])
         durable_json(self.spool.record_file(uid), record)
         folder = self.spool.series_dir(uid)
         self.spool.merge_into(folder, self.spool.done_dir(uid), names=set(names))
         self.spool.remove_tree(self.spool.seg_file(uid))
+        self.spool.remove_tree(self.spool.rtstruct_file(uid))
         with self._series_lock(uid):  # no instance lands in the folder while it is found empty and removed
             with self._lock:
                 remaining = self.spool.instances(folder)
@@ -854,6 +880,8 @@ class DicomNode(Receiving):
                     target.mkdir(parents=True)
             if seg.exists():
                 self.spool.move(seg, target / "nnunet_seg.dcm.unsent")
+            if self.spool.rtstruct_file(uid).exists():
+                self.spool.move(self.spool.rtstruct_file(uid), target / "nnunet_rtstruct.dcm.unsent")
             with durable_output(target / "error.txt") as temp:
                 temp.write_text(message + "\n" + routed)
         except OSError as exc:  # a full disk: keep the series where it is and try again later

@@ -8,7 +8,8 @@ The node's routes come from a JSON file (``nnunet-triton listen --routes FILE``)
      "rules": [{"match": {"Modality": "CT", "BodyPartExamined": "LIVER|ABDOMEN",
                           "SeriesDescription": "(?i).*portal.*"},
                 "model": "liver", "comment": "portal venous CT"}],
-     "models": {"liver": {"version": 2, "modality": ["CT"], "dataset_json": "liver/dataset.json"}}}
+     "models": {"liver": {"version": 2, "modality": ["CT"], "dataset_json": "liver/dataset.json",
+                          "output": "both"}}}
 
 :meth:`Routes.decide` picks, in this order:
 
@@ -22,8 +23,10 @@ The node's routes come from a JSON file (``nnunet-triton listen --routes FILE``)
    a series nothing routes is set aside (:class:`NoRoute`).
 
 ``models`` (optional) holds per-model settings: ``version`` (call exactly that version, the pinned
-endpoint), ``modality`` (the Modality values it takes, instead of those of its channel names) and
-``dataset_json`` (names its segments when the server does not publish them; relative to the file).
+endpoint), ``modality`` (the Modality values it takes, instead of those of its channel names),
+``dataset_json`` (names its segments when the server does not publish them; relative to the file) and
+``output`` (``seg``, ``rtstruct`` or ``both``: the DICOM objects its results become; default: the node's
+``--output``).
 
 The file is checked when it is read, and every error names the input, the place (the rule's index, the
 key) and the value: JSON only (duplicate keys, ``NaN`` and unknown keys are refused), endpoint names by
@@ -44,6 +47,7 @@ from types import MappingProxyType
 from typing import Any
 
 from nnunet_triton import io_names
+from nnunet_triton.client.dicom.outputs import DicomOutput
 from nnunet_triton.errors import InputValidationError
 
 __all__ = ["Routes", "Rule", "Route", "ModelSettings", "NoRoute", "ROUTING_KEYWORDS", "MAX_VALUE_CHARS",
@@ -58,7 +62,7 @@ MAX_RULES = 1000
 MAX_PATTERN_CHARS = 1024
 _TOP_KEYS = ("default", "called_ae_titles", "rules", "models", "comment")
 _RULE_KEYS = ("match", "model", "comment")
-_MODEL_KEYS = ("version", "modality", "dataset_json", "comment")
+_MODEL_KEYS = ("version", "modality", "dataset_json", "output", "comment")
 _MODALITY = re.compile(r"[A-Z]{2,16}")
 
 
@@ -156,11 +160,13 @@ class Rule:
 @dataclass(frozen=True)
 class ModelSettings:
     """Per-model settings of the routes file: a pinned ``version``, the ``modality`` values it takes, the
-    ``dataset_json`` naming its segments (None: from the server)."""
+    ``dataset_json`` naming its segments (None: from the server), the ``output`` objects (None: the node's
+    ``--output``)."""
 
     version: int | None = None
     modality: tuple[str, ...] | None = None
     dataset_json: Path | None = None
+    output: DicomOutput | None = None
 
 
 @dataclass(frozen=True)
@@ -386,6 +392,9 @@ def _settings(value: object, name: str, source: str, base: Path | None) -> Model
         dataset_json = Path(dataset_json)
         if base is not None and not dataset_json.is_absolute():
             dataset_json = base / dataset_json
+    output = value.get("output")
+    if output is not None:
+        output = DicomOutput.parse(output, where=f"{source}: {where}.output")
     if "comment" in value and not isinstance(value["comment"], str):
         raise _fail(source, f"{where}.comment", "a string")
-    return ModelSettings(version, modality, dataset_json)
+    return ModelSettings(version, modality, dataset_json, output)

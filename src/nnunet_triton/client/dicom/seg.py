@@ -24,7 +24,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,16 @@ from nnunet_triton.client.dicom.phi import PHI_KEYWORDS, raw_text
 from nnunet_triton.client.dicom.volume import DicomVolume
 from nnunet_triton.client.imageio import atomic_output
 from nnunet_triton.errors import InputValidationError
+from nnunet_triton.segment_metadata import (
+    PUBLISHED_KEY,
+    SegmentCoding,
+    SegmentMetadata,
+    label_values,
+    parse_segment_metadata,
+)
 
 __all__ = ["SegmentLabel", "segment_labels", "model_segment_labels", "generic_segment_labels",
-           "write_dicom_seg", "PRIVATE_SCHEME"]
+           "with_metadata", "write_dicom_seg", "PRIVATE_SCHEME"]
 
 LOGGER = logging.getLogger(__name__)
 logging.getLogger("highdicom").setLevel(logging.ERROR)  # its warnings quote patient names
@@ -55,10 +62,25 @@ class SegmentLabel:
     value: int
     name: str
     members: tuple[int, ...] = ()
+    coding: SegmentCoding | None = None  # from the endpoint's segment metadata; None: private codes
 
     def __post_init__(self) -> None:
         if not self.members:
             object.__setattr__(self, "members", (int(self.value),))
+
+    @property
+    def label(self) -> str:
+        """The segment's (ROI's) label text: the metadata's SegmentLabel, else the dataset.json name."""
+        text = self.coding.label if self.coding is not None and self.coding.label else self.name
+        return text[:64]
+
+
+def with_metadata(labels: Sequence[SegmentLabel], metadata: SegmentMetadata | None
+                  ) -> tuple[SegmentLabel, ...]:
+    """``labels`` with their codings from ``metadata`` (by label-map value; None leaves them uncoded)."""
+    if metadata is None:
+        return tuple(labels)
+    return tuple(replace(s, coding=metadata.coding(s.value)) for s in labels)
 
 
 def segment_labels(
@@ -70,31 +92,29 @@ def segment_labels(
     ``regions_class_order[i]`` (the value nnU-Net's ``convert_probabilities_to_segmentation`` writes) and
     covers the label-map values of its dataset.json entry.
     """
-    foreground = [(n, v) for n, v in labels.items() if n != "ignore" and v not in (0, [0], (0,))]
-    members = [tuple(int(x) for x in v) if isinstance(v, list | tuple) else (int(v),) for _, v in foreground]
-    is_regions = any(len(m) > 1 for m in members)
-    if is_regions:
-        if regions_class_order is None or len(regions_class_order) != len(foreground):
-            raise InputValidationError(
-                f"region-based labels {dict(foreground)} need regions_class_order with {len(foreground)} "
-                f"entries, got {regions_class_order!r}."
-            )
-        values = [int(v) for v in regions_class_order]
-    else:
-        values = [m[0] for m in members]
-    ordered = sorted(zip(values, (n for n, _ in foreground), members, strict=True))
     return tuple(SegmentLabel(number=k + 1, value=v, name=n, members=m)
-                 for k, (v, n, m) in enumerate(ordered))
+                 for k, (v, n, m) in enumerate(label_values(labels, regions_class_order)))
 
 
 def model_segment_labels(description: Any, dataset_json: Path | None = None) -> tuple[SegmentLabel, ...]:
     """The segments of a served model: from ``dataset_json`` when given, else from the labels the endpoint
-    publishes (``EndpointDescription``, regions understood); ``()`` when neither is known."""
+    publishes (``EndpointDescription``, regions understood); ``()`` when neither is known. Each carries the
+    coding of the segment metadata the endpoint publishes (``build --seg-metadata``), if any."""
+    published = description.published if description is not None else {}
+    metadata = None
+    if published.get(PUBLISHED_KEY):
+        metadata = parse_segment_metadata(published[PUBLISHED_KEY],
+                                          source=f"segment metadata of endpoint {description.endpoint}")
+    else:
+        LOGGER.info("the endpoint publishes no segment metadata: DICOM-SEG/RTSTRUCT label codes use the "
+                    "private scheme %s, without display colours (build --seg-metadata FILE codes them)",
+                    PRIVATE_SCHEME)
     if dataset_json is not None:
         dataset = json.loads(Path(dataset_json).read_text())
-        return segment_labels(dataset["labels"], dataset.get("regions_class_order"))
-    if description is not None and description.published.get("labels"):
-        return segment_labels(description.labels, description.published.get("regions_class_order"))
+        return with_metadata(segment_labels(dataset["labels"], dataset.get("regions_class_order")), metadata)
+    if published.get("labels"):
+        return with_metadata(segment_labels(description.labels, published.get("regions_class_order")),
+                             metadata)
     return ()
 
 
@@ -134,6 +154,42 @@ def _frames_in_source_order(segmentation: np.ndarray, volume: DicomVolume) -> np
     raise InputValidationError(
         "DICOM-SEG: series that mix multi-frame and single-frame files are not supported."
     )
+
+
+def coded(code: Any) -> Any:
+    """highdicom's CodedConcept of a metadata :class:`~.segment_metadata.Code`."""
+    import highdicom as hd
+
+    return hd.sr.CodedConcept(code.value, code.scheme, code.meaning)
+
+
+def _segment_description(s: SegmentLabel, algorithm: Any) -> Any:
+    """The SegmentDescription of ``s``: coded from its metadata, else the private scheme under "Tissue"."""
+    import highdicom as hd
+    from pydicom.sr.codedict import codes
+
+    c = s.coding
+    if c is None:
+        return hd.seg.SegmentDescription(
+            segment_number=s.number, segment_label=s.label,
+            segmented_property_category=codes.cid7150.Tissue,
+            segmented_property_type=hd.sr.CodedConcept(str(s.value), PRIVATE_SCHEME, s.name[:64]),
+            algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC, algorithm_identification=algorithm)
+    description = hd.seg.SegmentDescription(
+        segment_number=s.number, segment_label=s.label,
+        segmented_property_category=coded(c.category), segmented_property_type=coded(c.type),
+        algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC, algorithm_identification=algorithm,
+        anatomic_regions=[coded(c.anatomic_region)] if c.anatomic_region is not None else None,
+        display_color=hd.color.CIELabColor.from_dicom_value(c.cielab) if c.cielab is not None else None)
+    if c.type_modifier is not None:
+        item = description.SegmentedPropertyTypeCodeSequence[0]
+        item.SegmentedPropertyTypeModifierCodeSequence = [coded(c.type_modifier)]
+    if c.anatomic_region_modifier is not None and c.anatomic_region is not None:
+        region = description.AnatomicRegionSequence[0]
+        region.AnatomicRegionModifierSequence = [coded(c.anatomic_region_modifier)]
+    if c.description:
+        description.SegmentDescription = c.description
+    return description
 
 
 # Type 2 attributes of the patient and study modules that highdicom's Segmentation reads from its source
@@ -202,6 +258,7 @@ def write_dicom_seg(
     sop_instance_uid: str | None = None,
     instance_number: int = 1,
     durable: bool = False,
+    series_description: str = "nnU-Net segmentation",
 ) -> Path:
     """Write ``segmentation`` (``(z, y, x)``, label values, shaped like ``volume.data``) as DICOM-SEG.
 
@@ -224,17 +281,7 @@ def write_dicom_seg(
     algorithm = hd.AlgorithmIdentificationSequence(
         name=algorithm_name, family=codes.cid7162.ArtificialIntelligence, version=algorithm_version
     )
-    descriptions = [
-        hd.seg.SegmentDescription(
-            segment_number=s.number,
-            segment_label=s.name[:64],
-            segmented_property_category=codes.cid7150.Tissue,
-            segmented_property_type=hd.sr.CodedConcept(str(s.value), PRIVATE_SCHEME, s.name[:64]),
-            algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
-            algorithm_identification=algorithm,
-        )
-        for s in labels
-    ]
+    descriptions = [_segment_description(s, algorithm) for s in labels]
     document = hd.seg.Segmentation(
         source_images=[conformant_source(volume.datasets[0]), *volume.datasets[1:]],  # patient/study: 1st
         pixel_array=_frames_in_source_order(numbers, volume),
@@ -251,6 +298,7 @@ def write_dicom_seg(
         content_label="NNUNET",
         content_description=f"{algorithm_name} segmentation",
         omit_empty_frames=bool(numbers.any()),
+        series_description=series_description[:64],
     )
     if durable:
         from nnunet_triton.client.dicom.spool import durable_output

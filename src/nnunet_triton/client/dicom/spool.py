@@ -6,6 +6,7 @@ Layout (every name below the folders is a validated UID, :mod:`.uids`)::
     incoming/<series>/.state.json    the series' round: its route (called AE title, model, why), attempts,
                                      first failure, the SEG's UIDs and the instances it covers
     outgoing/<series>.dcm            the SEG of the current round, written once, sent until it is stored
+    outgoing/<series>.rtstruct       the RTSTRUCT of the current round (output rtstruct or both), likewise
     done/<series>.json               what was sent for a series (SEG series UID, instance number, SOP UIDs
                                      covered, its route); UIDs and names only, kept for
                                      ``record_retention_s``
@@ -234,6 +235,11 @@ class Spool:
 
     def seg_file(self, series: str) -> Path:
         return child_path(self.outgoing, f"{series}.dcm")
+
+    def rtstruct_file(self, series: str) -> Path:
+        """The RTSTRUCT of the current round (a model whose output is ``rtstruct`` or ``both``); not
+        ``*.dcm``, so it is never taken for a SEG of its own."""
+        return child_path(self.outgoing, f"{series}.rtstruct")
 
     def staging(self) -> Path:
         return self.tmp / f"rx-{os.getpid()}-{secrets.token_hex(8)}.dcm"
