@@ -25,9 +25,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_KEEP = ("type", "enum", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-         "minLength", "maxLength", "minItems", "maxItems", "uniqueItems", "nullable", "required",
-         "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields")
+_KEEP = (
+    "type",
+    "enum",
+    "pattern",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "uniqueItems",
+    "nullable",
+    "required",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields",
+)
 
 
 class UnknownField(ValueError):
@@ -61,10 +77,13 @@ def prune(schema: dict[str, Any], instances: list[Any], path: str = "") -> dict[
         keys = list(dict.fromkeys(k for i in used for k in i))
         unknown = [k for k in keys if k not in schema["properties"]]
         if unknown:
-            raise UnknownField(f"{path or '<root>'}: {unknown} not in the upstream schema "
-                               f"(known: {sorted(schema['properties'])}).")
-        node["properties"] = {k: prune(schema["properties"][k], [i[k] for i in used if k in i], f"{path}.{k}")
-                              for k in keys}
+            raise UnknownField(
+                f"{path or '<root>'}: {unknown} not in the upstream schema "
+                f"(known: {sorted(schema['properties'])})."
+            )
+        node["properties"] = {
+            k: prune(schema["properties"][k], [i[k] for i in used if k in i], f"{path}.{k}") for k in keys
+        }
         node["additionalProperties"] = False
     if "items" in schema:
         items = [item for i in instances if isinstance(i, list) for item in i]
@@ -72,17 +91,24 @@ def prune(schema: dict[str, Any], instances: list[Any], path: str = "") -> dict[
     return node
 
 
-def crd_schema(crd: dict[str, Any], version: str, instances: list[dict[str, Any]], source: str) -> dict[str, Any]:
+def crd_schema(
+    crd: dict[str, Any], version: str, instances: list[dict[str, Any]], source: str
+) -> dict[str, Any]:
     """The pruned JSON schema of ``crd``'s ``version`` for ``instances``, with its source named."""
     versions = {v["name"]: v for v in crd["spec"]["versions"]}
     if version not in versions:
-        raise ValueError(f"--version {version!r} is not served by {crd['metadata']['name']}: {sorted(versions)}.")
+        raise ValueError(
+            f"--version {version!r} is not served by {crd['metadata']['name']}: {sorted(versions)}."
+        )
     group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
     schema = prune(versions[version]["schema"]["openAPIV3Schema"], instances)
     schema["properties"]["apiVersion"] = {"const": f"{group}/{version}"}
     schema["properties"]["kind"] = {"const": kind}
-    return {"$schema": "http://json-schema.org/draft-07/schema#",
-            "$comment": f"{kind} {group}/{version}, pruned by tools/crd_schema.py from {source}", **schema}
+    return {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "$comment": f"{kind} {group}/{version}, pruned by tools/crd_schema.py from {source}",
+        **schema,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

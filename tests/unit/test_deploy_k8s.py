@@ -37,9 +37,10 @@ def test_k8s_manifests_validate_against_kubernetes_schemas(tmp_path: Path, sourc
     manifests = k8s.manifests(
         k8s_spec(tmp_path, model_source=source, namespace="imaging", service_monitor=True)
     )
-    assert list(manifests) == ["deployment.yaml", "service.yaml", "hpa.yaml", "servicemonitor.yaml"]
+    assert list(manifests) == ["deployment.yaml", "service.yaml", "hpa.yaml", "servicemonitor.yaml",
+                               "prometheusrule.yaml"]
     for name, manifest in manifests.items():
-        if manifest["kind"] != "ServiceMonitor":  # a CRD: no schema in the bundle, checked below
+        if manifest["apiVersion"] != "monitoring.coreos.com/v1":  # CRDs: test_deploy_k8s_schemas.py
             assert kubernetes_validate.validate(manifest, "1.30", strict=True) == "1.30", name
 
 
@@ -173,9 +174,11 @@ def test_deploy_tool_renders_k8s_files_when_repository_is_built(tmp_path: Path, 
     )
     assert sorted(p.name for p in (tmp_path / "k8s").iterdir()) == [
         "deployment.yaml",
+        "grafana-dashboard.json",
         "hpa.yaml",
         "kustomization.yaml",
         "prometheus-adapter-values.yaml",
+        "prometheus-rules.yaml",
         "service.yaml",
     ]
     assert f"kubectl apply --kustomize {tmp_path / 'k8s'}" in capsys.readouterr().out

@@ -22,12 +22,13 @@ Manifests are plain dicts; :func:`manifest_files` renders them to YAML (PyYAML i
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from nnunet_triton.server.deploy import k8s_proxy
+from nnunet_triton.server.deploy import k8s_proxy, monitoring
 from nnunet_triton.server.deploy.docker import (
     CONTAINER_PORTS,
     CONTAINER_REPOSITORY,
@@ -48,6 +49,7 @@ __all__ = [
     "service",
     "autoscaler",
     "service_monitor",
+    "prometheus_rule",
     "manifests",
     "adapter_rules",
     "manifest_files",
@@ -281,7 +283,15 @@ def manifests(spec: K8sSpec) -> dict[str, dict[str, Any]]:
                  "networkpolicy.yaml": k8s_proxy.network_policy(spec)}
     if spec.service_monitor:
         files["servicemonitor.yaml"] = service_monitor(spec)
+        files["prometheusrule.yaml"] = prometheus_rule(spec)
     return files
+
+
+def prometheus_rule(spec: K8sSpec) -> dict[str, Any]:
+    """prometheus-operator PrometheusRule (a CRD: monitoring.coreos.com/v1) with the alerts of
+    :func:`monitoring.alert_rules` (also written as a plain rule file, ``prometheus-rules.yaml``)."""
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": _metadata(spec),
+            "spec": monitoring.alert_rules(spec)}
 
 
 def adapter_rules(spec: K8sSpec) -> dict[str, Any]:
@@ -301,7 +311,8 @@ def adapter_rules(spec: K8sSpec) -> dict[str, Any]:
 
 
 def manifest_files(spec: K8sSpec) -> dict[str, str]:
-    """YAML text per file: the manifests, a kustomization.yaml listing them, the adapter values."""
+    """Text per file: the manifests, a kustomization.yaml listing them, the adapter values, the alert rules
+    (a Prometheus rule file) and the Grafana dashboard (JSON)."""
     import yaml
 
     def dump(data: dict[str, Any]) -> str:
@@ -312,4 +323,6 @@ def manifest_files(spec: K8sSpec) -> dict[str, str]:
                                      "resources": list(files)}
     files["kustomization.yaml"] = dump(kustomization)
     files["prometheus-adapter-values.yaml"] = dump(adapter_rules(spec))
+    files["prometheus-rules.yaml"] = dump(monitoring.alert_rules(spec))
+    files["grafana-dashboard.json"] = json.dumps(monitoring.dashboard(spec), indent=1) + "\n"
     return files
