@@ -31,6 +31,8 @@ CRD_SCHEMAS = REPO_ROOT / "tests" / "unit" / "assets" / "crd"
 CRDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.json",
+    ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice.json",
 }
 
 
@@ -72,6 +74,18 @@ VARIANTS = {
         two_endpoints(root), built=True, service_monitor=True, min_replicas=2, max_replicas=8
     ),
     "cpu pod on host ports": _cpu_spec,
+    "keda": lambda root: k8s_spec(root, autoscaler="keda", namespace="imaging"),
+    "keda, tls and servicemonitor": lambda root: k8s_spec(
+        root, autoscaler="keda", tls_secret="nnunet-tls", service_monitor=True
+    ),
+    "kserve, model image": lambda root: k8s_spec(root, autoscaler="keda", kserve=True, namespace="imaging"),
+    "kserve, pvc, two endpoints": lambda root: k8s_spec(
+        two_endpoints(root),
+        built=True,
+        autoscaler="keda",
+        kserve=True,
+        model_source=k8s.ModelSource("pvc", "models"),
+    ),
 }
 
 
@@ -104,6 +118,22 @@ def test_the_schemas_cover_every_kind_rendered_and_refuse_a_misspelt_field(tmp_p
         (broken["spec"] if "spec" in broken else broken)["misspelt"] = "x"  # a ConfigMap's data is a map
         with pytest.raises(Exception, match="misspelt"):
             check_manifest(broken, CURRENT)
+
+
+def test_the_keda_and_kserve_schemas_refuse_a_misspelt_field(tmp_path: Path) -> None:
+    for spec in (
+        k8s_spec(tmp_path / "k", autoscaler="keda"),
+        k8s_spec(tmp_path / "s", autoscaler="keda", kserve=True),
+    ):
+        for manifest in k8s.manifests(spec).values():
+            broken = json.loads(json.dumps(manifest))
+            (broken["spec"].get("predictor") or broken["spec"])["misspelt"] = 1
+            with pytest.raises(Exception, match="misspelt"):
+                check_manifest(broken, CURRENT)
+    service = k8s.inference_service(k8s_spec(tmp_path / "t", autoscaler="keda", kserve=True))
+    service["spec"]["predictor"]["autoScaling"]["metrics"][0]["external"]["metric"]["backend"] = "influx"
+    with pytest.raises(jsonschema.ValidationError, match="influx"):  # the CRD's enum
+        check_manifest(service, CURRENT)
 
 
 def test_a_wrong_type_in_a_custom_resource_is_refused(tmp_path: Path) -> None:
