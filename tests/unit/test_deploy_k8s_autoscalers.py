@@ -1,5 +1,5 @@
 """The alternatives to the HPA + prometheus-adapter pair (``deploy --target k8s --autoscaler keda``,
-``--kserve``): a KEDA ScaledObject and a KServe InferenceService scaling on the same per-pod queue-time metric
+``--kserve``): a KEDA ScaledObject and a KServe InferenceService scaling on the same per-pod metric
 and target as the HPA. Their schemas are checked in test_deploy_k8s_schemas.py."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_keda_replaces_the_hpa_with_a_scaled_object_on_the_same_metric_and_targe
         namespace="imaging",
         min_replicas=2,
         max_replicas=6,
-        queue_target_us=1_500_000,
+        latency_target_us=1_500_000,
         prometheus_url="http://prom.monitoring:9090",
     )
     assert list(k8s.manifests(spec)) == ["deployment.yaml", "service.yaml", "scaledobject.yaml"]
@@ -42,7 +42,7 @@ def test_keda_replaces_the_hpa_with_a_scaled_object_on_the_same_metric_and_targe
                 "serverAddress": "http://prom.monitoring:9090",
                 "threshold": "1500000",
                 "query": "sum("
-                + monitoring.queue_expression(
+                + monitoring.latency_expression(
                     spec, label_matchers='namespace="imaging",pod=~"nnunet-triton-.*"', group_by="pod"
                 )
                 + ")",
@@ -59,7 +59,7 @@ def test_keda_replaces_the_hpa_with_a_scaled_object_on_the_same_metric_and_targe
 
 
 def test_kserve_inference_service_runs_our_server_on_the_triton_runtime(tmp_path: Path) -> None:
-    spec = k8s_spec(tmp_path, autoscaler="keda", kserve=True, queue_target_us=1_000_000)
+    spec = k8s_spec(tmp_path, autoscaler="keda", kserve=True, latency_target_us=1_000_000)
     assert list(k8s.manifests(spec)) == ["inferenceservice.yaml"]
     service = k8s.inference_service(spec)
     assert service["metadata"]["annotations"] == {

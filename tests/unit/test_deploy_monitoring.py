@@ -52,7 +52,7 @@ def test_promtool_checks_the_rendered_alert_rules(tmp_path: Path, variant: str) 
     assert alerts == [
         "NnunetTritonDown",
         "NnunetTritonNotReady",
-        "NnunetTritonQueueTimeHigh",
+        "NnunetTritonLatencyHigh",
         "NnunetTritonRequestFailures",
         *gpu,
     ]
@@ -77,7 +77,7 @@ def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
     result = _promtool("check", "rules", tmp_path / "queries.yaml")
     assert result.returncode == 0, result.stdout + result.stderr
     # the first panel is the HPA's metric: the adapter's query, filled as the adapter fills it
-    assert exprs[0] == monitoring.queue_expression(
+    assert exprs[0] == monitoring.latency_expression(
         spec, label_matchers=f'job="{JOB}",instance=~"$instance"', group_by="instance"
     )
 
@@ -96,7 +96,7 @@ def _alerts(name: str, eval_times: dict[str, list[dict[str, str]]]) -> list[dict
 
 @needs_promtool
 def test_promtool_unit_tests_fire_each_alert_on_its_condition_only(tmp_path: Path) -> None:
-    spec = k8s_spec(tmp_path / "repo")  # default queue target 2 s, startup 900 s
+    spec = k8s_spec(tmp_path / "repo")  # default latency target 4 s, startup 900 s
     rules = monitoring.alert_rules(spec)
     for rule in rules["groups"][0]["rules"]:
         rule.pop("annotations")  # promtool compares annotations exactly; check rules covers the templates
@@ -125,15 +125,15 @@ def test_promtool_unit_tests_fire_each_alert_on_its_condition_only(tmp_path: Pat
             ),
         },
         {
-            "interval": "15s",  # bad: 10 requests per 15 s that each waited 3 s (above the 2 s target)
+            "interval": "15s",  # bad: 10 requests per 15 s that each took 6 s (target 4 s), good 2 s
             "input_series": [
-                _series("nv_inference_queue_duration_us", {**bad, **orch}, f"0+30000000{n}"),
+                _series("nv_inference_request_duration_us", {**bad, **orch}, f"0+60000000{n}"),
                 _series("nv_inference_request_success", {**bad, **orch}, f"0+10{n}"),
-                _series("nv_inference_queue_duration_us", {**good, **orch}, f"0+1000000{n}"),
+                _series("nv_inference_request_duration_us", {**good, **orch}, f"0+20000000{n}"),
                 _series("nv_inference_request_success", {**good, **orch}, f"0+10{n}"),
             ],
             "alert_rule_test": _alerts(
-                "NnunetTritonQueueTimeHigh", {"8m": [], "12m": [{**bad, "severity": "warning"}]}
+                "NnunetTritonLatencyHigh", {"8m": [], "12m": [{**bad, "severity": "warning"}]}
             ),
         },
         {

@@ -127,7 +127,7 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
         ("--model-image", str, None, "image holding /models (init container)"),
         ("--model-pvc", str, None, "PVC holding the repository instead"),
         ("--min-replicas", int, 1, "HPA minimum"), ("--max-replicas", int, 4, "HPA maximum"),
-        ("--queue-target-us", int, 2_000_000, "HPA target: orchestrator queue time per request"),
+        ("--latency-target-us", int, 4_000_000, "HPA target: time per request at the orchestrator"),
     ):
         kube.add_argument(flag, type=kind, default=default, help=text)
     kube.add_argument("--service-monitor", action="store_true", help="add a ServiceMonitor")
@@ -141,8 +141,8 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
 
 def _plan(args: argparse.Namespace, *, undeploy: bool) -> service.DeployPlan:
     """The typed plan of the parsed flags (``undeploy``: only the flags ``undeploy`` has)."""
-    k8s_flags = ("repository image namespace model_image model_pvc min_replicas max_replicas queue_target_us "
-                 "service_monitor tls_secret cpu autoscaler kserve prometheus_url").split()
+    k8s_flags = ("repository image namespace model_image model_pvc min_replicas max_replicas "
+                 "latency_target_us service_monitor tls_secret cpu autoscaler kserve prometheus_url").split()
     kube_play = args.target == "k8s" and args.kube_play
     default_out = service.KUBE_PLAY_OUT if kube_play else DEFAULT_OUT[args.target]
     common = {"target": args.target, "out": Path(args.out or default_out).absolute(), "engine": args.engine,

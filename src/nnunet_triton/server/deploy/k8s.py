@@ -1,5 +1,6 @@
 """Kubernetes manifests (a kustomize base) for one Triton per GPU (or per CPU pod) behind a Service, scaled on
-queue time. The cpu variant (``gpus=0``, the cpu image) is what ``podman kube play`` runs on a CPU host.
+the time per request. The cpu variant (``gpus=0``, the cpu image) is what ``podman kube play`` runs on a CPU
+host.
 
 One Deployment serves the whole repository: every endpoint name in it (``deploy --model-dir A B
     --endpoint liver
@@ -9,12 +10,14 @@ rolls the pods) and the endpoint names.
 
 Follows the pattern of Triton's ``deploy/k8s-onprem`` chart: a long startup probe on ``/v2/health/ready``
 (the model is READY only after warm-up), an HPA on a custom per-pod metric served by prometheus-adapter
-from Triton's queue-time counters. Differences: liveness and readiness are exec probes of
+from Triton's request-time counters. Differences: liveness and readiness are exec probes of
 ``nnunet_triton.server.health`` (Triton's endpoints stay 200 while a model's process is dead; the watchdog in
 the container reloads it, and liveness restarts the container only when that failed for a minute); the
-metric is the queue time per request of the orchestrator models only (the stage that holds a whole
-request: ``orchestrator_model``, or ``<name>__v<N>__orchestrator_model`` of every other endpoint version,
-summed per pod, so one metric scales a pod whatever endpoint its requests call), the model repository
+metric is the time per request at the orchestrator models, waits included (one per request:
+``orchestrator_model``, or ``<name>__v<N>__orchestrator_model`` of every other endpoint version, summed per
+pod, so one metric scales a pod whatever endpoint its requests call; :func:`adapter_rules` says why not a
+queue time). Instead of the HPA, ``autoscaler="keda"`` renders a KEDA ScaledObject and
+``kserve`` a KServe InferenceService on the same metric. The model repository
 comes from an init container image or a PVC, and ``/dev/shm`` is a memory-backed emptyDir sized by
 :func:`~nnunet_triton.server.deploy.sizing.plan_memory` (Python-backend shm regions).
 Manifests are plain dicts; :func:`manifest_files` renders them to YAML (PyYAML imported lazily).
@@ -41,7 +44,7 @@ from nnunet_triton.server.deploy.sizing import MemoryPlan
 from nnunet_triton.server.server_config import CONTAINER
 
 __all__ = [
-    "QUEUE_METRIC",
+    "LATENCY_METRIC",
     "ORCHESTRATOR_MODELS",
     "ModelSource",
     "K8sSpec",
@@ -59,7 +62,7 @@ __all__ = [
     "manifest_files",
 ]
 
-QUEUE_METRIC = "nnunet_orchestrator_queue_us"
+LATENCY_METRIC = "nnunet_request_latency_us"
 AUTOSCALERS = ("hpa", "keda")
 # kube-prometheus-stack's / prometheus-operator's Service in front of the Prometheus pods
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
@@ -93,8 +96,9 @@ class K8sSpec:
 
     Attributes:
         image: the serving image (docker/Dockerfile) in a registry the cluster can pull from.
-        queue_target_us: HPA target of the orchestrator's average queue time per request; a few
-            seconds for 3D volumes (k8s-onprem's 50 us fits millisecond image classifiers).
+        latency_target_us: HPA target of the average time per request at the orchestrator (waits
+            included): about twice the latency of one request alone, so a pod scales out when requests
+            wait about one request long.
         gpus: GPUs per pod: 1 (the gpu image) or 0 (the cpu image, a target cpu repository).
         host_ports: (http, grpc, metrics) published on the node's loopback (``hostIP: 127.0.0.1``), for a
             single-node run such as ``podman kube play``; None (a cluster) = reached through the Service.
@@ -112,7 +116,7 @@ class K8sSpec:
     namespace: str | None = None
     min_replicas: int = 1
     max_replicas: int = 4
-    queue_target_us: int = 2_000_000
+    latency_target_us: int = 4_000_000
     cpu: str = "4"
     service_type: str = "ClusterIP"
     service_monitor: bool = False
@@ -275,9 +279,9 @@ def service(spec: K8sSpec) -> dict[str, Any]:
 
 
 def autoscaler(spec: K8sSpec) -> dict[str, Any]:
-    metric = {"type": "Pods", "pods": {"metric": {"name": QUEUE_METRIC},
+    metric = {"type": "Pods", "pods": {"metric": {"name": LATENCY_METRIC},
                                        "target": {"type": "AverageValue",
-                                                  "averageValue": str(spec.queue_target_us)}}}
+                                                  "averageValue": str(spec.latency_target_us)}}}
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -304,7 +308,7 @@ def pod_queue_query(spec: K8sSpec) -> str:
     (``namespace``, ``pod=~"<name>-.*"``), one value per pod."""
     matchers = [f'namespace="{spec.namespace}"'] if spec.namespace else []
     matchers.append(f'pod=~"{_pod_prefix(spec)}-.*"')
-    return monitoring.queue_expression(spec, label_matchers=",".join(matchers), group_by="pod")
+    return monitoring.latency_expression(spec, label_matchers=",".join(matchers), group_by="pod")
 
 
 def _pod_prefix(spec: K8sSpec) -> str:
@@ -329,7 +333,7 @@ def scaled_object(spec: K8sSpec) -> dict[str, Any]:
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _BEHAVIOR}},
             "triggers": [{"type": "prometheus", "metricType": "AverageValue",
                           "metadata": {"serverAddress": spec.prometheus_url, "query": keda_query(spec),
-                                       "threshold": str(spec.queue_target_us)}}],
+                                       "threshold": str(spec.latency_target_us)}}],
         },
     }
 
@@ -348,7 +352,7 @@ def inference_service(spec: K8sSpec) -> dict[str, Any]:
              **{k: v for k, v in container.items() if k not in ("name", "lifecycle")}}
     external = {"metric": {"backend": "prometheus", "serverAddress": spec.prometheus_url,
                            "query": keda_query(spec)},
-                "target": {"type": "Value", "value": str(spec.queue_target_us)}}
+                "target": {"type": "Value", "value": str(spec.latency_target_us)}}
     metadata = _metadata(spec)
     metadata["annotations"] = {"serving.kserve.io/deploymentMode": "RawDeployment",
                                "serving.kserve.io/autoscalerClass": "keda"}
@@ -389,17 +393,23 @@ def prometheus_rule(spec: K8sSpec) -> dict[str, Any]:
 
 
 def adapter_rules(spec: K8sSpec) -> dict[str, Any]:
-    """prometheus-adapter Helm values: per-pod queue time (us) per request of the orchestrator models over
-    1 min (the queue time of every endpoint version's orchestrator over its requests; with one endpoint,
-    that of ``orchestrator_model``)."""
+    """prometheus-adapter Helm values: per pod, the time (us) a request spent at the orchestrator over 1 min
+    (Triton's request duration of every endpoint version's orchestrator over its requests; with one endpoint,
+    that of ``orchestrator_model``): its own queue plus its whole fold loop, waits at the fold models
+    included. Not the orchestrator's queue time alone (the metric before): it sees the requests waiting for a
+    free orchestrator instance, but not those that several instances hold at once while they wait for the
+    fold models; nor the fold models' queue time, which a single request already fills with its own tile
+    batches in flight (measured in tests/triton/test_autoscaling_metric.py, docs/deploy.md). Divided by
+    the requests clamped at 1, not by 1 + requests (k8s-onprem's form, fine for millisecond models): a pod
+    answering three 8 s requests a minute would read 6 s, a quarter low."""
     model = ORCHESTRATOR_MODELS
-    query = (f"sum(delta(nv_inference_queue_duration_us{{<<.LabelMatchers>>,{model}}}[1m])) by (<<.GroupBy>>)"
-             f"/(1+sum(delta(nv_inference_request_success{{<<.LabelMatchers>>,{model}}}[1m])) "
-             "by (<<.GroupBy>>))")
+    query = (f"sum(delta(nv_inference_request_duration_us{{<<.LabelMatchers>>,{model}}}[1m])) "
+             f"by (<<.GroupBy>>)/clamp_min(sum(delta(nv_inference_request_success"
+             f"{{<<.LabelMatchers>>,{model}}}[1m])) by (<<.GroupBy>>), 1)")
     return {"rules": {"custom": [{
-        "seriesQuery": f'nv_inference_queue_duration_us{{{model},namespace!="",pod!=""}}',
+        "seriesQuery": f'nv_inference_request_duration_us{{{model},namespace!="",pod!=""}}',
         "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
-        "name": {"matches": "nv_inference_queue_duration_us", "as": QUEUE_METRIC},
+        "name": {"matches": "nv_inference_request_duration_us", "as": LATENCY_METRIC},
         "metricsQuery": query,
     }]}}
 

@@ -7,7 +7,7 @@ names after the Service, ``K8sSpec.name``):
 * ``NnunetTritonDown``: the metrics port does not answer (``up == 0``) for 5 min.
 * ``NnunetTritonNotReady``: the port answers but no orchestrator model is loaded (Triton's per-model
   counters exist only for loaded models) for longer than the startup probe allows.
-* ``NnunetTritonQueueTimeHigh``: the HPA's own metric (the adapter's query, :func:`adapter_query`) above its
+* ``NnunetTritonLatencyHigh``: the HPA's own metric (the adapter's query, :func:`adapter_query`) above its
   target for 10 min: the autoscaler is at its maximum or cannot add pods.
 * ``NnunetTritonRequestFailures``: more than 5 % of the Python models' answers are server-side errors
   (``nnunet_request_failure_total`` except ``INVALID_ARG`` and ``CANCELLED``, the client's doing) for 5 min.
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from nnunet_triton.server.deploy.k8s import K8sSpec
     from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 
-__all__ = ["alert_rules", "dashboard", "fill_adapter_template", "planned_gpu_bytes", "queue_expression"]
+__all__ = ["alert_rules", "dashboard", "fill_adapter_template", "planned_gpu_bytes", "latency_expression"]
 
 MiB = 2**20
 GPU_MEMORY_FRACTION = 0.9
@@ -48,7 +48,7 @@ def fill_adapter_template(query: str, *, series: str, label_matchers: str, group
     return filled
 
 
-def queue_expression(spec: K8sSpec, *, label_matchers: str, group_by: str) -> str:
+def latency_expression(spec: K8sSpec, *, label_matchers: str, group_by: str) -> str:
     """The HPA's metric, the adapter rule of :func:`k8s.adapter_rules` filled for ``label_matchers``."""
     from nnunet_triton.server.deploy.k8s import adapter_rules
 
@@ -109,15 +109,15 @@ def alert_rules(spec: K8sSpec) -> dict[str, Any]:
             },
         },
         {
-            "alert": "NnunetTritonQueueTimeHigh",
-            "expr": f"{queue_expression(spec, label_matchers=job, group_by='job, instance')} "
-            f"> {spec.queue_target_us}",
+            "alert": "NnunetTritonLatencyHigh",
+            "expr": f"{latency_expression(spec, label_matchers=job, group_by='job, instance')} "
+            f"> {spec.latency_target_us}",
             "for": "10m",
             "labels": {"severity": "warning"},
             "annotations": {
-                "summary": "nnU-Net Triton {{ $labels.instance }}: queue time above the HPA target",
-                "description": f"Requests waited {{{{ $value | humanize }}}} us on average at the "
-                f"orchestrator for 10 minutes (target {spec.queue_target_us} us): "
+                "summary": "nnU-Net Triton {{ $labels.instance }}: time per request above the HPA target",
+                "description": f"Requests waited {{{{ $value | humanize }}}} us on average in the "
+                f"models' queues for 10 minutes (target {spec.latency_target_us} us): "
                 f"the autoscaler is at max_replicas ({spec.max_replicas}) or "
                 "cannot schedule pods.",
             },
@@ -182,13 +182,13 @@ def dashboard(spec: K8sSpec) -> dict[str, Any]:
     """A Grafana dashboard (JSON model, schemaVersion 39) of the same signals as the alerts, per instance."""
     job = _job(spec)
     sel = f'{job},instance=~"$instance"'
-    queue = queue_expression(spec, label_matchers=sel, group_by="instance")
+    queue = latency_expression(spec, label_matchers=sel, group_by="instance")
     panels = [
         _panel(
             1,
-            "Queue time per request at the orchestrator (HPA metric)",
+            "Queue time per request (HPA metric)",
             "µs",
-            [(queue, "{{instance}}"), (f"vector({spec.queue_target_us})", "HPA target")],
+            [(queue, "{{instance}}"), (f"vector({spec.latency_target_us})", "HPA target")],
             0,
             0,
         ),

@@ -177,7 +177,7 @@ class DeployPlan:
     model_pvc: str | None = None
     min_replicas: int = 1
     max_replicas: int = 4
-    queue_target_us: int = 2_000_000
+    latency_target_us: int = 4_000_000
     service_monitor: bool = False
     tls_secret: str | None = None
     cpu: int = 2
@@ -575,7 +575,7 @@ def _deploy_k8s(plan: DeployPlan, say: Say) -> None:
               else k8s.ModelSource("image", plan.model_image or f"nnunet-triton-models:{tag}"))
     spec = k8s.K8sSpec(info=info, plan=dspec.plan, image=plan.image or dspec.image_tag, model_source=source,
                        namespace=plan.namespace, min_replicas=plan.min_replicas,
-                       max_replicas=plan.max_replicas, queue_target_us=plan.queue_target_us,
+                       max_replicas=plan.max_replicas, latency_target_us=plan.latency_target_us,
                        service_monitor=plan.service_monitor, startup_timeout_s=dspec.startup_timeout_s,
                        tls_secret=plan.tls_secret, autoscaler=plan.autoscaler, kserve=plan.kserve,
                        prometheus_url=plan.prometheus_url or k8s.DEFAULT_PROMETHEUS_URL)
