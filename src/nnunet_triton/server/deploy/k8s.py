@@ -56,7 +56,7 @@ __all__ = [
     "scaled_object",
     "inference_service",
     "keda_query",
-    "pod_queue_query",
+    "pod_metric_query",
     "manifests",
     "adapter_rules",
     "manifest_files",
@@ -303,7 +303,7 @@ def service_monitor(spec: K8sSpec) -> dict[str, Any]:
                      "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}]}}
 
 
-def pod_queue_query(spec: K8sSpec) -> str:
+def pod_metric_query(spec: K8sSpec) -> str:
     """The HPA's metric outside the adapter: the adapter's query filled for this Deployment's pods
     (``namespace``, ``pod=~"<name>-.*"``), one value per pod."""
     matchers = [f'namespace="{spec.namespace}"'] if spec.namespace else []
@@ -318,7 +318,7 @@ def _pod_prefix(spec: K8sSpec) -> str:
 def keda_query(spec: K8sSpec) -> str:
     """KEDA's Prometheus trigger query: the per-pod metric summed over the pods. KEDA's ``AverageValue``
     divides it by the replicas, so the target compares with the average per pod, as the HPA's Pods metric."""
-    return f"sum({pod_queue_query(spec)})"
+    return f"sum({pod_metric_query(spec)})"
 
 
 def scaled_object(spec: K8sSpec) -> dict[str, Any]:
