@@ -37,9 +37,10 @@ def test_k8s_manifests_validate_against_kubernetes_schemas(tmp_path: Path, sourc
     manifests = k8s.manifests(
         k8s_spec(tmp_path, model_source=source, namespace="imaging", service_monitor=True)
     )
-    assert list(manifests) == ["deployment.yaml", "service.yaml", "hpa.yaml", "servicemonitor.yaml"]
+    assert list(manifests) == ["deployment.yaml", "service.yaml", "hpa.yaml", "servicemonitor.yaml",
+                               "prometheusrule.yaml"]
     for name, manifest in manifests.items():
-        if manifest["kind"] != "ServiceMonitor":  # a CRD: no schema in the bundle, checked below
+        if manifest["apiVersion"] != "monitoring.coreos.com/v1":  # CRDs: test_deploy_k8s_schemas.py
             assert kubernetes_validate.validate(manifest, "1.30", strict=True) == "1.30", name
 
 
@@ -106,7 +107,7 @@ def test_k8s_cpu_deployment_has_no_gpu_and_publishes_host_ports_on_loopback(tmp_
 
 
 def test_k8s_hpa_scales_on_the_metric_the_adapter_rule_defines(tmp_path: Path) -> None:
-    spec = k8s_spec(tmp_path, min_replicas=2, max_replicas=6, queue_target_us=500_000)
+    spec = k8s_spec(tmp_path, min_replicas=2, max_replicas=6, latency_target_us=500_000)
     hpa = k8s.autoscaler(spec)["spec"]
     rule = k8s.adapter_rules(spec)["rules"]["custom"][0]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 6)
@@ -122,7 +123,10 @@ def test_k8s_hpa_scales_on_the_metric_the_adapter_rule_defines(tmp_path: Path) -
     ]
     assert k8s.ORCHESTRATOR_MODELS in rule["seriesQuery"]
     assert "nv_inference_request_success" in rule["metricsQuery"]
-    assert rule["metricsQuery"].count(k8s.ORCHESTRATOR_MODELS) == 2  # queue time and requests: same models
+    # request time and requests of the same models: the orchestrators
+    assert rule["metricsQuery"].count(k8s.ORCHESTRATOR_MODELS) == 2
+    assert "nv_inference_request_duration_us" in rule["metricsQuery"]
+    assert "nv_inference_queue_duration_us" not in rule["metricsQuery"]  # the orchestrator never queues
 
 
 def test_k8s_queue_metric_covers_the_orchestrator_of_every_endpoint_version_and_nothing_else(
@@ -132,6 +136,7 @@ def test_k8s_queue_metric_covers_the_orchestrator_of_every_endpoint_version_and_
     pattern = re.fullmatch(r'model=~"(.+)"', k8s.ORCHESTRATOR_MODELS).group(1)  # Prometheus anchors it
     matched = [m for m in spec.info.models if re.fullmatch(pattern, m)]
     assert matched == ["liver__v1__orchestrator_model", "lung__v1__orchestrator_model"]
+
     default = k8s_spec(tmp_path / "one").info.models
     assert [m for m in default if re.fullmatch(pattern, m)] == ["orchestrator_model"]
     other = k8s_spec(tmp_path / "other")  # the HPA and its adapter rule do not depend on the endpoints
@@ -173,9 +178,11 @@ def test_deploy_tool_renders_k8s_files_when_repository_is_built(tmp_path: Path, 
     )
     assert sorted(p.name for p in (tmp_path / "k8s").iterdir()) == [
         "deployment.yaml",
+        "grafana-dashboard.json",
         "hpa.yaml",
         "kustomization.yaml",
         "prometheus-adapter-values.yaml",
+        "prometheus-rules.yaml",
         "service.yaml",
     ]
     assert f"kubectl apply --kustomize {tmp_path / 'k8s'}" in capsys.readouterr().out
@@ -333,7 +340,7 @@ def test_deploy_tool_renders_one_deployment_for_every_endpoint_of_a_repository(
     assert shm["emptyDir"]["sizeLimit"] == f"{plan.shm_mib}Mi" == "11872Mi"  # both endpoints
     assert f"nnunet-triton-models:{info.input_hash[:12]}" in capsys.readouterr().out
     hpa = yaml.safe_load((tmp_path / "k8s" / "hpa.yaml").read_text())
-    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == k8s.QUEUE_METRIC
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == k8s.LATENCY_METRIC
 
 
 def test_deploy_tool_refuses_k8s_names_the_repository_does_not_hold(tmp_path: Path, caplog) -> None:

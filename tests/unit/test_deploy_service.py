@@ -43,7 +43,8 @@ def test_deploy_service_renders_k8s_manifests_and_says_how_to_apply_them(tmp_pat
                               image="reg/nnunet-triton:1")
     service.deploy(plan, said.append)
     assert sorted(p.name for p in plan.out.iterdir()) == [
-        "deployment.yaml", "hpa.yaml", "kustomization.yaml", "prometheus-adapter-values.yaml", "service.yaml"]
+        "deployment.yaml", "grafana-dashboard.json", "hpa.yaml", "kustomization.yaml",
+        "prometheus-adapter-values.yaml", "prometheus-rules.yaml", "service.yaml"]
     assert said[-2:] == [
         "apply (prometheus-adapter needs prometheus-adapter-values.yaml for the HPA metric):",
         f"  kubectl apply --kustomize {plan.out}"]

@@ -13,14 +13,15 @@ folders: an ensemble of configurations). Every endpoint already in the repositor
 (``nnunet-triton remove --endpoint`` takes one out).
 
 embedded: build the CPU repository (a no-op when the builder's input hash matches), start the embedded
-tritonserver detached with every model loaded explicitly, wait until ready, print endpoints and example
-calls. docker: the image of --variant (auto: gpu where an NVIDIA GPU is visible, else cpu) with the engine
-found (a docker whose daemon answers, else podman; --engine picks one): build the repository with a torch
-the image loads, build the image, start the container sized for the largest volume and wait until it is
-ready; with no usable engine (or --dry-run) the commands are printed. k8s: render the manifests into --out
-(--execute: kubectl apply; --kube-play: run the Deployment here with podman kube play, cpu variant).
-docker and k8s build images from the project's source tree (a checkout, or ``$NNUNET_TRITON_SOURCE``).
-The flags become a ``server.deploy.service.DeployPlan``; the service runs it and this prints what it says.
+tritonserver detached with every model loaded explicitly, wait until ready, print endpoints and example calls.
+docker: the image of --variant (auto: gpu where an NVIDIA GPU is visible, else cpu) with the engine found (a
+docker whose daemon answers, else podman; --engine picks one): build the repository with a torch the image
+loads, build the image, start the container sized for the largest volume and wait until it is ready; with no
+usable engine (or --dry-run) the commands are printed. k8s: render the manifests into --out (HPA, --autoscaler
+keda or --kserve; --execute: kubectl apply; --kube-play: run the Deployment here with podman kube play, cpu
+variant). docker and k8s build images from the project's source tree (a checkout, or
+``$NNUNET_TRITON_SOURCE``). The flags become a ``server.deploy.service.DeployPlan``; the service runs it and
+this prints what it says.
 """
 
 from __future__ import annotations
@@ -126,19 +127,22 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
         ("--model-image", str, None, "image holding /models (init container)"),
         ("--model-pvc", str, None, "PVC holding the repository instead"),
         ("--min-replicas", int, 1, "HPA minimum"), ("--max-replicas", int, 4, "HPA maximum"),
-        ("--queue-target-us", int, 2_000_000, "HPA target: orchestrator queue time per request"),
+        ("--latency-target-us", int, 4_000_000, "HPA target: time per request at the orchestrator"),
     ):
         kube.add_argument(flag, type=kind, default=default, help=text)
     kube.add_argument("--service-monitor", action="store_true", help="add a ServiceMonitor")
-    kube.add_argument("--tls-secret", default=None,
-                      help="Secret with tls.crt, tls.key and ca.crt: an nginx sidecar serves HTTPS with "
-                           "client certificates (allow-list of paths) and a NetworkPolicy admits only its "
-                           "port (docs/security.md)")
+    kube.add_argument("--tls-secret", default=None, help="Secret with tls.crt, tls.key and ca.crt: an nginx "
+                      "sidecar (client certificates), a NetworkPolicy admitting only it (docs/security.md)")
     kube.add_argument("--cpu", type=int, default=2, help="--kube-play: the pod's CPUs (requests = limits)")
+    kube.add_argument("--autoscaler", choices=("hpa", "keda"), default="hpa", help="HPA + adapter, or KEDA")
+    kube.add_argument("--kserve", action="store_true", help="a KServe InferenceService (--autoscaler keda)")
+    kube.add_argument("--prometheus-url", default=None, help="the Prometheus KEDA queries")
 
 
 def _plan(args: argparse.Namespace, *, undeploy: bool) -> service.DeployPlan:
     """The typed plan of the parsed flags (``undeploy``: only the flags ``undeploy`` has)."""
+    k8s_flags = ("repository image namespace model_image model_pvc min_replicas max_replicas "
+                 "latency_target_us service_monitor tls_secret cpu autoscaler kserve prometheus_url").split()
     kube_play = args.target == "k8s" and args.kube_play
     default_out = service.KUBE_PLAY_OUT if kube_play else DEFAULT_OUT[args.target]
     common = {"target": args.target, "out": Path(args.out or default_out).absolute(), "engine": args.engine,
@@ -160,10 +164,7 @@ def _plan(args: argparse.Namespace, *, undeploy: bool) -> service.DeployPlan:
         image_torch_version=args.image_torch_version, gpus=tuple(args.gpus),
         max_volume=tuple(args.max_volume),
         max_spacing=tuple(args.max_spacing) if args.max_spacing else None, probabilities=args.probabilities,
-        repository=args.repository, image=args.image, namespace=args.namespace, model_image=args.model_image,
-        model_pvc=args.model_pvc, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-        queue_target_us=args.queue_target_us, service_monitor=args.service_monitor,
-        tls_secret=args.tls_secret, cpu=args.cpu)
+        **{name: getattr(args, name) for name in k8s_flags})
 
 
 def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:

@@ -8,7 +8,8 @@ Pure functions of typed frozen specs; nothing here needs Docker or a cluster.
 * :mod:`.sizing` -- ``/dev/shm``, CUDA and pinned pool and host memory per volume size (summed over every
   endpoint version one server loads).
 * :mod:`.docker` -- tritonserver flags, Dockerfile build args, ``docker build``/``docker run`` lines.
-* :mod:`.k8s` -- Deployment, Service, HPA, ServiceMonitor (a kustomize base) as dicts and YAML.
+* :mod:`.k8s` -- Deployment, Service, HPA (or KEDA ScaledObject, or KServe InferenceService), ServiceMonitor
+  (a kustomize base) as dicts and YAML; :mod:`.monitoring` -- alert rules and a Grafana dashboard.
 
 * :mod:`.service` -- :class:`DeployPlan` (typed, frozen) and the steps that carry it out: build, image, run,
   wait until ready, kube play, undeploy (``DeployError`` when a deployment cannot work as asked).

@@ -180,10 +180,13 @@ class DeployPlan:
     model_pvc: str | None = None
     min_replicas: int = 1
     max_replicas: int = 4
-    queue_target_us: int = 2_000_000
+    latency_target_us: int = 4_000_000
     service_monitor: bool = False
     tls_secret: str | None = None
     cpu: int = 2
+    autoscaler: str = "hpa"
+    kserve: bool = False
+    prometheus_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.target not in tuple(Target):
@@ -619,21 +622,28 @@ def _deploy_k8s(plan: DeployPlan, say: Say) -> None:
               else k8s.ModelSource("image", plan.model_image or f"nnunet-triton-models:{tag}"))
     spec = k8s.K8sSpec(info=info, plan=dspec.plan, image=plan.image or dspec.image_tag, model_source=source,
                        namespace=plan.namespace, min_replicas=plan.min_replicas,
-                       max_replicas=plan.max_replicas, queue_target_us=plan.queue_target_us,
+                       max_replicas=plan.max_replicas, latency_target_us=plan.latency_target_us,
                        service_monitor=plan.service_monitor, startup_timeout_s=dspec.startup_timeout_s,
-                       tls_secret=plan.tls_secret)
+                       tls_secret=plan.tls_secret, autoscaler=plan.autoscaler, kserve=plan.kserve,
+                       prometheus_url=plan.prometheus_url or k8s.DEFAULT_PROMETHEUS_URL)
     plan.out.mkdir(parents=True, exist_ok=True)
     files = k8s.manifest_files(spec)
     for name, text in files.items():
         (plan.out / name).write_text(text)
-    say(f"wrote {', '.join(files)} to {plan.out}: one Deployment {spec.name} serving the endpoint(s) "
+    kind = "InferenceService" if spec.kserve else "Deployment"
+    say(f"wrote {', '.join(files)} to {plan.out}: one {kind} {spec.name} serving the endpoint(s) "
         f"{', '.join(info.endpoints)} ({len(info.models)} models; per pod /dev/shm {dspec.plan.shm_mib} "
         f"MiB, memory {dspec.plan.host_memory_mib} MiB for all of them)")
     if source.kind == "image":
         say("model repository image (push both images where the cluster pulls from):")
         recipe = container_engine.source_root() / "docker" / "Dockerfile.models"
         say(f"  docker build --file {recipe} --tag {source.ref} {repo}")
-    say("apply (prometheus-adapter needs prometheus-adapter-values.yaml for the HPA metric):")
+    if spec.autoscaler == "hpa":
+        say("apply (prometheus-adapter needs prometheus-adapter-values.yaml for the HPA metric):")
+    else:
+        needs = "KEDA and KServe" if spec.kserve else "KEDA"
+        say(f"apply ({needs} installed; KEDA queries {spec.prometheus_url}, which must scrape the pods' "
+            "metrics port 8002):")
     _run([("kubectl", "apply", "--kustomize", str(plan.out))], plan.execute, say, tool="kubectl")
 
 
