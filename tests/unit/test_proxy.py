@@ -166,7 +166,7 @@ def test_serve_and_deploy_refuse_a_public_host_without_tls(tmp_path: Path, capsy
                             "--out", str(tmp_path / "out")]) == 2  # like serve: one exit-code policy
     assert not (tmp_path / "out").exists()  # refused before building
     assert [r.message.split(" would ")[0].split(" publishes ")[0] for r in caplog.records
-            if r.levelname == "ERROR"] == ["the embedded tritonserver", "--target docker"]
+            if r.levelname == "ERROR"] == ["the embedded tritonserver", "--target docker's tritonserver"]
 
 
 @pytest.mark.parametrize(("value", "refused"), [

@@ -6,11 +6,10 @@
     nnunet-triton undeploy [--target embedded|docker|k8s] [--out DIR] [--execute]
 
 Several models behind one server: ``--model-dir A B --endpoint liver lung`` (one name per folder) builds each
-folder as its own endpoint (``liver``, ``lung``, with their typed copies and pinned versions) into ONE
-repository, served by one server (one container, one Deployment) sized for all of them; without
+folder as its own endpoint (with typed copies and pinned versions) into ONE repository, served by one server
+(one container, one Deployment) sized for all of them; without
 ``--endpoint``, or with one name, the folders are one endpoint of that name (default ``nnunet``; two or more
-folders: an ensemble of configurations). Every endpoint already in the repository is served too
-(``nnunet-triton remove --endpoint`` takes one out).
+folders: an ensemble of configurations). Every endpoint already in the repository is served too.
 
 embedded: build the CPU repository (a no-op when the builder's input hash matches), start the embedded
 tritonserver detached with every model loaded explicitly, wait until ready, print endpoints and example calls.
