@@ -115,9 +115,6 @@ def test_the_installed_wheels_serve_then_predict_need_no_port_flags(served) -> N
     command, work, env, state, serve_log, case_name = served
     import SimpleITK as sitk
 
-    usual = (state["http_port"], state["grpc_port"]) == (8000, 8001)
-    assert usual or "Triton's usual port(s) taken" in serve_log, serve_log[-3000:]
-    assert state["metrics_port"] is None  # closed unless asked for
     predicted = _run([command, "predict", "-i", "in", "-o", "found", "--no-mirroring", "-v"], cwd=work,
                      env=env)
     assert predicted.returncode == 0, predicted.stderr[-3000:]
@@ -126,3 +123,6 @@ def test_the_installed_wheels_serve_then_predict_need_no_port_flags(served) -> N
     assert found in predicted.stderr, predicted.stderr[-3000:]
     answer = sitk.GetArrayFromImage(sitk.ReadImage(str(work / "found" / "case.nii.gz")))
     np.testing.assert_array_equal(answer, reference(SYNTHCT, case_name, False).segmentation)
+    usual = (state["http_port"], state["grpc_port"]) == (8000, 8001)
+    assert usual or "Triton's usual port(s) taken" in serve_log, serve_log[-3000:]
+    assert state["metrics_port"] is None  # closed unless asked for

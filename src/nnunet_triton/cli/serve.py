@@ -101,9 +101,9 @@ def add_embedded_arguments(parser: argparse.ArgumentParser) -> None:
     (``server.preload``), shared by ``serve`` and ``deploy`` (both take ``--metrics-port`` too)."""
     parser.add_argument("--metrics", action="store_true",
                         help="embedded: open Triton's metrics endpoint (Prometheus /metrics, no "
-                             "authentication: every local user reads the per-model counters) on "
-                             f"{DEFAULT_METRICS_PORT} (serve; a free port when taken); closed by default (a "
-                             "--metrics-port opens it too)")
+                             "authentication: every local user reads the per-model counters); closed by "
+                             f"default (a --metrics-port opens it too). serve: on {DEFAULT_METRICS_PORT}, "
+                             "a free port when that is taken; deploy: a free port")
     parser.add_argument(ALLOW_DEGRADED_FLAG, dest="allow_token_in_proc_and_readable_shm", action="store_true",
                         help="embedded: start even when the preload library cannot be built (no C compiler): "
                              "the control token is then on tritonserver's command line (/proc/<pid>/cmdline) "
