@@ -66,7 +66,10 @@ def recorded_url(protocol: str, home: str | Path | None = None) -> ServerUrl | N
     """The ``protocol`` URL of the server recorded in ``<home>/run/server.json`` when it runs; None when there
     is no state file, it cannot be read, or its server is gone (a stale pid)."""
     state_file = resolve_home(home) / STATE_FILE
-    if not state_file.is_file():
+    try:
+        if not state_file.is_file():
+            return None
+    except OSError:  # a home another user keeps private
         return None
     state = _public_fields(state_file)
     if state is None:
