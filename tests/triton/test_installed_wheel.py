@@ -5,7 +5,7 @@ reaches the heavy dependencies (torch, nnunetv2, pytriton's tritonserver ...) th
 environment's site-packages (nothing of the checkout: this venv's editable install of the package is a
 ``.pth`` there, which a path entry does not run). From a temporary directory, the console commands
 ``nnunet-triton build``, ``serve``, ``predict``, ``info`` and ``stop`` run on the SynthCT fixture, and the
-label map equals nnU-Net's.
+label map equals nnU-Net's; ``predict`` finds the server ``serve`` started without any port flag.
 """
 
 from __future__ import annotations
@@ -60,21 +60,22 @@ def test_the_package_comes_from_the_wheel_not_from_the_checkout(installed, tmp_p
         REPO_ROOT)
 
 
-def test_build_serve_predict_stop_from_any_directory_answer_as_nnunet(installed, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def served(installed, tmp_path_factory: pytest.TempPathFactory):
+    """``build`` then ``serve`` as a new user runs them: no port flags, no ``--home`` (the default
+    ``build/triton-home`` under the working directory); one SynthCT case under ``in/``; ``stop`` after."""
     venv, env = installed
+    env = {k: v for k, v in env.items() if k not in ("NNUNET_TRITON_HOME", "NNUNET_TRITON_URL")}  # a new user
     command = str(venv / "bin" / "nnunet-triton")
-    work = tmp_path / "elsewhere"
-    work.mkdir()
+    work = tmp_path_factory.mktemp("elsewhere")
     built = _run([command, "build", "--model-dir", str(model_dir(SYNTHCT)), "--out", "repo"], cwd=work,
                  env=env)
     assert built.returncode == 0, built.stderr[-3000:]
     assert (work / "repo" / "preprocess_model" / "1" / "model.py").read_text().startswith('"""Triton model')
-    home = ["--home", str(work / "home")]
-    served = _run([command, "serve", "--model-repository", "repo", *home], cwd=work, env=env)
+    served = _run([command, "serve", "--model-repository", "repo"], cwd=work, env=env)
     assert served.returncode == 0, served.stderr[-3000:]
     state = json.loads(served.stdout[served.stdout.index("{"):])
     try:
-        assert Path(state["server_bin"]).is_relative_to(work / "home")
         case = probe_case(SYNTHCT)
         import SimpleITK as sitk
 
@@ -82,19 +83,46 @@ def test_build_serve_predict_stop_from_any_directory_answer_as_nnunet(installed,
         image.SetSpacing(tuple(reversed(case.spacing)))
         (work / "in").mkdir()
         sitk.WriteImage(image, str(work / "in" / "case_0000.nii.gz"))
-        url = f"127.0.0.1:{state['http_port']}"
-        predicted = _run([command, "predict", "-i", "in", "-o", "out", "--url", url, "--no-mirroring"],
-                         cwd=work, env=env)
-        assert predicted.returncode == 0, predicted.stderr[-3000:]
-        answer = sitk.GetArrayFromImage(sitk.ReadImage(str(work / "out" / "case.nii.gz")))
-        np.testing.assert_array_equal(answer, reference(SYNTHCT, case.name, False).segmentation)
-        info = _run([command, "info", "--url", url, "--json", *home], cwd=work, env=env)
-        assert info.returncode == 0, info.stderr[-3000:]
-        (endpoint,) = json.loads(info.stdout)["endpoints"]
-        assert endpoint["published"]["dataset_name"] == SYNTHCT
-        assert [(v["version"], v["promoted"], v["loaded"]) for v in endpoint["versions"]] == [(1, True, True)]
+        yield command, work, env, state, served.stderr, case.name
     finally:
-        stopped = _run([command, "stop", *home], cwd=work, env=env)
+        stopped = _run([command, "stop"], cwd=work, env=env)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
-    status = _run([command, "status", *home], cwd=work, env=env)
+    status = _run([command, "status"], cwd=work, env=env)
     assert status.returncode == 3  # not running
+
+
+def test_build_serve_predict_stop_from_any_directory_answer_as_nnunet(served) -> None:
+    command, work, env, state, _, case_name = served
+    import SimpleITK as sitk
+
+    assert Path(state["server_bin"]).is_relative_to(work / "build" / "triton-home")
+    url = f"127.0.0.1:{state['http_port']}"
+    predicted = _run([command, "predict", "-i", "in", "-o", "out", "--url", url, "--no-mirroring"],
+                     cwd=work, env=env)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    answer = sitk.GetArrayFromImage(sitk.ReadImage(str(work / "out" / "case.nii.gz")))
+    np.testing.assert_array_equal(answer, reference(SYNTHCT, case_name, False).segmentation)
+    info = _run([command, "info", "--url", url, "--json"], cwd=work, env=env)
+    assert info.returncode == 0, info.stderr[-3000:]
+    (endpoint,) = json.loads(info.stdout)["endpoints"]
+    assert endpoint["published"]["dataset_name"] == SYNTHCT
+    assert [(v["version"], v["promoted"], v["loaded"]) for v in endpoint["versions"]] == [(1, True, True)]
+
+
+def test_the_installed_wheels_serve_then_predict_need_no_port_flags(served) -> None:
+    """``serve`` takes Triton's usual ports (or says which free ones it took), and ``predict`` without
+    ``--url`` finds that server through its state file."""
+    command, work, env, state, serve_log, case_name = served
+    import SimpleITK as sitk
+
+    predicted = _run([command, "predict", "-i", "in", "-o", "found", "--no-mirroring", "-v"], cwd=work,
+                     env=env)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    state_file = work / "build" / "triton-home" / "run" / "server.json"
+    found = f"server 127.0.0.1:{state['http_port']} (from {state_file} (pid {state['pid']}))"
+    assert found in predicted.stderr, predicted.stderr[-3000:]
+    answer = sitk.GetArrayFromImage(sitk.ReadImage(str(work / "found" / "case.nii.gz")))
+    np.testing.assert_array_equal(answer, reference(SYNTHCT, case_name, False).segmentation)
+    usual = (state["http_port"], state["grpc_port"]) == (8000, 8001)
+    assert usual or "Triton's usual port(s) taken" in serve_log, serve_log[-3000:]
+    assert state["metrics_port"] is None  # closed unless asked for

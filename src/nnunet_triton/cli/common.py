@@ -9,7 +9,7 @@ nnU-Net's own spellings as aliases (``-step_size``/``--step-size``, ``--disable_
 from __future__ import annotations
 
 import argparse
-import os
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,8 @@ from nnunet_triton.client.tls import ClientTls, add_client_tls_arguments, client
 from nnunet_triton.numerics.model_folder import parse_fold
 from nnunet_triton.options import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_TILE_STEP_SIZE, RequestOptions, parse_int
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_PORTS
+from nnunet_triton.server.discovery import server_url
+from nnunet_triton.server.triton_install import DEFAULT_HOME, HOME_ENV
 
 __all__ = ["DEFAULT_PORTS", "URL_ENV", "add_connection_arguments", "add_request_option_arguments",
            "add_endpoint_selection", "add_model_dir_argument", "connection_tls", "DeprecatedAlias",
@@ -26,6 +28,7 @@ __all__ = ["DEFAULT_PORTS", "URL_ENV", "add_connection_arguments", "add_request_
            "positive_int"]
 
 URL_ENV = "NNUNET_TRITON_URL"
+LOGGER = logging.getLogger(__name__)
 
 
 def positive_int(text: str) -> int:
@@ -35,9 +38,12 @@ def positive_int(text: str) -> int:
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     """``--url``, ``--protocol``, ``--timeout``, ``-v``, ``--ca/--cert/--key``: how a subcommand reaches the
     server."""
-    parser.add_argument("--url", default=os.environ.get(URL_ENV),
-                        help=f"server host:port (default ${URL_ENV} or "
-                             f"127.0.0.1:{DEFAULT_HTTP_PORT}/{DEFAULT_GRPC_PORT})")
+    parser.add_argument("--url", default=None,
+                        help=f"server host:port (default: ${URL_ENV}, else the server `nnunet-triton "
+                             f"serve` started on this machine, recorded in <home>/run/server.json (home: "
+                             f"--home where the command has it, else ${HOME_ENV} or {DEFAULT_HOME}) while it "
+                             f"runs, else 127.0.0.1:{DEFAULT_HTTP_PORT} (gRPC {DEFAULT_GRPC_PORT}); -v logs "
+                             f"which one was used)")
     parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
     parser.add_argument("--timeout", type=float, default=DEFAULT_CLIENT_TIMEOUT_S,
                         help="seconds per inference call")
@@ -153,8 +159,14 @@ def request_options(args: argparse.Namespace, **overrides: Any) -> RequestOption
 
 
 def url(args: argparse.Namespace) -> str:
-    """``--url``, else loopback on the protocol's default port."""
-    return args.url or f"127.0.0.1:{DEFAULT_PORTS[args.protocol]}"
+    """``--url``, else ``$NNUNET_TRITON_URL``, else the running server ``serve`` recorded (its state file),
+    else loopback on the protocol's usual port (``server.discovery.server_url``); logged once (INFO: -v)."""
+    chosen = getattr(args, "_server_url", None)
+    if chosen is None:
+        chosen = server_url(args.protocol, given=args.url, home=getattr(args, "home", None), env_var=URL_ENV)
+        args._server_url = chosen
+        LOGGER.info("server %s (from %s)", chosen.url, chosen.source)
+    return str(chosen.url)
 
 
 def say(text: str, stream: Any = None) -> None:

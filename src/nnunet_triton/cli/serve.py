@@ -24,6 +24,7 @@ from typing import Any
 from nnunet_triton.cli import build, exit_code, with_epilog
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument
 from nnunet_triton.cli.exit_codes import ExitCode
+from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 from nnunet_triton.server.embedded import ALLOW_DEGRADED_FLAG, DEFAULT_HOST, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
 from nnunet_triton.server.proxy import ClientLimits, TlsSettings, running_pid
@@ -66,10 +67,12 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
     serve.add_argument("--host", default=DEFAULT_HOST,
                        help="bind address (default loopback); any other address needs --tls-cert, --tls-key "
                             "and --tls-ca and/or --tls-token-file")
-    serve.add_argument("--http-port", type=int, default=None, help="default: a free port")
-    serve.add_argument("--grpc-port", type=int, default=None, help="default: a free port")
+    taken = "; a free port when that is taken (a warning names both)"
+    serve.add_argument("--http-port", type=int, default=None, help=f"default {DEFAULT_HTTP_PORT}{taken}")
+    serve.add_argument("--grpc-port", type=int, default=None, help=f"default {DEFAULT_GRPC_PORT}{taken}")
     serve.add_argument("--metrics-port", type=int, default=None,
-                       help="open the metrics endpoint on this port (default closed; --metrics: a free port)")
+                       help=f"open the metrics endpoint on this port (default closed; --metrics: "
+                            f"{DEFAULT_METRICS_PORT}{taken})")
     serve.add_argument("--model-control-mode", choices=("none", "explicit"), default="explicit",
                        help="explicit (default): the watchdog can reload a model whose process died")
     serve.add_argument("--load-model", action="append", default=[],
@@ -98,8 +101,9 @@ def add_embedded_arguments(parser: argparse.ArgumentParser) -> None:
     (``server.preload``), shared by ``serve`` and ``deploy`` (both take ``--metrics-port`` too)."""
     parser.add_argument("--metrics", action="store_true",
                         help="embedded: open Triton's metrics endpoint (Prometheus /metrics, no "
-                             "authentication: every local user reads the per-model counters) on a free port; "
-                             "closed by default (a --metrics-port opens it too)")
+                             "authentication: every local user reads the per-model counters); closed by "
+                             f"default (a --metrics-port opens it too). serve: on {DEFAULT_METRICS_PORT}, "
+                             "a free port when that is taken; deploy: a free port")
     parser.add_argument(ALLOW_DEGRADED_FLAG, dest="allow_token_in_proc_and_readable_shm", action="store_true",
                         help="embedded: start even when the preload library cannot be built (no C compiler): "
                              "the control token is then on tritonserver's command line (/proc/<pid>/cmdline) "
@@ -235,6 +239,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         proxy_port=args.proxy_port,
         allow_statistics=args.proxy_allow_statistics,
         proxy_limits=proxy_limits(args),
+        usual_ports=True,  # Triton's 8000/8001(/8002), where the clients look first; free ones when taken
     )
     sys.stdout.write(json.dumps(_public_state(handle), indent=2) + "\n")
     sys.stdout.flush()

@@ -12,7 +12,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, _tail
 from nnunet_triton.server.model_control import CONTROL_HEADER, RESTRICTED_APIS
+from nnunet_triton.server.ports import choose_ports
+from nnunet_triton.server.ports import free_port as _free_port
 from nnunet_triton.server.restart import LaunchSpec
 from nnunet_triton.server.server_config import (
     EMBEDDED,
@@ -66,12 +67,6 @@ _PR_SET_PDEATHSIG = 1
 PRIVATE_UMASK = 0o077
 # the command-line flag (serve, deploy) that starts a server without server.preload's library anyway
 ALLOW_DEGRADED_FLAG = "--allow-token-in-proc-and-readable-shm"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host if host not in ("", "0.0.0.0") else "127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -339,13 +334,17 @@ def start(
     proxy_limits: proxy.ClientLimits | None = None,
     metrics: bool = False,
     allow_token_in_proc_and_readable_shm: bool = False,
+    usual_ports: bool = False,
 ) -> ServerHandle:
     """Start tritonserver on ``host`` and wait until ``GET /v2/health/ready`` answers 200.
 
     Args:
         model_repository: directory with one sub-directory per model.
         host: address all three endpoints bind to (loopback by default).
-        http_port, grpc_port, metrics_port: fixed ports; free ones are picked when None.
+        http_port, grpc_port, metrics_port: fixed ports; free ones are picked when None (``usual_ports``:
+            Triton's usual ones first).
+        usual_ports: a port not given is Triton's usual one (8000, 8001, metrics 8002; ``serve``'s default)
+            unless it is taken, then a free one with a warning naming both (``server.ports.choose_ports``).
         metrics: open Triton's metrics endpoint (Prometheus, ``/metrics``) on a free port; a
             ``metrics_port`` opens it too. Off by default: it has no authentication and shows every local
             user the per-model counters the restricted statistics API hides (docs/security.md).
@@ -441,11 +440,9 @@ def start(
     auto_ports = (http_port, grpc_port, metrics_port) == (None, None, None)  # only then is a retry useful
     metrics = metrics or metrics_port is not None
     for attempt in range(3 if auto_ports else 1):
-        ports: dict[str, int | None] = {
-            "http": http_port or _free_port(local),
-            "grpc": grpc_port or _free_port(launch_args["grpc_host"]),
-            "metrics": (metrics_port or _free_port(local)) if metrics else None,
-        }
+        ports = choose_ports({"http": http_port, "grpc": grpc_port, "metrics": metrics_port},
+                             {"http": local, "grpc": launch_args["grpc_host"], "metrics": local},
+                             metrics=metrics, usual=usual_ports and attempt == 0)  # a retry: free ports
         opened = [port for port in ports.values() if port is not None]
         if len(set(opened)) < len(opened):
             continue
