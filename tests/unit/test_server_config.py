@@ -47,15 +47,12 @@ def _flags(argv: list[str] | tuple[str, ...]) -> dict[str, list[str]]:
 def _embedded_argv(repo: Path, tmp_path: Path, *, preload_library: Path | None,
                    ports: dict[str, int | None] | None = None) -> list[str]:
     installation = TritonInstallation(server_dir=tmp_path / "server", lib_dirs=(), python_bin_dir=tmp_path)
-    launch_args = {
-        "installation": installation, "backend_dir": tmp_path / "backends", "model_repository": repo,
-        "host": EMBEDDED.host, "grpc_host": EMBEDDED.host, "grpc_tls": None, "model_control_mode": "explicit",
-        "load_models": tuple(health.repository_models(repo)), "backend_config": None, "extra_args": (),
-        "exit_timeout_s": EMBEDDED.exit_timeout_s,
-        "thread_budget": plan_budget(1, env={}, quota=CpuQuota(2, 2, None, "test")),
-        "control_token": "secret-token", "preload_library": preload_library, "memory_pools": MemoryPools(),
-    }
-    return embedded._server_config(launch_args, PORTS if ports is None else ports).to_args()
+    budget = plan_budget(1, env={}, quota=CpuQuota(2, 2, None, "test"))
+    token_flag = preload.PLACEHOLDER if preload_library is not None else "secret-token"
+    options = embedded.LaunchOptions(exit_timeout_s=EMBEDDED.exit_timeout_s)
+    return embedded._server_config((repo,), options, installation, tmp_path / "backends",
+                                   tuple(health.repository_models(repo)), budget, MemoryPools(), token_flag,
+                                   PORTS if ports is None else ports).to_args()
 
 
 def test_every_target_renders_the_same_flags_except_its_presets_explicit_differences(tmp_path: Path) -> None:
@@ -239,6 +236,7 @@ def test_server_modules_compute_no_backoff_of_their_own() -> None:
 
 
 def test_the_containers_watchdog_refuses_a_server_command_without_an_http_port(tmp_path: Path) -> None:
-    """No fallback to Triton's default port: the rendered command always names it."""
+    """No fallback to Triton's default port: the rendered command always names it (the entry point reads
+    its command with server_config.from_args before the watchdog is forked)."""
     with pytest.raises(ValueError, match="names no HTTP port"):
-        watchdog.fork_for_exec(["tritonserver", f"--model-repository={tmp_path}"], tmp_path)
+        server_config_module.from_args(["tritonserver", f"--model-repository={tmp_path}"])

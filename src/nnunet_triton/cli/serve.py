@@ -24,7 +24,7 @@ from typing import Any
 from nnunet_triton.cli import build, exit_code, with_epilog
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument
 from nnunet_triton.cli.exit_codes import ExitCode
-from nnunet_triton.server.embedded import ALLOW_DEGRADED_FLAG, DEFAULT_HOST, start
+from nnunet_triton.server.embedded import ALLOW_DEGRADED_FLAG, DEFAULT_HOST, LaunchOptions, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
 from nnunet_triton.server.proxy import ClientLimits, TlsSettings, running_pid
 from nnunet_triton.server.proxy_config import (
@@ -214,8 +214,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
             "a server is already running (pid %d, http %s); run `stop` first", running.pid, running.http_url
         )
         return ExitCode.USAGE
-    handle = start(
-        args.model_repository,
+    handle = start(args.model_repository, LaunchOptions(
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
@@ -235,7 +234,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         proxy_port=args.proxy_port,
         allow_statistics=args.proxy_allow_statistics,
         proxy_limits=proxy_limits(args),
-    )
+    ))
     sys.stdout.write(json.dumps(_public_state(handle), indent=2) + "\n")
     sys.stdout.flush()
     if not args.foreground:

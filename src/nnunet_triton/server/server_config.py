@@ -58,6 +58,7 @@ __all__ = [
     "check_extra_args",
     "client_shm_setting",
     "flag_values",
+    "from_args",
     "rate_limit_args",
     "restricted_api_args",
     "server_config",
@@ -195,9 +196,9 @@ class TritonServerConfig:
 
     model_repositories: tuple[str, ...]
     http_port: int
-    grpc_port: int
+    grpc_port: int | None  # None: not passed (Triton's default port; only a hand-written command)
     metrics_port: int | None  # None: no metrics endpoint (``--allow-metrics=false``)
-    exit_timeout_s: int
+    exit_timeout_s: int | None  # None: not passed (Triton's default; only a hand-written command)
     server_bin: str = "tritonserver"
     backend_directory: str | None = None
     cache_directory: str | None = None
@@ -234,9 +235,11 @@ class TritonServerConfig:
         """The command line: ``server_bin`` and its flags."""
         addresses = {"http": self.http_address, "grpc": self.grpc_address, "metrics": self.metrics_address}
         ports = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
-        endpoints = [arg for name in ("http", "grpc", "metrics") if ports[name] is not None
+        # an address is rendered with or without its port (Triton's default port then), except a closed
+        # metrics endpoint's
+        endpoints = [arg for name in ("http", "grpc", "metrics") if name != "metrics" or ports[name] is not None
                      for arg in (() if addresses[name] is None else (f"--{name}-address={addresses[name]}",))
-                     + (f"--{name}-port={ports[name]}",)]
+                     + (() if ports[name] is None else (f"--{name}-port={ports[name]}",))]
         allow_metrics = False if self.metrics_port is None else self.allow_metrics
         tls = self.grpc_tls
         return [
@@ -255,7 +258,7 @@ class TritonServerConfig:
               if self.allow_client_shm is not None else ()),
             *self.memory_pools.args(),
             *(f"--backend-config={backend},{key}={value}" for backend, key, value in self.backend_config),
-            f"--exit-timeout-secs={self.exit_timeout_s}",
+            *((f"--exit-timeout-secs={self.exit_timeout_s}",) if self.exit_timeout_s is not None else ()),
             "--allow-sagemaker=false",
             "--allow-vertex-ai=false",
             *(("--disable-auto-complete-config",) if self.disable_auto_complete_config else ()),
@@ -293,8 +296,17 @@ class TritonServerConfig:
             values[name] = tuple(tuple(item) for item in values.get(name, ()))
         return cls(**values)
 
+    @classmethod
+    def from_args(cls, argv: Sequence[str]) -> TritonServerConfig:
+        """The config of a tritonserver command line (:func:`from_args`)."""
+        return from_args(argv)
+
     def with_restricted_apis(self, apis: Sequence[str], header: str, token: str) -> TritonServerConfig:
         return replace(self, restricted_apis=tuple(apis), control_header=header, control_token=token)
+
+    def with_rate_limits(self, resources: Sequence[tuple[str, int]]) -> TritonServerConfig:
+        """This config with Triton's rate limiter on ``resources`` (unchanged when there are none)."""
+        return replace(self, rate_limit_resources=tuple(resources)) if resources else self
 
 
 def _release(release: str) -> tuple[int, int]:
@@ -322,6 +334,134 @@ def without_flag(args: Sequence[str], flag: str) -> tuple[str, ...]:
     """``args`` without any ``--<flag>=value``."""
     prefix = f"--{flag}="
     return tuple(a for a in args if not a.startswith(prefix))
+
+
+_BOOL = {"true": True, "false": False}
+
+
+def _int(flag: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"the tritonserver flag {flag} must be an integer, got {value!r}.") from None
+
+
+def from_args(argv: Sequence[str]) -> TritonServerConfig:
+    """The :class:`TritonServerConfig` of a tritonserver command line (its binary first): the one parser of
+    a server command, the inverse of :meth:`TritonServerConfig.to_args` (``from_args(c.to_args())`` renders
+    the same command). The container entry point reads its ``-- tritonserver ...`` with it, once.
+
+    A flag this module does not own (or a value it would render differently) is kept, in order, in
+    ``extra_args``. Flags left out take Triton's defaults (``--model-control-mode=none``); the SageMaker and
+    Vertex AI frontends stay off and the metrics endpoint is closed without ``--metrics-port``.
+
+    Raises:
+        ValueError: an empty command, no ``--http-port`` (the watchdog and the TLS proxy need it: no default
+            port), a port or timeout that is not an integer, or a flag :func:`check_extra_args` refuses.
+    """
+    if not argv:
+        raise ValueError("the server command is empty.")
+    server_bin, *args = argv
+    lists: dict[str, list[Any]] = {"--model-repository": [], "--load-model": [], "--backend-config": [],
+                                   "--rate-limit-resource": [], "--cuda-memory-pool-byte-size": []}
+    last: dict[str, str] = {}
+    extra: list[str] = []
+    held: dict[str, str] = {}  # flags kept only if they read back as this module renders them
+    for arg in args:
+        flag, sep, value = arg.partition("=")
+        if not sep:
+            if arg == "--disable-auto-complete-config":
+                last[arg] = ""
+            else:
+                extra.append(arg)
+        elif flag == "--backend-config":
+            backend, comma, setting = value.partition(",")
+            key, eq, setting_value = setting.partition("=")
+            if comma and eq and "=" not in backend:
+                lists[flag].append((backend, key, setting_value))
+            else:  # a global backend setting (no backend named)
+                extra.append(arg)
+        elif flag == "--rate-limit-resource" and len(value.split(":")) == 2:
+            name, count = value.split(":")
+            lists[flag].append((name, _int(flag, count)))
+        elif flag == "--cuda-memory-pool-byte-size" and len(value.split(":")) == 2:
+            gpu, size = value.split(":")
+            lists[flag].append((_int(flag, gpu), _int(flag, size)))
+        elif flag in ("--model-repository", "--load-model"):
+            lists[flag].append(value)
+        elif flag in ("--allow-sagemaker", "--allow-vertex-ai") and value == "false":
+            continue  # always rendered off
+        elif flag in ("--rate-limit", "--grpc-use-ssl", "--grpc-server-cert", "--grpc-server-key",
+                      "--grpc-use-ssl-mutual", "--grpc-root-cert", "--http-restricted-api",
+                      "--grpc-restricted-protocol"):
+            held[flag] = arg
+        elif flag in _OWNED and (flag not in _BOOL_FLAGS or value in _BOOL):
+            last[flag] = value
+        else:
+            extra.append(arg)
+    if "--http-port" not in last:
+        raise ValueError(f"the server command names no HTTP port (--http-port=PORT), so the watchdog cannot "
+                         f"watch it: {list(argv)}")
+
+    def flag_bool(flag: str) -> bool | None:
+        return _BOOL[last[flag]] if flag in last else None
+
+    def flag_int(flag: str) -> int | None:
+        return _int(flag, last[flag]) if flag in last else None
+
+    metrics_port = flag_int("--metrics-port")
+    allow_metrics = flag_bool("--allow-metrics")
+    if metrics_port is None and allow_metrics is False:
+        allow_metrics = None  # rendered off anyway without a port
+    values: dict[str, Any] = {}
+    if held.get("--rate-limit") == "--rate-limit=execution_count" and lists["--rate-limit-resource"]:
+        values["rate_limit_resources"] = tuple(lists["--rate-limit-resource"])
+        held.pop("--rate-limit")
+    else:
+        extra += [f"--rate-limit-resource={n}:{c}" for n, c in lists["--rate-limit-resource"]]
+    tls = {f: held[f].partition("=")[2] for f in ("--grpc-use-ssl", "--grpc-server-cert", "--grpc-server-key",
+                                                  "--grpc-use-ssl-mutual", "--grpc-root-cert") if f in held}
+    if tls:
+        mutual = tls.get("--grpc-use-ssl-mutual") == "true" and "--grpc-root-cert" in tls
+        candidate = (GrpcTls(tls.get("--grpc-server-cert", ""), tls.get("--grpc-server-key", ""),
+                             tls["--grpc-root-cert"] if mutual else None)
+                     if tls.get("--grpc-use-ssl") == "true" else None)
+        if candidate is not None and sorted(candidate.args()) == sorted(held[f] for f in tls):
+            values["grpc_tls"] = candidate
+            for flag in tls:
+                held.pop(flag)
+    if "--http-restricted-api" in held:
+        groups, _, rest = held["--http-restricted-api"].partition("=")[2].partition(":")
+        header, _, token = rest.partition("=")
+        if restricted_api_args(groups.split(","), header, token) == [
+                held["--http-restricted-api"], held.get("--grpc-restricted-protocol")]:
+            values.update(restricted_apis=tuple(groups.split(",")), control_header=header, control_token=token)
+            held.pop("--http-restricted-api")
+            held.pop("--grpc-restricted-protocol")
+    extra += [arg for arg in args if arg in held.values()]  # what did not read back, in its order
+    return TritonServerConfig(
+        model_repositories=tuple(lists["--model-repository"]),
+        http_port=_int("--http-port", last["--http-port"]), grpc_port=flag_int("--grpc-port"),
+        metrics_port=metrics_port, exit_timeout_s=flag_int("--exit-timeout-secs"), server_bin=server_bin,
+        backend_directory=last.get("--backend-directory"), cache_directory=last.get("--cache-directory"),
+        model_control_mode=last.get("--model-control-mode", "none"),  # Triton's default
+        load_models=tuple(lists["--load-model"]),
+        strict_readiness=flag_bool("--strict-readiness") is not False,  # Triton's default: true
+        http_address=last.get("--http-address"), grpc_address=last.get("--grpc-address"),
+        metrics_address=last.get("--metrics-address"), allow_metrics=allow_metrics,
+        allow_gpu_metrics=flag_bool("--allow-gpu-metrics"), allow_client_shm=flag_bool("--allow-client-shm"),
+        memory_pools=MemoryPools(tuple(lists["--cuda-memory-pool-byte-size"]),
+                                 flag_int("--pinned-memory-pool-byte-size") or 0),
+        backend_config=tuple(lists["--backend-config"]),
+        disable_auto_complete_config="--disable-auto-complete-config" in last,
+        extra_args=tuple(extra), **values)
+
+
+# the flags with one value that from_args reads into a field (the last one given wins, as in Triton)
+_BOOL_FLAGS = ("--strict-readiness", "--allow-metrics", "--allow-gpu-metrics", "--allow-client-shm")
+_OWNED = ("--backend-directory", "--cache-directory", "--model-control-mode", "--http-address",
+          "--grpc-address", "--metrics-address", "--http-port", "--grpc-port", "--metrics-port",
+          "--pinned-memory-pool-byte-size", "--exit-timeout-secs", *_BOOL_FLAGS)
 
 
 def server_config(repository: str, preset: Preset, *, load_models: Sequence[str],
