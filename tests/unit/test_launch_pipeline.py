@@ -1,12 +1,13 @@
 """One launch pipeline as data: every launcher renders tritonserver's final command once, from a typed
 ``server_config.TritonServerConfig``.
 
-Each target runs through its real entry chain up to the final exec/Popen of tritonserver, which is the only
-thing stubbed (it records the argv instead of starting the server): the embedded server (``embedded.start``),
-the watchdog's restart (``launch.json`` read back, ``watchdog._spawn_server``), the container (the command
-``docker``/Kubernetes render -> ``deploy.entrypoint`` -> ``thread_budget exec --watchdog`` -> the watchdog's
-fork -> exec), the image check (``image_check.fixture_command`` -> ``thread_budget exec``) and the perf harness
-(``tools.perf.run._server``). The watchdog process itself is not forked (``os.fork`` answers "parent").
+Each target runs through its real entry chain; only the execs along the chain and the final start of
+tritonserver are stubbed (they record the argv; the next step then runs in this process): the embedded
+server (``embedded.start``), the watchdog's restart (``launch.json`` read back, ``watchdog._spawn_server``),
+the container (the command ``docker``/Kubernetes render -> ``deploy.entrypoint`` -> ``thread_budget exec
+--watchdog`` -> the watchdog's fork -> exec), the image check (``image_check.fixture_command`` ->
+``thread_budget exec``) and the perf harness (``tools.perf.run._server``). The watchdog process itself is not
+forked (``os.fork`` answers "parent") and this host's /dev/shm is left alone.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from deploy_support import write_repository
 
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE, GPU_TRITON_RELEASE
-from nnunet_triton.server import embedded, health, preload, watchdog
+from nnunet_triton.server import embedded, health, preload
 from nnunet_triton.server import server_config as server_config_module
 from nnunet_triton.server.deploy import docker, image_check, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
@@ -241,3 +241,22 @@ def test_the_containers_watchdog_refuses_a_server_command_without_an_http_port(t
     its command with server_config.from_args before the watchdog is forked)."""
     with pytest.raises(ValueError, match="names no HTTP port"):
         server_config_module.from_args(["tritonserver", f"--model-repository={tmp_path}"])
+
+
+def test_a_rendered_command_reads_back_as_its_config_and_a_foreign_flag_stays_in_place(tmp_path: Path) -> None:
+    """server_config.from_args, the one parser of a server command (the container entry point's)."""
+    repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))
+    info = RepositoryInfo.from_repository(repo)
+    container = docker.tritonserver_args(info, sizing.plan_memory(info, sizing.VolumeSpec()), gpus=1)
+    for config in (_full_config("secret-token"), _full_config(preload.PLACEHOLDER),
+                   server_config_module.from_args(container)):
+        assert server_config_module.from_args(config.to_args()) == config
+    assert server_config_module.from_args(container).to_args() == list(container)
+    # a hand-written command: Triton's defaults, frontends off, the metrics endpoint closed without a port
+    minimal = server_config_module.from_args(["tritonserver", "--http-port=8000", "--log-verbose=1",
+                                              "--rate-limit-resource=r:02"])
+    assert minimal.to_args() == ["tritonserver", "--model-control-mode=none", "--strict-readiness=true",
+                                 "--http-port=8000", "--allow-metrics=false", "--allow-sagemaker=false",
+                                 "--allow-vertex-ai=false", "--log-verbose=1", "--rate-limit-resource=r:02"]
+    with pytest.raises(ValueError, match="'--allow-vertex-ai=true' is refused"):
+        server_config_module.from_args(["tritonserver", "--http-port=8000", "--allow-vertex-ai=true"])

@@ -490,9 +490,9 @@ def start(model_repository: str | Path, options: LaunchOptions | None = None, /,
             continue
         server = _server_config(repositories, options, installation, backend_dir, load_models, budget,
                                 memory_pools, token_flag, ports)
-        launch = _Launch(installation=installation, server=server, detach=options.detach, thread_budget=budget,
-                         control_token=control_token, memory_plan=memory_plan, preload_library=preload_library,
-                         degraded=degraded, **run_files)
+        launch = _Launch(installation=installation, server=server, detach=options.detach,
+                         thread_budget=budget, control_token=control_token, memory_plan=memory_plan,
+                         preload_library=preload_library, degraded=degraded, **run_files)
         handle = _spawn(launch)
         try:
             _wait_ready(handle, options.ready_timeout_s)

@@ -237,7 +237,8 @@ class TritonServerConfig:
         ports = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
         # an address is rendered with or without its port (Triton's default port then), except a closed
         # metrics endpoint's
-        endpoints = [arg for name in ("http", "grpc", "metrics") if name != "metrics" or ports[name] is not None
+        endpoints = [arg for name in ("http", "grpc", "metrics")
+                     if name != "metrics" or ports[name] is not None
                      for arg in (() if addresses[name] is None else (f"--{name}-address={addresses[name]}",))
                      + (() if ports[name] is None else (f"--{name}-port={ports[name]}",))]
         allow_metrics = False if self.metrics_port is None else self.allow_metrics
@@ -362,46 +363,28 @@ def from_args(argv: Sequence[str]) -> TritonServerConfig:
     if not argv:
         raise ValueError("the server command is empty.")
     server_bin, *args = argv
-    lists: dict[str, list[Any]] = {"--model-repository": [], "--load-model": [], "--backend-config": [],
-                                   "--rate-limit-resource": [], "--cuda-memory-pool-byte-size": []}
+    lists: dict[str, list[Any]] = {flag: [] for flag in _LIST_READERS}
     last: dict[str, str] = {}
     extra: list[str] = []
-    held: dict[str, str] = {}  # flags kept only if they read back as this module renders them
+    held: dict[str, str] = {}  # flags of a group, kept only if the group reads back as rendered here
     for arg in args:
         flag, sep, value = arg.partition("=")
-        if not sep:
-            if arg == "--disable-auto-complete-config":
-                last[arg] = ""
-            else:
-                extra.append(arg)
-        elif flag == "--backend-config":
-            backend, comma, setting = value.partition(",")
-            key, eq, setting_value = setting.partition("=")
-            if comma and eq and "=" not in backend:
-                lists[flag].append((backend, key, setting_value))
-            else:  # a global backend setting (no backend named)
-                extra.append(arg)
-        elif flag == "--rate-limit-resource" and len(value.split(":")) == 2:
-            name, count = value.split(":")
-            lists[flag].append((name, _int(flag, count)))
-        elif flag == "--cuda-memory-pool-byte-size" and len(value.split(":")) == 2:
-            gpu, size = value.split(":")
-            lists[flag].append((_int(flag, gpu), _int(flag, size)))
-        elif flag in ("--model-repository", "--load-model"):
-            lists[flag].append(value)
-        elif flag in ("--allow-sagemaker", "--allow-vertex-ai") and value == "false":
+        item = _LIST_READERS[flag](flag, value) if sep and flag in _LIST_READERS else None
+        if item is not None:
+            lists[flag].append(item)
+            if flag == "--rate-limit-resource":  # a field only with --rate-limit=execution_count
+                held[arg] = arg
+        elif arg == "--disable-auto-complete-config":
+            last[arg] = ""
+        elif sep and flag in ("--allow-sagemaker", "--allow-vertex-ai") and value == "false":
             continue  # always rendered off
-        elif flag in ("--rate-limit", "--grpc-use-ssl", "--grpc-server-cert", "--grpc-server-key",
-                      "--grpc-use-ssl-mutual", "--grpc-root-cert", "--http-restricted-api",
-                      "--grpc-restricted-protocol"):
+        elif sep and flag in _GROUPED:
             held[flag] = arg
-        elif flag in _OWNED and (flag not in _BOOL_FLAGS or value in _BOOL):
+        elif sep and flag in _OWNED and (flag not in _BOOL_FLAGS or value in _BOOL):
             last[flag] = value
         else:
             extra.append(arg)
-    if "--http-port" not in last:
-        raise ValueError(f"the server command names no HTTP port (--http-port=PORT), so the watchdog cannot "
-                         f"watch it: {list(argv)}")
+    http_port = _http_port(last, argv)
 
     def flag_bool(flag: str) -> bool | None:
         return _BOOL[last[flag]] if flag in last else None
@@ -413,35 +396,11 @@ def from_args(argv: Sequence[str]) -> TritonServerConfig:
     allow_metrics = flag_bool("--allow-metrics")
     if metrics_port is None and allow_metrics is False:
         allow_metrics = None  # rendered off anyway without a port
-    values: dict[str, Any] = {}
-    if held.get("--rate-limit") == "--rate-limit=execution_count" and lists["--rate-limit-resource"]:
-        values["rate_limit_resources"] = tuple(lists["--rate-limit-resource"])
-        held.pop("--rate-limit")
-    else:
-        extra += [f"--rate-limit-resource={n}:{c}" for n, c in lists["--rate-limit-resource"]]
-    tls = {f: held[f].partition("=")[2] for f in ("--grpc-use-ssl", "--grpc-server-cert", "--grpc-server-key",
-                                                  "--grpc-use-ssl-mutual", "--grpc-root-cert") if f in held}
-    if tls:
-        mutual = tls.get("--grpc-use-ssl-mutual") == "true" and "--grpc-root-cert" in tls
-        candidate = (GrpcTls(tls.get("--grpc-server-cert", ""), tls.get("--grpc-server-key", ""),
-                             tls["--grpc-root-cert"] if mutual else None)
-                     if tls.get("--grpc-use-ssl") == "true" else None)
-        if candidate is not None and sorted(candidate.args()) == sorted(held[f] for f in tls):
-            values["grpc_tls"] = candidate
-            for flag in tls:
-                held.pop(flag)
-    if "--http-restricted-api" in held:
-        groups, _, rest = held["--http-restricted-api"].partition("=")[2].partition(":")
-        header, _, token = rest.partition("=")
-        if restricted_api_args(groups.split(","), header, token) == [
-                held["--http-restricted-api"], held.get("--grpc-restricted-protocol")]:
-            values.update(restricted_apis=tuple(groups.split(",")), control_header=header, control_token=token)
-            held.pop("--http-restricted-api")
-            held.pop("--grpc-restricted-protocol")
+    values = _read_groups(held, lists["--rate-limit-resource"])
     extra += [arg for arg in args if arg in held.values()]  # what did not read back, in its order
     return TritonServerConfig(
         model_repositories=tuple(lists["--model-repository"]),
-        http_port=_int("--http-port", last["--http-port"]), grpc_port=flag_int("--grpc-port"),
+        http_port=http_port, grpc_port=flag_int("--grpc-port"),
         metrics_port=metrics_port, exit_timeout_s=flag_int("--exit-timeout-secs"), server_bin=server_bin,
         backend_directory=last.get("--backend-directory"), cache_directory=last.get("--cache-directory"),
         model_control_mode=last.get("--model-control-mode", "none"),  # Triton's default
@@ -455,6 +414,70 @@ def from_args(argv: Sequence[str]) -> TritonServerConfig:
         backend_config=tuple(lists["--backend-config"]),
         disable_auto_complete_config="--disable-auto-complete-config" in last,
         extra_args=tuple(extra), **values)
+
+
+def _http_port(last: Mapping[str, str], argv: Sequence[str]) -> int:
+    """The command's HTTP port: required, no default port (the watchdog and the TLS proxy need it)."""
+    if "--http-port" not in last:
+        raise ValueError(f"the server command names no HTTP port (--http-port=PORT), so the watchdog cannot "
+                         f"watch it: {list(argv)}")
+    return _int("--http-port", last["--http-port"])
+
+
+def _backend_setting(flag: str, value: str) -> tuple[str, str, str] | None:
+    backend, comma, setting = value.partition(",")
+    key, eq, setting_value = setting.partition("=")
+    return (backend, key, setting_value) if comma and eq and "=" not in backend else None  # else: global
+
+
+def _int_pair(flag: str, value: str) -> tuple[int, int] | None:
+    parts = value.split(":")
+    return (_int(flag, parts[0]), _int(flag, parts[1])) if len(parts) == 2 else None
+
+
+def _resource(flag: str, value: str) -> tuple[str, int] | None:
+    parts = value.split(":")
+    return (parts[0], _int(flag, parts[1])) if len(parts) == 2 else None
+
+
+def _read_groups(held: dict[str, str], resources: list[tuple[str, int]]) -> dict[str, Any]:
+    """The fields of the flag groups (rate limiter, gRPC TLS, restricted APIs) that read back exactly as
+    :meth:`TritonServerConfig.to_args` renders them; their flags are taken out of ``held``."""
+    values: dict[str, Any] = {}
+    if held.get("--rate-limit") == "--rate-limit=execution_count" and resources:
+        values["rate_limit_resources"] = tuple(resources)
+        for flag in [f for f in held if f == "--rate-limit" or f.startswith("--rate-limit-resource=")]:
+            held.pop(flag)
+    tls = {f: held[f].partition("=")[2] for f in _TLS_FLAGS if f in held}
+    if tls.get("--grpc-use-ssl") == "true":
+        mutual = tls.get("--grpc-use-ssl-mutual") == "true" and "--grpc-root-cert" in tls
+        candidate = GrpcTls(tls.get("--grpc-server-cert", ""), tls.get("--grpc-server-key", ""),
+                            tls["--grpc-root-cert"] if mutual else None)
+        if sorted(candidate.args()) == sorted(held[f] for f in tls):
+            values["grpc_tls"] = candidate
+            for flag in tls:
+                held.pop(flag)
+    if "--http-restricted-api" in held:
+        groups, _, rest = held["--http-restricted-api"].partition("=")[2].partition(":")
+        header, _, token = rest.partition("=")
+        if restricted_api_args(groups.split(","), header, token) == [
+                held["--http-restricted-api"], held.get("--grpc-restricted-protocol")]:
+            values.update(restricted_apis=tuple(groups.split(",")), control_header=header,
+                          control_token=token)
+            held.pop("--http-restricted-api")
+            held.pop("--grpc-restricted-protocol")
+    return values
+
+
+# how from_args reads each repeatable flag's value (None: kept in extra_args as given)
+_LIST_READERS: dict[str, Any] = {
+    "--model-repository": lambda flag, value: value, "--load-model": lambda flag, value: value,
+    "--backend-config": _backend_setting, "--rate-limit-resource": _resource,
+    "--cuda-memory-pool-byte-size": _int_pair,
+}
+_TLS_FLAGS = ("--grpc-use-ssl", "--grpc-server-cert", "--grpc-server-key", "--grpc-use-ssl-mutual",
+              "--grpc-root-cert")
+_GROUPED = ("--rate-limit", *_TLS_FLAGS, "--http-restricted-api", "--grpc-restricted-protocol")
 
 
 # the flags with one value that from_args reads into a field (the last one given wins, as in Triton)
