@@ -243,7 +243,8 @@ def test_the_containers_watchdog_refuses_a_server_command_without_an_http_port(t
         server_config_module.from_args(["tritonserver", f"--model-repository={tmp_path}"])
 
 
-def test_a_rendered_command_reads_back_as_its_config_and_a_foreign_flag_stays_in_place(tmp_path: Path) -> None:
+def test_a_rendered_command_reads_back_as_its_config_and_a_foreign_flag_stays_in_place(
+        tmp_path: Path) -> None:
     """server_config.from_args, the one parser of a server command (the container entry point's)."""
     repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))
     info = RepositoryInfo.from_repository(repo)
