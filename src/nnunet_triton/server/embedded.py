@@ -74,7 +74,8 @@ def _free_port(host: str) -> int:
 
 
 # flags TritonServerConfig owns as fields: refused in extra_args, which would render them a second time
-_OWNED_FLAGS = {"--model-repository": "extra_repositories", "--backend-directory": "backend_dirs"}
+_OWNED_FLAGS = {"--model-repository": ("extra_repositories", "serve one repository per server"),
+                "--backend-directory": ("backend_dirs", "serve/deploy --backend-directory DIR")}
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,9 @@ class LaunchOptions:
         for arg in self.extra_args:
             flag = arg.partition("=")[0]
             if flag in _OWNED_FLAGS:
+                field_name, cli = _OWNED_FLAGS[flag]
                 raise ValueError(f"the tritonserver flag {arg!r} in extra_args is a field of the server's "
-                                 f"config: give it as LaunchOptions.{_OWNED_FLAGS[flag]}.")
+                                 f"config: give it as LaunchOptions.{field_name} ({cli}).")
 
     @classmethod
     def from_keywords(cls, **keywords: Any) -> LaunchOptions:
