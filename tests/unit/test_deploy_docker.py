@@ -27,6 +27,7 @@ from nnunet_triton.server import watchdog
 from nnunet_triton.server.deploy import container_proxy, docker, entrypoint, k8s_proxy, service, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.proxy_config import ExposureError, ProxyError, TlsSettings, render_config
+from nnunet_triton.server.server_config import from_args
 from tests.tls_support import make_certificates
 
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
@@ -567,7 +568,7 @@ def test_the_containers_watchdog_refuses_to_fork_without_the_preload_library(tmp
     library = tmp_path / preload if preload else None
     with pytest.raises(ValueError, match="is not a file: without it the control token would be on "
                                          "tritonserver's command line"):
-        watchdog.fork_for_exec(["tritonserver", "--http-port=8000"], tmp_path, preload=library)
+        watchdog.fork_for_exec(from_args(["tritonserver", "--http-port=8000"]), tmp_path, preload=library)
 
 
 def _entrypoint_tls(certs, *extra: str) -> list[str]:

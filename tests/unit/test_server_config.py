@@ -11,7 +11,7 @@ from deploy_support import write_repository
 
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE, GPU_TRITON_RELEASE
-from nnunet_triton.server import embedded, health, preload, watchdog
+from nnunet_triton.server import embedded, health, preload
 from nnunet_triton.server import server_config as server_config_module
 from nnunet_triton.server.deploy import docker, image_check, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
@@ -47,15 +47,12 @@ def _flags(argv: list[str] | tuple[str, ...]) -> dict[str, list[str]]:
 def _embedded_argv(repo: Path, tmp_path: Path, *, preload_library: Path | None,
                    ports: dict[str, int | None] | None = None) -> list[str]:
     installation = TritonInstallation(server_dir=tmp_path / "server", lib_dirs=(), python_bin_dir=tmp_path)
-    launch_args = {
-        "installation": installation, "backend_dir": tmp_path / "backends", "model_repository": repo,
-        "host": EMBEDDED.host, "grpc_host": EMBEDDED.host, "grpc_tls": None, "model_control_mode": "explicit",
-        "load_models": tuple(health.repository_models(repo)), "backend_config": None, "extra_args": (),
-        "exit_timeout_s": EMBEDDED.exit_timeout_s,
-        "thread_budget": plan_budget(1, env={}, quota=CpuQuota(2, 2, None, "test")),
-        "control_token": "secret-token", "preload_library": preload_library, "memory_pools": MemoryPools(),
-    }
-    return embedded._server_config(launch_args, PORTS if ports is None else ports).to_args()
+    budget = plan_budget(1, env={}, quota=CpuQuota(2, 2, None, "test"))
+    token_flag = preload.PLACEHOLDER if preload_library is not None else "secret-token"
+    options = embedded.LaunchOptions(exit_timeout_s=EMBEDDED.exit_timeout_s)
+    return embedded._server_config((repo,), options, installation, tmp_path / "backends",
+                                   tuple(health.repository_models(repo)), budget, MemoryPools(), token_flag,
+                                   PORTS if ports is None else ports).to_args()
 
 
 def test_every_target_renders_the_same_flags_except_its_presets_explicit_differences(tmp_path: Path) -> None:
@@ -187,7 +184,8 @@ def test_no_module_but_server_config_builds_a_tritonserver_flag() -> None:
             "--cuda-memory-pool-byte-size", "--grpc-use-ssl", "--http-restricted-api",
             "--allow-client-shm"} <= flags
     builders = []
-    for path in sorted(SRC.rglob("*.py")):
+    # the package and the tools that launch servers (the perf harness once spelled --model-repository= there)
+    for path in sorted([*SRC.rglob("*.py"), *(SRC.parents[1] / "tools").rglob("*.py")]):
         if path.name == "server_config.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -197,7 +195,7 @@ def test_no_module_but_server_config_builds_a_tritonserver_flag() -> None:
                 # our own commands' options may share a name (``--model-repository PATH``): only
                 # ``--flag=value`` and tritonserver's bare flags are built for tritonserver
                 if text in bare or any(text.startswith(f"{f}=") for f in flags):
-                    builders.append(f"{path.relative_to(SRC)}:{node.lineno}: {text}")
+                    builders.append(f"{path.relative_to(SRC.parents[1])}:{node.lineno}: {text}")
     assert builders == []
 
 
@@ -239,6 +237,27 @@ def test_server_modules_compute_no_backoff_of_their_own() -> None:
 
 
 def test_the_containers_watchdog_refuses_a_server_command_without_an_http_port(tmp_path: Path) -> None:
-    """No fallback to Triton's default port: the rendered command always names it."""
+    """No fallback to Triton's default port: the rendered command always names it (the entry point reads
+    its command with server_config.from_args before the watchdog is forked)."""
     with pytest.raises(ValueError, match="names no HTTP port"):
-        watchdog.fork_for_exec(["tritonserver", f"--model-repository={tmp_path}"], tmp_path)
+        server_config_module.from_args(["tritonserver", f"--model-repository={tmp_path}"])
+
+
+def test_a_rendered_command_reads_back_as_its_config_and_a_foreign_flag_stays_in_place(
+        tmp_path: Path) -> None:
+    """server_config.from_args, the one parser of a server command (the container entry point's)."""
+    repo = write_repository(tmp_path / "repo", BuildOptions(target="cpu"))
+    info = RepositoryInfo.from_repository(repo)
+    container = docker.tritonserver_args(info, sizing.plan_memory(info, sizing.VolumeSpec()), gpus=1)
+    for config in (_full_config("secret-token"), _full_config(preload.PLACEHOLDER),
+                   server_config_module.from_args(container)):
+        assert server_config_module.from_args(config.to_args()) == config
+    assert server_config_module.from_args(container).to_args() == list(container)
+    # a hand-written command: Triton's defaults, frontends off, the metrics endpoint closed without a port
+    minimal = server_config_module.from_args(["tritonserver", "--http-port=8000", "--log-verbose=1",
+                                              "--rate-limit-resource=r:02"])
+    assert minimal.to_args() == ["tritonserver", "--model-control-mode=none", "--strict-readiness=true",
+                                 "--http-port=8000", "--allow-metrics=false", "--allow-sagemaker=false",
+                                 "--allow-vertex-ai=false", "--log-verbose=1", "--rate-limit-resource=r:02"]
+    with pytest.raises(ValueError, match="'--allow-vertex-ai=true' is refused"):
+        server_config_module.from_args(["tritonserver", "--http-port=8000", "--allow-vertex-ai=true"])

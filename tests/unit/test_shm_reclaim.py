@@ -146,13 +146,14 @@ def test_a_bad_setting_stops_the_container_entry_point_and_the_watchdog_with_its
                                                                                       caplog):
     """Not a watchdog that dies unseen after the fork (containers) or with a traceback (embedded)."""
     from nnunet_triton.server import watchdog
+    from nnunet_triton.server.server_config import from_args
 
+    library = tmp_path / "preload.so"  # present: the preload check (before this one) passes
+    library.write_bytes(b"\x7fELF")
     monkeypatch.setenv(ABOVE_ENV, "lots")
-    library = tmp_path / "preload.so"  # present: the check of the library comes first
-    library.write_bytes(b"")
     with pytest.raises(ValueError, match=rf"\${ABOVE_ENV} must be a number >= 0, got 'lots'"):
-        watchdog.fork_for_exec(["tritonserver", "--http-port=8000", f"--model-repository={tmp_path}"],
-                               tmp_path, preload=library)
+        server = from_args(["tritonserver", "--http-port=8000", f"--model-repository={tmp_path}"])
+        watchdog.fork_for_exec(server, tmp_path, preload=library)
     monkeypatch.setenv(watchdog.TOKEN_ENV, "token")
     argv = ["--url", "127.0.0.1:1", "--server-pid", "1", "--model-repository", str(tmp_path)]
     assert watchdog.main(argv) == 2

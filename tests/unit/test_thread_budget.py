@@ -162,15 +162,19 @@ def test_container_entry_point_execs_the_server_with_the_budget(tmp_path: Path) 
     repo = _repository(tmp_path, folds=2, instances=1)
     for k in range(2):  # networks the check can run (their bits do not depend on the thread count)
         save(Elementwise(3), repo / f"fold_{k}" / "1" / "model.pt")
-    code = "import json, os; print(json.dumps({k: os.environ.get(k) for k in " \
-           "('OMP_WAIT_POLICY', 'NNUNET_TRITON_FOLD_THREADS', 'NNUNET_TRITON_THREAD_POLICY')}))"
+    server = tmp_path / "tritonserver"  # stands in for tritonserver: prints what it was started with
+    server.write_text(f"#!{sys.executable}\nimport json, os, sys\nprint(json.dumps({{k: os.environ.get(k) "
+                      "for k in ('OMP_WAIT_POLICY', 'NNUNET_TRITON_FOLD_THREADS', "
+                      "'NNUNET_TRITON_THREAD_POLICY')}))\nprint(json.dumps(sys.argv))\n")
+    server.chmod(0o700)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "NNUNET_TRITON_"))}
     env["PYTHONPATH"] = str(REPO_ROOT / "src")
     result = subprocess.run(
         [sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec",
          "--model-repository", str(repo), "--",
-         sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env)
-    seen = json.loads(result.stdout)
+         str(server), f"--model-repository={repo}", "--http-port=8000"],
+        capture_output=True, text=True, timeout=120, check=True, env=env)
+    seen = json.loads(result.stdout.splitlines()[0])
     cpus = tb.available_cpus().cpus
     assert seen == {"OMP_WAIT_POLICY": "PASSIVE", "NNUNET_TRITON_FOLD_THREADS": str(max(1, cpus // 2)),
                     "NNUNET_TRITON_THREAD_POLICY": "split"}  # auto: the test plans' small patch, proven exact

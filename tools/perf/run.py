@@ -294,12 +294,11 @@ def _server(repositories: Sequence[Path], log_dir: Path, name: str) -> Iterator[
     src = str(REPO_ROOT / "src")  # the stubs import nnunet_triton even without `pip install -e .`
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
     log_dir.mkdir(parents=True, exist_ok=True)
-    handle = embedded_server.start(
-        repositories[0], home=REPO_ROOT / "build" / "triton-home", log_file=log_dir / f"{name}.server.log",
+    handle = embedded_server.start(repositories[0], embedded_server.LaunchOptions(
+        home=REPO_ROOT / "build" / "triton-home", log_file=log_dir / f"{name}.server.log",
         pid_file=log_dir / f"{name}.server.pid", state_file=log_dir / f"{name}.server.json",
-        ready_timeout_s=1800.0, exit_timeout_s=5,
-        extra_args=tuple(f"--model-repository={r.absolute()}" for r in repositories[1:]),
-    )
+        ready_timeout_s=1800.0, exit_timeout_s=5, extra_repositories=tuple(repositories[1:]),
+    ))
     try:
         yield handle
     finally:

@@ -25,7 +25,7 @@ from nnunet_triton.cli import build, exit_code, with_epilog
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument
 from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
-from nnunet_triton.server.embedded import ALLOW_DEGRADED_FLAG, DEFAULT_HOST, start
+from nnunet_triton.server.embedded import ALLOW_DEGRADED_FLAG, DEFAULT_HOST, LaunchOptions, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
 from nnunet_triton.server.proxy import ClientLimits, TlsSettings, running_pid
 from nnunet_triton.server.proxy_config import (
@@ -218,8 +218,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
             "a server is already running (pid %d, http %s); run `stop` first", running.pid, running.http_url
         )
         return ExitCode.USAGE
-    handle = start(
-        args.model_repository,
+    handle = start(args.model_repository, LaunchOptions(
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
@@ -240,7 +239,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         allow_statistics=args.proxy_allow_statistics,
         proxy_limits=proxy_limits(args),
         usual_ports=True,  # Triton's 8000/8001(/8002), where the clients look first; free ones when taken
-    )
+    ))
     sys.stdout.write(json.dumps(_public_state(handle), indent=2) + "\n")
     sys.stdout.flush()
     if not args.foreground:

@@ -16,9 +16,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.errors import DeployError, PreloadUnavailableError, RepositoryError, ServerError
@@ -36,9 +36,7 @@ from nnunet_triton.server.server_config import (
     MemoryPools,
     TritonServerConfig,
     check_extra_args,
-    flag_values,
     server_config,
-    without_flag,
     without_frontend_environment,
 )
 from nnunet_triton.server.thread_budget import ThreadBudget, decide_budget, repository_folds
@@ -54,6 +52,7 @@ from nnunet_triton.util.durable import write_text_atomic
 __all__ = [
     "ALLOW_DEGRADED_FLAG",
     "DEFAULT_HOME",
+    "LaunchOptions",
     "prepare_home",
     "start",
 ]
@@ -67,6 +66,74 @@ _PR_SET_PDEATHSIG = 1
 PRIVATE_UMASK = 0o077
 # the command-line flag (serve, deploy) that starts a server without server.preload's library anyway
 ALLOW_DEGRADED_FLAG = "--allow-token-in-proc-and-readable-shm"
+
+
+# flags TritonServerConfig owns as fields: refused in extra_args, which would render them a second time
+_OWNED_FLAGS = {"--model-repository": ("extra_repositories", "serve one repository per server"),
+                "--backend-directory": ("backend_dirs", "serve/deploy --backend-directory DIR")}
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How :func:`start` launches one server: every choice but the repository (see ``start`` for each).
+
+    ``extra_repositories`` are served by the same server next to the first (``TritonServerConfig``'s
+    ``model_repositories``); ``extra_args`` are further tritonserver flags, none that ``server_config`` owns
+    as a field (``--model-repository=``, ``--backend-directory=``: ValueError naming the option to use).
+    """
+
+    host: str = DEFAULT_HOST
+    http_port: int | None = None
+    grpc_port: int | None = None
+    metrics_port: int | None = None
+    metrics: bool = False
+    extra_repositories: tuple[Path, ...] = ()
+    home: str | Path | None = None
+    log_file: str | Path | None = None
+    pid_file: str | Path | None = None
+    state_file: str | Path | None = None
+    model_control_mode: str = "explicit"
+    load_models: tuple[str, ...] = ()
+    recovery: bool = True
+    backend_config: Mapping[str, Mapping[str, object]] | None = field(default=None, hash=False)
+    extra_args: tuple[str, ...] = ()
+    ready_timeout_s: float = 120.0
+    exit_timeout_s: int = EXIT_TIMEOUT_S
+    detach: bool = False
+    volume: VolumeSpec | None = None
+    backend_dirs: tuple[Path, ...] | None = None
+    tls: proxy.TlsSettings | None = None
+    proxy_port: int | None = None
+    allow_statistics: bool = False
+    proxy_limits: proxy.ClientLimits | None = None
+    allow_token_in_proc_and_readable_shm: bool = False
+    usual_ports: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("extra_repositories", "backend_dirs"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(Path(v) for v in value))
+        object.__setattr__(self, "load_models", tuple(self.load_models))
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        check_extra_args(self.extra_args)
+        for arg in self.extra_args:
+            flag = arg.partition("=")[0]
+            if flag in _OWNED_FLAGS:
+                field_name, cli = _OWNED_FLAGS[flag]
+                raise ValueError(f"the tritonserver flag {arg!r} in extra_args is a field of the server's "
+                                 f"config: give it as LaunchOptions.{field_name} ({cli}).")
+
+    @classmethod
+    def from_keywords(cls, **keywords: Any) -> LaunchOptions:
+        """The options of ``start``'s keyword arguments (the old calling convention); TypeError naming an
+        unknown one."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(keywords) - known)
+        if unknown:
+            raise TypeError(f"start() got unexpected keyword argument(s) {unknown}; LaunchOptions has "
+                            f"{sorted(known)}.")
+        return cls(**keywords)
 
 
 @dataclass(frozen=True)
@@ -99,22 +166,24 @@ class _Launch:
         return self.server.to_args()
 
 
-def _server_config(launch_args: Mapping[str, object], ports: Mapping[str, int | None]) -> TritonServerConfig:
-    """The tritonserver config of one start attempt (``server_config.EMBEDDED`` and the launch choices)."""
-    token = launch_args["control_token"]
-    flag_token = preload.PLACEHOLDER if launch_args["preload_library"] and token else token
+def _server_config(repositories: Sequence[Path], options: LaunchOptions, installation: TritonInstallation,
+                   backend_dir: Path, load_models: Sequence[str], budget: ThreadBudget,
+                   memory_pools: MemoryPools, token_flag: str | None,
+                   ports: Mapping[str, int | None]) -> TritonServerConfig:
+    """The tritonserver config of one start attempt: ``server_config.EMBEDDED`` and the launch choices, then
+    the thread budget's rate limits and the restricted APIs' token flag (``token_flag``: the preload
+    placeholder, or the token itself in a degraded start) applied with ``dataclasses.replace``."""
+    tls = options.tls
     config = server_config(
-        str(launch_args["model_repository"]), EMBEDDED, load_models=launch_args["load_models"], ports=ports,
-        host=launch_args["host"], grpc_host=launch_args["grpc_host"],
-        exit_timeout_s=launch_args["exit_timeout_s"],
-        backend_config=launch_args["backend_config"], server_bin=str(launch_args["installation"].server_bin),
-        backend_directory=str(launch_args["backend_dir"]),
-        cache_directory=str(launch_args["installation"].cache_dir),
-        model_control_mode=launch_args["model_control_mode"], memory_pools=launch_args["memory_pools"],
-        rate_limit_resources=launch_args["thread_budget"].rate_limits(), grpc_tls=launch_args["grpc_tls"],
-        extra_args=launch_args["extra_args"])
-    if flag_token:
-        config = config.with_restricted_apis(RESTRICTED_APIS, CONTROL_HEADER, flag_token)
+        str(repositories[0]), EMBEDDED, load_models=load_models, ports=ports,
+        host=DEFAULT_HOST if tls is not None else options.host, grpc_host=_grpc_host(options.host, tls),
+        exit_timeout_s=options.exit_timeout_s, backend_config=options.backend_config,
+        server_bin=str(installation.server_bin), backend_directory=str(backend_dir),
+        cache_directory=str(installation.cache_dir), model_control_mode=options.model_control_mode,
+        memory_pools=memory_pools, grpc_tls=_grpc_tls(tls), extra_args=options.extra_args)
+    config = budget.applied_to(replace(config, model_repositories=tuple(str(r) for r in repositories)))
+    if token_flag:
+        config = config.with_restricted_apis(RESTRICTED_APIS, CONTROL_HEADER, token_flag)
     return config
 
 
@@ -307,39 +376,18 @@ def _model_control(mode: str, load_models: tuple[str, ...], recovery: bool,
     return load_models or ("*",), recovery
 
 
-def start(
-    model_repository: str | Path,
-    *,
-    host: str = DEFAULT_HOST,
-    http_port: int | None = None,
-    grpc_port: int | None = None,
-    metrics_port: int | None = None,
-    home: str | Path | None = None,
-    log_file: str | Path | None = None,
-    pid_file: str | Path | None = None,
-    state_file: str | Path | None = None,
-    model_control_mode: str = "explicit",
-    load_models: Sequence[str] = (),
-    recovery: bool = True,
-    backend_config: Mapping[str, Mapping[str, object]] | None = None,
-    extra_args: Sequence[str] = (),
-    ready_timeout_s: float = 120.0,
-    exit_timeout_s: int = EXIT_TIMEOUT_S,
-    detach: bool = False,
-    volume: VolumeSpec | None = None,
-    backend_dirs: Sequence[str | Path] | None = None,
-    tls: proxy.TlsSettings | None = None,
-    proxy_port: int | None = None,
-    allow_statistics: bool = False,
-    proxy_limits: proxy.ClientLimits | None = None,
-    metrics: bool = False,
-    allow_token_in_proc_and_readable_shm: bool = False,
-    usual_ports: bool = False,
-) -> ServerHandle:
-    """Start tritonserver on ``host`` and wait until ``GET /v2/health/ready`` answers 200.
+def start(model_repository: str | Path, options: LaunchOptions | None = None, /,
+          **keywords: Any) -> ServerHandle:
+    """Start tritonserver on ``options.host`` and wait until ``GET /v2/health/ready`` answers 200.
 
-    Args:
+    ``options`` is a :class:`LaunchOptions`; ``start(repo, http_port=..., ...)`` (its fields as keyword
+    arguments, the old calling convention) still works and builds one. The server's command is its
+    ``server_config.TritonServerConfig`` rendered once (``to_args``); the watchdog restarts a dead server from
+    the same config (``launch.json``).
+
+    Args (``model_repository``, then the fields of :class:`LaunchOptions`):
         model_repository: directory with one sub-directory per model.
+        extra_repositories: further repositories the same server serves (``--model-repository`` each).
         host: address all three endpoints bind to (loopback by default).
         http_port, grpc_port, metrics_port: fixed ports; free ones are picked when None (``usual_ports``:
             Triton's usual ones first).
@@ -366,8 +414,7 @@ def start(
             handle's ``memory_plan``; ignored for CPU repositories.
         backend_dirs: folders of further backends (``<name>/libtriton_<name>.so``), merged with the wheel's
             Python backend into one ``--backend-directory`` (``server.backends``); None: where
-            ``make triton-backends`` puts them (``build/triton-backends``) when that exists. A
-            ``--backend-directory=`` in ``extra_args`` counts as one more.
+            ``make triton-backends`` puts them (``build/triton-backends``) when that exists.
         tls: TLS and client authentication for the public endpoints (``server.proxy``): Triton's HTTP and
             metrics then bind 127.0.0.1 and nginx serves HTTPS on ``host:proxy_port`` with an allow-list of
             paths; gRPC binds ``host`` with Triton's own SSL (mutual with ``tls.client_ca``; loopback only
@@ -393,11 +440,15 @@ def start(
         ThreadBudgetError: a thread override that cannot be honoured (names the setting and value).
         PreloadUnavailableError: ``server.preload``'s library cannot be built and
             ``allow_token_in_proc_and_readable_shm`` is False (names what is missing and the flag).
-        ValueError: bad ``model_repository``/``model_control_mode``/``load_models``, or an ``extra_args``
-            flag that would open Triton's SageMaker or Vertex AI frontend (``server_config.FRONTEND_FLAGS``).
+        ValueError: bad ``model_repository``/``model_control_mode``/``load_models``, an ``extra_args``
+            flag that would open Triton's SageMaker or Vertex AI frontend (``server_config.FRONTEND_FLAGS``),
+            or one the config owns as a field (``--model-repository=``: ``extra_repositories``).
 
     The server's environment has no ``AIP_*`` nor ``SAGEMAKER_*`` variable (those frontends read them).
     """
+    if keywords and options is not None:
+        raise TypeError("start() takes LaunchOptions or their fields as keyword arguments, not both.")
+    options = LaunchOptions.from_keywords(**keywords) if keywords else (options or LaunchOptions())
     repo = Path(model_repository).absolute()
     if not repo.is_dir():
         raise ValueError(f"model_repository must be an existing directory, got {str(model_repository)!r}.")
@@ -406,57 +457,49 @@ def start(
         # "terminate called after throwing an instance of 'std::invalid_argument' what(): stol"
         raise ValueError(f"model_repository must not contain whitespace (Triton 2.51's Python backend cannot "
                          f"start its stubs there), got {str(repo)!r}; build or copy it to another path.")
+    host, tls, home = options.host, options.tls, options.home
     proxy.check_exposure(host, tls, what="tritonserver")
-    check_extra_args(extra_args)
-    extra_repositories = [Path(r) for r in flag_values(extra_args, "model-repository")]
-    backend_dir, extra_args = _backend_dir(home, (repo, *extra_repositories), backend_dirs, extra_args)
-    load_models, recovery = _model_control(model_control_mode, tuple(load_models), recovery,
-                                           (repo, *extra_repositories))
+    repositories = (repo, *(r.absolute() for r in options.extra_repositories))
+    backend_dir = _backend_dir(home, repositories, options.backend_dirs)
+    load_models, recovery = _model_control(options.model_control_mode, options.load_models, options.recovery,
+                                           repositories)
     run_dir = resolve_home(home) / "run"
-    launch_args = {
-        "installation": prepare_home(home),
-        "backend_dir": backend_dir,
-        "model_repository": repo,
-        "host": DEFAULT_HOST if tls is not None else host,
-        "grpc_host": _grpc_host(host, tls),
-        "grpc_tls": _grpc_tls(tls),
-        "model_control_mode": model_control_mode,
-        "load_models": tuple(load_models),
-        "backend_config": backend_config,
-        "extra_args": tuple(extra_args),
-        "exit_timeout_s": exit_timeout_s,
-        "thread_budget": decide_budget(repository_folds(repo)),
-        "control_token": watchdog.new_token(),  # the restricted APIs need it in every model control mode
-    }
-    launch_args["preload_library"], degraded = _preload_library(home, allow_token_in_proc_and_readable_shm)
-    launch_args["memory_pools"], memory_plan = _memory_plan(repo, volume or VolumeSpec(), visible_gpus())
+    installation = prepare_home(home)
+    budget = decide_budget(repository_folds(repo))
+    control_token = watchdog.new_token()  # the restricted APIs need it in every model control mode
+    preload_library, degraded = _preload_library(home, options.allow_token_in_proc_and_readable_shm)
+    token_flag = preload.PLACEHOLDER if preload_library and control_token else control_token
+    memory_pools, memory_plan = _memory_plan(repo, options.volume or VolumeSpec(), visible_gpus())
     run_files = {
-        "log_file": Path(log_file) if log_file else run_dir / "tritonserver.log",
-        "pid_file": Path(pid_file) if pid_file else run_dir / "tritonserver.pid",
-        "state_file": Path(state_file) if state_file else run_dir / "server.json",
+        "log_file": Path(options.log_file) if options.log_file else run_dir / "tritonserver.log",
+        "pid_file": Path(options.pid_file) if options.pid_file else run_dir / "tritonserver.pid",
+        "state_file": Path(options.state_file) if options.state_file else run_dir / "server.json",
     }
     _warn_known_cves(host)
-    local = launch_args["host"]
+    local, grpc_host = DEFAULT_HOST if tls is not None else host, _grpc_host(host, tls)
+    http_port, grpc_port, metrics_port = options.http_port, options.grpc_port, options.metrics_port
     auto_ports = (http_port, grpc_port, metrics_port) == (None, None, None)  # only then is a retry useful
-    metrics = metrics or metrics_port is not None
+    metrics = options.metrics or metrics_port is not None
     for attempt in range(3 if auto_ports else 1):
+        # a retry after a port race takes free ports
         ports = choose_ports({"http": http_port, "grpc": grpc_port, "metrics": metrics_port},
-                             {"http": local, "grpc": launch_args["grpc_host"], "metrics": local},
-                             metrics=metrics, usual=usual_ports and attempt == 0)  # a retry: free ports
+                             {"http": local, "grpc": grpc_host, "metrics": local},
+                             metrics=metrics, usual=options.usual_ports and attempt == 0)
         opened = [port for port in ports.values() if port is not None]
         if len(set(opened)) < len(opened):
             continue
-        launch = _Launch(installation=launch_args["installation"], server=_server_config(launch_args, ports),
-                         detach=detach, thread_budget=launch_args["thread_budget"],
-                         control_token=launch_args["control_token"], memory_plan=memory_plan,
-                         preload_library=launch_args["preload_library"], degraded=degraded, **run_files)
+        server = _server_config(repositories, options, installation, backend_dir, load_models, budget,
+                                memory_pools, token_flag, ports)
+        launch = _Launch(installation=installation, server=server, detach=options.detach,
+                         thread_budget=budget, control_token=control_token, memory_plan=memory_plan,
+                         preload_library=preload_library, degraded=degraded, **run_files)
         handle = _spawn(launch)
         try:
-            _wait_ready(handle, ready_timeout_s)
+            _wait_ready(handle, options.ready_timeout_s)
             if tls is not None:
                 _start_proxy(handle, launch, _proxy_config(
-                    host, proxy_port, handle.http_port, tls, (repo, *extra_repositories),
-                    launch.log_file.parent, allow_statistics, proxy_limits or proxy.ClientLimits()))
+                    host, options.proxy_port, handle.http_port, tls, repositories, launch.log_file.parent,
+                    options.allow_statistics, options.proxy_limits or proxy.ClientLimits()))
             if recovery:
                 _start_watchdog(handle, launch)
             return handle
@@ -471,16 +514,16 @@ def start(
 
 
 def _backend_dir(home: str | Path | None, repositories: Sequence[Path],
-                 backend_dirs: Sequence[str | Path] | None,
-                 extra_args: Sequence[str]) -> tuple[Path, tuple[str, ...]]:
-    """(the merged backend folder, ``extra_args`` without ``--backend-directory=``), checked against the
-    backends the repositories need; Triton would keep only the last ``--backend-directory`` flag."""
-    given = [Path(d) for d in flag_values(extra_args, "backend-directory")]
-    dirs = [*(backends.default_backend_dirs() if backend_dirs is None else map(Path, backend_dirs)), *given]
-    merged = backends.merged_backend_dir(prepare_home(home).backend_dir, [d.absolute() for d in dirs],
+                 backend_dirs: Sequence[Path] | None) -> Path:
+    """The merged backend folder, checked against the backends the repositories need (Triton would keep
+    only the last ``--backend-directory`` flag)."""
+    dirs = list(backends.default_backend_dirs() if backend_dirs is None else backend_dirs)
+    merged = backends.merged_backend_dir(prepare_home(home).backend_dir, [Path(d).absolute() for d in dirs],
                                          resolve_home(home))
     backends.check_backends(repositories, merged)
-    return merged, without_flag(extra_args, "backend-directory")
+    return merged
+
+
 def _grpc_host(host: str, tls: proxy.TlsSettings | None) -> str:
     # Triton's gRPC checks client certificates but no bearer token: token-only TLS keeps gRPC on loopback
     return host if tls is None or tls.client_ca is not None else DEFAULT_HOST

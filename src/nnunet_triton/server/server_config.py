@@ -58,6 +58,7 @@ __all__ = [
     "check_extra_args",
     "client_shm_setting",
     "flag_values",
+    "from_args",
     "rate_limit_args",
     "restricted_api_args",
     "server_config",
@@ -195,9 +196,9 @@ class TritonServerConfig:
 
     model_repositories: tuple[str, ...]
     http_port: int
-    grpc_port: int
+    grpc_port: int | None  # None: not passed (Triton's default port; only a hand-written command)
     metrics_port: int | None  # None: no metrics endpoint (``--allow-metrics=false``)
-    exit_timeout_s: int
+    exit_timeout_s: int | None  # None: not passed (Triton's default; only a hand-written command)
     server_bin: str = "tritonserver"
     backend_directory: str | None = None
     cache_directory: str | None = None
@@ -234,9 +235,12 @@ class TritonServerConfig:
         """The command line: ``server_bin`` and its flags."""
         addresses = {"http": self.http_address, "grpc": self.grpc_address, "metrics": self.metrics_address}
         ports = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
-        endpoints = [arg for name in ("http", "grpc", "metrics") if ports[name] is not None
+        # an address is rendered with or without its port (Triton's default port then), except a closed
+        # metrics endpoint's
+        endpoints = [arg for name in ("http", "grpc", "metrics")
+                     if name != "metrics" or ports[name] is not None
                      for arg in (() if addresses[name] is None else (f"--{name}-address={addresses[name]}",))
-                     + (f"--{name}-port={ports[name]}",)]
+                     + (() if ports[name] is None else (f"--{name}-port={ports[name]}",))]
         allow_metrics = False if self.metrics_port is None else self.allow_metrics
         tls = self.grpc_tls
         return [
@@ -255,7 +259,7 @@ class TritonServerConfig:
               if self.allow_client_shm is not None else ()),
             *self.memory_pools.args(),
             *(f"--backend-config={backend},{key}={value}" for backend, key, value in self.backend_config),
-            f"--exit-timeout-secs={self.exit_timeout_s}",
+            *((f"--exit-timeout-secs={self.exit_timeout_s}",) if self.exit_timeout_s is not None else ()),
             "--allow-sagemaker=false",
             "--allow-vertex-ai=false",
             *(("--disable-auto-complete-config",) if self.disable_auto_complete_config else ()),
@@ -293,8 +297,17 @@ class TritonServerConfig:
             values[name] = tuple(tuple(item) for item in values.get(name, ()))
         return cls(**values)
 
+    @classmethod
+    def from_args(cls, argv: Sequence[str]) -> TritonServerConfig:
+        """The config of a tritonserver command line (:func:`from_args`)."""
+        return from_args(argv)
+
     def with_restricted_apis(self, apis: Sequence[str], header: str, token: str) -> TritonServerConfig:
         return replace(self, restricted_apis=tuple(apis), control_header=header, control_token=token)
+
+    def with_rate_limits(self, resources: Sequence[tuple[str, int]]) -> TritonServerConfig:
+        """This config with Triton's rate limiter on ``resources`` (unchanged when there are none)."""
+        return replace(self, rate_limit_resources=tuple(resources)) if resources else self
 
 
 def _release(release: str) -> tuple[int, int]:
@@ -322,6 +335,156 @@ def without_flag(args: Sequence[str], flag: str) -> tuple[str, ...]:
     """``args`` without any ``--<flag>=value``."""
     prefix = f"--{flag}="
     return tuple(a for a in args if not a.startswith(prefix))
+
+
+_BOOL = {"true": True, "false": False}
+
+
+def _int(flag: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"the tritonserver flag {flag} must be an integer, got {value!r}.") from None
+
+
+def from_args(argv: Sequence[str]) -> TritonServerConfig:
+    """The :class:`TritonServerConfig` of a tritonserver command line (its binary first): the one parser of
+    a server command, the inverse of :meth:`TritonServerConfig.to_args` (``from_args(c.to_args())`` renders
+    the same command). The container entry point reads its ``-- tritonserver ...`` with it, once.
+
+    A flag this module does not own (or a value it would render differently) is kept, in order, in
+    ``extra_args``. Flags left out take Triton's defaults (``--model-control-mode=none``); the SageMaker and
+    Vertex AI frontends stay off and the metrics endpoint is closed without ``--metrics-port``.
+
+    Raises:
+        ValueError: an empty command, no ``--http-port`` (the watchdog and the TLS proxy need it: no default
+            port), a port or timeout that is not an integer, or a flag :func:`check_extra_args` refuses.
+    """
+    if not argv:
+        raise ValueError("the server command is empty.")
+    server_bin, *args = argv
+    lists: dict[str, list[Any]] = {flag: [] for flag in _LIST_READERS}
+    last: dict[str, str] = {}
+    extra: list[str] = []
+    held: dict[str, str] = {}  # flags of a group, kept only if the group reads back as rendered here
+    for arg in args:
+        flag, sep, value = arg.partition("=")
+        item = _LIST_READERS[flag](flag, value) if sep and flag in _LIST_READERS else None
+        if item is not None:
+            lists[flag].append(item)
+            if flag == "--rate-limit-resource":  # a field only with --rate-limit=execution_count
+                held[arg] = arg
+        elif arg == "--disable-auto-complete-config":
+            last[arg] = ""
+        elif sep and flag in ("--allow-sagemaker", "--allow-vertex-ai") and value == "false":
+            continue  # always rendered off
+        elif sep and flag in _GROUPED:
+            held[flag] = arg
+        elif sep and flag in _OWNED and (flag not in _BOOL_FLAGS or value in _BOOL):
+            last[flag] = value
+        else:
+            extra.append(arg)
+    http_port = _http_port(last, argv)
+
+    def flag_bool(flag: str) -> bool | None:
+        return _BOOL[last[flag]] if flag in last else None
+
+    def flag_int(flag: str) -> int | None:
+        return _int(flag, last[flag]) if flag in last else None
+
+    metrics_port = flag_int("--metrics-port")
+    allow_metrics = flag_bool("--allow-metrics")
+    if metrics_port is None and allow_metrics is False:
+        allow_metrics = None  # rendered off anyway without a port
+    values = _read_groups(held, lists["--rate-limit-resource"])
+    extra += [arg for arg in args if arg in held.values()]  # what did not read back, in its order
+    return TritonServerConfig(
+        model_repositories=tuple(lists["--model-repository"]),
+        http_port=http_port, grpc_port=flag_int("--grpc-port"),
+        metrics_port=metrics_port, exit_timeout_s=flag_int("--exit-timeout-secs"), server_bin=server_bin,
+        backend_directory=last.get("--backend-directory"), cache_directory=last.get("--cache-directory"),
+        model_control_mode=last.get("--model-control-mode", "none"),  # Triton's default
+        load_models=tuple(lists["--load-model"]),
+        strict_readiness=flag_bool("--strict-readiness") is not False,  # Triton's default: true
+        http_address=last.get("--http-address"), grpc_address=last.get("--grpc-address"),
+        metrics_address=last.get("--metrics-address"), allow_metrics=allow_metrics,
+        allow_gpu_metrics=flag_bool("--allow-gpu-metrics"), allow_client_shm=flag_bool("--allow-client-shm"),
+        memory_pools=MemoryPools(tuple(lists["--cuda-memory-pool-byte-size"]),
+                                 flag_int("--pinned-memory-pool-byte-size") or 0),
+        backend_config=tuple(lists["--backend-config"]),
+        disable_auto_complete_config="--disable-auto-complete-config" in last,
+        extra_args=tuple(extra), **values)
+
+
+def _http_port(last: Mapping[str, str], argv: Sequence[str]) -> int:
+    """The command's HTTP port: required, no default port (the watchdog and the TLS proxy need it)."""
+    if "--http-port" not in last:
+        raise ValueError(f"the server command names no HTTP port (--http-port=PORT), so the watchdog cannot "
+                         f"watch it: {list(argv)}")
+    return _int("--http-port", last["--http-port"])
+
+
+def _backend_setting(flag: str, value: str) -> tuple[str, str, str] | None:
+    backend, comma, setting = value.partition(",")
+    key, eq, setting_value = setting.partition("=")
+    return (backend, key, setting_value) if comma and eq and "=" not in backend else None  # else: global
+
+
+def _int_pair(flag: str, value: str) -> tuple[int, int] | None:
+    parts = value.split(":")
+    return (_int(flag, parts[0]), _int(flag, parts[1])) if len(parts) == 2 else None
+
+
+def _resource(flag: str, value: str) -> tuple[str, int] | None:
+    parts = value.split(":")
+    return (parts[0], _int(flag, parts[1])) if len(parts) == 2 else None
+
+
+def _read_groups(held: dict[str, str], resources: list[tuple[str, int]]) -> dict[str, Any]:
+    """The fields of the flag groups (rate limiter, gRPC TLS, restricted APIs) that read back exactly as
+    :meth:`TritonServerConfig.to_args` renders them; their flags are taken out of ``held``."""
+    values: dict[str, Any] = {}
+    if held.get("--rate-limit") == "--rate-limit=execution_count" and resources:
+        values["rate_limit_resources"] = tuple(resources)
+        for flag in [f for f in held if f == "--rate-limit" or f.startswith("--rate-limit-resource=")]:
+            held.pop(flag)
+    tls = {f: held[f].partition("=")[2] for f in _TLS_FLAGS if f in held}
+    if tls.get("--grpc-use-ssl") == "true":
+        mutual = tls.get("--grpc-use-ssl-mutual") == "true" and "--grpc-root-cert" in tls
+        candidate = GrpcTls(tls.get("--grpc-server-cert", ""), tls.get("--grpc-server-key", ""),
+                            tls["--grpc-root-cert"] if mutual else None)
+        if sorted(candidate.args()) == sorted(held[f] for f in tls):
+            values["grpc_tls"] = candidate
+            for flag in tls:
+                held.pop(flag)
+    if "--http-restricted-api" in held:
+        groups, _, rest = held["--http-restricted-api"].partition("=")[2].partition(":")
+        header, _, token = rest.partition("=")
+        if restricted_api_args(groups.split(","), header, token) == [
+                held["--http-restricted-api"], held.get("--grpc-restricted-protocol")]:
+            values.update(restricted_apis=tuple(groups.split(",")), control_header=header,
+                          control_token=token)
+            held.pop("--http-restricted-api")
+            held.pop("--grpc-restricted-protocol")
+    return values
+
+
+# how from_args reads each repeatable flag's value (None: kept in extra_args as given)
+_LIST_READERS: dict[str, Any] = {
+    "--model-repository": lambda flag, value: value, "--load-model": lambda flag, value: value,
+    "--backend-config": _backend_setting, "--rate-limit-resource": _resource,
+    "--cuda-memory-pool-byte-size": _int_pair,
+}
+_TLS_FLAGS = ("--grpc-use-ssl", "--grpc-server-cert", "--grpc-server-key", "--grpc-use-ssl-mutual",
+              "--grpc-root-cert")
+_GROUPED = ("--rate-limit", *_TLS_FLAGS, "--http-restricted-api", "--grpc-restricted-protocol")
+
+
+# the flags with one value that from_args reads into a field (the last one given wins, as in Triton)
+_BOOL_FLAGS = ("--strict-readiness", "--allow-metrics", "--allow-gpu-metrics", "--allow-client-shm")
+_OWNED = ("--backend-directory", "--cache-directory", "--model-control-mode", "--http-address",
+          "--grpc-address", "--metrics-address", "--http-port", "--grpc-port", "--metrics-port",
+          "--pinned-memory-pool-byte-size", "--exit-timeout-secs", *_BOOL_FLAGS)
 
 
 def server_config(repository: str, preset: Preset, *, load_models: Sequence[str],

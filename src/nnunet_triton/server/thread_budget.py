@@ -11,7 +11,8 @@ with ``OMP_WAIT_POLICY=PASSIVE`` (nnUNetPredictor 8.3 s).
 Every launcher of this project (the embedded server, ``make serve|deploy|demo``, the container
 entry point for docker and Kubernetes) starts the server through :func:`decide_budget`: its
 :meth:`ThreadBudget.environment` goes into the server's environment (inherited by every stub) and its
-:meth:`ThreadBudget.server_args` onto the command line.
+:meth:`ThreadBudget.rate_limits` into the server's ``server_config.TritonServerConfig``
+(:meth:`ThreadBudget.applied_to`, a ``dataclasses.replace``), whose ``to_args`` renders the command once.
 
 * CPUs really available: the process's affinity mask, capped by the cgroup CPU quota (``cpu.max`` of
   cgroup v2, ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` of v1; a container started with ``--cpus 4``
@@ -55,8 +56,14 @@ checked, with a warning when not exact). A value that cannot be honoured is refu
 
 Command line (container entry point; Python 3.10 like the image's stub)::
 
+    python3 -m nnunet_triton.server.thread_budget exec --model-repository /models --server-config JSON
     python3 -m nnunet_triton.server.thread_budget exec --model-repository /models -- tritonserver ...
     python3 -m nnunet_triton.server.thread_budget show --model-repository build/model_repository
+
+``exec`` takes the server as a serialised ``TritonServerConfig`` (``--server-config``: the JSON of its
+``to_dict``, what the container entry point hands on after reading its command once) or as a command line
+(read by ``server_config.from_args``, the one parser); it applies the budget and, with ``--watchdog``, the
+restricted APIs (``watchdog.fork_for_exec``) to that config and execs what ``to_args`` renders.
 """
 
 from __future__ import annotations
@@ -92,7 +99,7 @@ from nnunet_triton.server.exactness import (
     check_threads,
     reference_run,
 )
-from nnunet_triton.server.server_config import rate_limit_args
+from nnunet_triton.server.server_config import TritonServerConfig, from_args, rate_limit_args
 
 if TYPE_CHECKING:
     from nnunet_triton.builder.config_gen import ModelConfigInfo
@@ -223,6 +230,10 @@ class ThreadBudget:
     def server_args(self) -> list[str]:
         """tritonserver flags of :meth:`rate_limits` (``server.server_config`` renders them)."""
         return rate_limit_args(self.rate_limits())
+
+    def applied_to(self, server: TritonServerConfig) -> TritonServerConfig:
+        """``server`` with this budget's :meth:`rate_limits` (unchanged when it needs none)."""
+        return server.with_rate_limits(self.rate_limits())
 
     def environment(self) -> dict[str, str]:
         """Variables for the server process (inherited by every Python-backend stub)."""
@@ -425,8 +436,27 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--proxy-config", type=Path, default=None,
                              help="with --watchdog: the TLS proxy's nginx.conf, started and kept running "
                                   "by the watchdog")
+            cmd.add_argument("--server-config", default=None, metavar="JSON",
+                             help="the server: a serialised server_config.TritonServerConfig (its to_dict), "
+                                  "instead of a command after --")
             cmd.add_argument("server_command", nargs=argparse.REMAINDER, help="-- tritonserver ...")
     return parser
+
+
+def _server(args: argparse.Namespace) -> TritonServerConfig:
+    """The server to exec: ``--server-config`` or the command after ``--`` (ValueError naming the problem)."""
+    command = list(args.server_command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if (args.server_config is None) == (not command):
+        raise ValueError("give the server either as --server-config JSON or as a command after --, "
+                         "exactly one")
+    if command:
+        return from_args(command)
+    try:
+        return TritonServerConfig.from_dict(json.loads(args.server_config))
+    except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--server-config is not a serialised TritonServerConfig: {exc}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -440,21 +470,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "show":
         sys.stdout.write(json.dumps(budget.to_dict(), indent=2, sort_keys=True) + "\n")
         return 0
-    command = list(args.server_command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        sys.stderr.write("thread budget: no server command after --\n")
+    try:
+        server = budget.applied_to(_server(args))
+    except ValueError as exc:
+        sys.stderr.write(f"thread budget: {exc}\n")
         return 2
     sys.stderr.write(f"thread budget: {json.dumps(budget.to_dict(), sort_keys=True)}\n")
-    command += budget.server_args()
     environment = {**os.environ, **budget.environment()}
     if args.watchdog:
         from nnunet_triton.server.watchdog import fork_for_exec
 
         try:
-            command, added = fork_for_exec(command, args.model_repository, preload=args.preload,
-                                           proxy_config=args.proxy_config)
+            server, added = fork_for_exec(server, args.model_repository, preload=args.preload,
+                                          proxy_config=args.proxy_config)
         except ValueError as exc:
             sys.stderr.write(f"thread budget: {exc}\n")
             return 2
@@ -462,6 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.proxy_config is not None:
         sys.stderr.write("thread budget: --proxy-config needs --watchdog (it keeps the proxy running)\n")
         return 2
+    command = server.to_args()  # rendered once, budget and restricted APIs included
     os.execvpe(command[0], command, environment)
     return 0  # pragma: no cover - exec does not return
 

@@ -35,8 +35,9 @@ carrying the header ``CONTROL_HEADER`` with a token only the launcher and the wa
 the port load code or unload models, nor register a stub's own shared-memory region.
 
 Launchers: ``server.embedded.start`` runs ``python -m nnunet_triton.server.watchdog`` as a sibling process;
-containers run ``python3 -m nnunet_triton.server.thread_budget exec --watchdog ... -- tritonserver ...``,
-which forks the watchdog and then execs tritonserver (``fork_for_exec``). Only the standard library.
+containers run ``python3 -m nnunet_triton.server.thread_budget exec --watchdog ...``, which forks the
+watchdog and then execs tritonserver (``fork_for_exec``: the restricted APIs go into the server's
+``TritonServerConfig``, rendered once by its ``to_args``). Only the standard library.
 """
 
 from __future__ import annotations
@@ -68,10 +69,16 @@ from nnunet_triton.server.health import (
     stub_processes,
     unmapped_shm_regions,
 )
-from nnunet_triton.server.model_control import CONTROL_HEADER, TOKEN_ENV, ModelControl, restricted_api_args
+from nnunet_triton.server.model_control import (
+    CONTROL_HEADER,
+    RESTRICTED_APIS,
+    TOKEN_ENV,
+    ModelControl,
+    restricted_api_args,
+)
 from nnunet_triton.server.proxy_keeper import ProxyKeeper
 from nnunet_triton.server.restart import LaunchSpec, RestartPolicy
-from nnunet_triton.server.server_config import flag_values
+from nnunet_triton.server.server_config import TritonServerConfig
 from nnunet_triton.server.shm_reclaim import ReclaimPolicy, ShmReclaimer
 from nnunet_triton.util.durable import write_json_atomic
 from nnunet_triton.util.retry import RetryPolicy
@@ -384,24 +391,20 @@ def _spawn_server(launch: LaunchSpec) -> subprocess.Popen[bytes]:
                                 start_new_session=True, umask=PRIVATE_UMASK)
 
 
-def fork_for_exec(server_args: list[str], model_repository: str | Path, *, preload: str | Path | None = None,
-                  events_file: str | Path | None = None,
-                  proxy_config: str | Path | None = None) -> tuple[list[str], dict[str, str]]:
+def fork_for_exec(server: TritonServerConfig, model_repository: str | Path, *,
+                  preload: str | Path | None = None, events_file: str | Path | None = None,
+                  proxy_config: str | Path | None = None) -> tuple[TritonServerConfig, dict[str, str]]:
     """For a container entry point that is about to ``exec`` tritonserver: fork the watchdog (it will
     watch its parent, which becomes tritonserver, and keeps the TLS proxy of ``proxy_config`` running) and
-    return ``server_args`` plus the restricted-API flags, and the environment to add for the exec.
+    return ``server`` with the restricted APIs (``dataclasses.replace``; its ``to_args`` is the command to
+    exec), and the environment to add for the exec.
 
-    The flags carry ``server.preload.PLACEHOLDER``; the fresh token goes into the returned environment with
-    ``LD_PRELOAD=<preload>`` (the library swaps it into argv before tritonserver's ``main`` and keeps
-    /dev/shm regions owner-only), never onto the command line. The command must name its HTTP port (every
-    renderer's ``server_config.TritonServerConfig`` does) and ``preload`` must be a file: ValueError
-    otherwise, before anything is forked (no fallback to the token on the command line)."""
+    The config carries ``server.preload.PLACEHOLDER`` as the token; the fresh token goes into the returned
+    environment with ``LD_PRELOAD=<preload>`` (the library swaps it into argv before tritonserver's ``main``
+    and keeps /dev/shm regions owner-only), never onto the command line. ``preload`` must be a file:
+    ValueError otherwise, before anything is forked (no fallback to the token on the command line)."""
     from nnunet_triton.server.preload import PLACEHOLDER
 
-    ports = flag_values(server_args, "http-port")
-    if not ports:
-        raise ValueError(f"the server command names no HTTP port, so the watchdog cannot watch it: "
-                         f"{server_args}")
     if preload is None or not Path(preload).is_file():
         raise ValueError(f"the preload library {str(preload)!r} is not a file: without it the control token "
                          "would be on tritonserver's command line (readable in /proc by every process that "
@@ -414,7 +417,7 @@ def fork_for_exec(server_args: list[str], model_repository: str | Path, *, prelo
     if stale:
         LOGGER.warning("removed %d shm region(s) a previous server left in /dev/shm", len(stale))
     models = repository_models(model_repository)
-    url = f"127.0.0.1:{ports[-1]}"
+    url = f"127.0.0.1:{server.http_port}"
     parent = os.getpid()
     if os.fork() == 0:  # the child never returns into the caller
         code = 1
@@ -431,7 +434,7 @@ def fork_for_exec(server_args: list[str], model_repository: str | Path, *, prelo
         finally:
             os._exit(code)
     preloads = " ".join(p for p in (str(Path(preload).absolute()), os.environ.get("LD_PRELOAD")) if p)
-    return ([*server_args, *restricted_api_args(PLACEHOLDER)],
+    return (server.with_restricted_apis(RESTRICTED_APIS, CONTROL_HEADER, PLACEHOLDER),
             {"LD_PRELOAD": preloads, TOKEN_ENV: token})
 
 

@@ -19,15 +19,19 @@ refuses to start (same line format, exit 78) instead of falling back. With ``--t
 proxy's nginx.conf is written and checked (``server.deploy.container_proxy``) and tritonserver must bind
 every endpoint to 127.0.0.1; a problem there is refused the same way.
 
-Otherwise it execs (same pid, so PID 1 of the container stays the server)
-``python3 -m nnunet_triton.server.thread_budget exec --watchdog --preload LIB [--proxy-config FILE]
---model-repository DIR -- <command>``.
+The command after ``--`` is read once, by ``server_config.from_args``, into a ``TritonServerConfig`` (an
+unreadable one is refused the same way); the proxy check reads its fields. Then it execs (same pid, so PID 1
+of the container stays the server) ``python3 -m nnunet_triton.server.thread_budget exec --watchdog --preload
+LIB [--proxy-config FILE] --model-repository DIR --server-config JSON``: the config serialised (its
+``to_dict``, the shape of ``launch.json``), to which the thread budget adds its rate limits and the watchdog
+the restricted APIs before the command is rendered, once.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -37,6 +41,7 @@ from typing import Any
 
 from nnunet_triton.errors import NnunetTritonError
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible
+from nnunet_triton.server.server_config import TritonServerConfig, from_args
 
 __all__ = ["PRELOAD_LIBRARY", "repository_problem", "preload_problem", "budget_command", "main"]
 
@@ -76,11 +81,15 @@ def preload_problem(library: Path) -> str | None:
     return None
 
 
-def budget_command(repository: Path, command: Sequence[str], *, preload: Path = PRELOAD_LIBRARY,
+def budget_command(repository: Path, server: TritonServerConfig, *, preload: Path = PRELOAD_LIBRARY,
                    proxy_config: Path | None = None) -> list[str]:
+    """``thread_budget exec`` of ``server``, handed on serialised (its ``to_dict``; a token given on the
+    container's command line stays as given)."""
     proxy = ["--proxy-config", str(proxy_config)] if proxy_config is not None else []
+    serialised = json.dumps(server.to_dict(keep_token=server.control_token), separators=(",", ":"))
     return [sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
-            "--preload", str(preload), *proxy, "--model-repository", str(repository), "--", *command]
+            "--preload", str(preload), *proxy, "--model-repository", str(repository),
+            "--server-config", serialised]
 
 
 def _tls(args: argparse.Namespace) -> Any:
@@ -94,27 +103,25 @@ def _tls(args: argparse.Namespace) -> Any:
                        token_file=args.tls_token_file)
 
 
-def proxy_problem(args: argparse.Namespace, command: Sequence[str]) -> tuple[str | None, Path | None]:
+def proxy_problem(args: argparse.Namespace, server: TritonServerConfig) -> tuple[str | None, Path | None]:
     """(why the TLS proxy cannot start, None) or (None, its nginx.conf; None without TLS)."""
-    from nnunet_triton.server.server_config import flag_values
-
     try:
         tls = _tls(args)
         if tls is None:
             return None, None
-        exposed = {flag: flag_values(command, flag) for flag in ("http-address", "grpc-address",
-                                                                 "metrics-address")}
-        if any(values != [LOOPBACK] for values in exposed.values()):
+        exposed = {"http": server.http_address, "grpc": server.grpc_address}
+        if server.metrics_port is not None:  # closed otherwise (server_config renders --allow-metrics=false)
+            exposed["metrics"] = server.metrics_address
+        if any(address != LOOPBACK for address in exposed.values()):
             return (f"with the TLS proxy tritonserver must bind {LOOPBACK} only (it would be reachable past "
                     f"the proxy): {exposed}"), None
         from nnunet_triton.server.deploy import container_proxy
 
         info = RepositoryInfo.from_repository(args.model_repository)
-        config = container_proxy.proxy_config(
-            info.endpoints, tls, upstream_port=int(flag_values(command, "http-port")[-1]),
-            allow_statistics=args.proxy_allow_statistics)
+        config = container_proxy.proxy_config(info.endpoints, tls, upstream_port=server.http_port,
+                                              allow_statistics=args.proxy_allow_statistics)
         return None, container_proxy.prepare(config)
-    except (NnunetTritonError, OSError, ValueError, IndexError, subprocess.SubprocessError) as exc:
+    except (NnunetTritonError, OSError, ValueError, subprocess.SubprocessError) as exc:
         return str(exc), None
 
 
@@ -142,14 +149,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"nnunet-triton: cannot serve the model repository {args.model_repository}: {problem}\n")
         sys.stderr.flush()
         return EXIT_BAD_REPOSITORY
-    problem = preload_problem(args.preload)
+    problem, server, proxy_config = preload_problem(args.preload), None, None
     if problem is None:
-        problem, proxy_config = proxy_problem(args, command)
-    if problem is not None:
+        try:
+            server = from_args(command)  # the one read of the server command
+        except ValueError as exc:
+            problem = f"cannot read the server command: {exc}"
+    if server is not None:
+        problem, proxy_config = proxy_problem(args, server)
+    if problem is not None or server is None:
         sys.stderr.write(f"nnunet-triton: cannot start the server: {problem}\n")
         sys.stderr.flush()
         return EXIT_BAD_REPOSITORY
-    argv_exec = budget_command(args.model_repository, command, preload=args.preload,
+    argv_exec = budget_command(args.model_repository, server, preload=args.preload,
                                proxy_config=proxy_config)
     os.execv(argv_exec[0], argv_exec)
     return 0  # pragma: no cover - exec does not return

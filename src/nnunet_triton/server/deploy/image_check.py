@@ -7,10 +7,11 @@
    (``cupy`` on cpu) is allowed to be missing; nothing else is. numpy must be 2 or newer (tensors cross the
    stub by DLPack), torch must be there whatever the fold runner (the orchestrator imports it).
 2. **The fixture repository, initialized** (``--fixture DIR`` with a built repository; the cpu image builds
-   the SynthCT fixture in its ``fixture`` stage): the container's own entry point
-   (``thread_budget exec --watchdog --preload LIB -- tritonserver ...``, as :func:`.docker.server_command`
-   runs it) starts on it, on loopback ports, and the check waits until
-   :func:`nnunet_triton.server.health.check_health` finds every model ready with its Python-backend
+   the SynthCT fixture in its ``fixture`` stage): the container's own server start
+   (``thread_budget exec --watchdog --preload LIB -- tritonserver ...``: the command read once by
+   ``server_config.from_args``, the budget and the restricted APIs added to that config, rendered once, as
+   behind :func:`.docker.server_command`'s entry point) starts on it, on loopback ports, and the check waits
+   until :func:`nnunet_triton.server.health.check_health` finds every model ready with its Python-backend
    processes alive. Then the image's preload library is checked at work: tritonserver's
    ``/proc/<pid>/cmdline`` holds the placeholder, not the token, the token opens the model-repository API
    (it reached Triton through the library), and every stub's /dev/shm region is owner-only. Then the

@@ -321,14 +321,14 @@ def _deploy_embedded(plan: DeployPlan, say: Say) -> None:
             return
         LOGGER.info("stopping the running server (pid %d, %s)", running.pid, running.model_repository)
         running.stop()
-    handle = embedded_server.start(
-        plan.out, host=plan.host, http_port=plan.http_port, grpc_port=plan.grpc_port,
+    handle = embedded_server.start(plan.out, embedded_server.LaunchOptions(
+        host=plan.host, http_port=plan.http_port, grpc_port=plan.grpc_port,
         metrics_port=plan.metrics_port, metrics=plan.metrics,
         allow_token_in_proc_and_readable_shm=plan.allow_token_in_proc_and_readable_shm,
-        model_control_mode="explicit", load_models=info.models,
+        model_control_mode="explicit", load_models=tuple(info.models),
         ready_timeout_s=plan.ready_timeout, detach=True,
-        backend_dirs=list(plan.backend_directory) if plan.backend_directory is not None else None,
-        tls=plan.tls, proxy_port=plan.proxy_port, allow_statistics=plan.proxy_allow_statistics)
+        backend_dirs=tuple(plan.backend_directory) if plan.backend_directory is not None else None,
+        tls=plan.tls, proxy_port=plan.proxy_port, allow_statistics=plan.proxy_allow_statistics))
     (Path(handle.state_file).parent / DEPLOYED_FILE).write_text(f"{handle.pid} {info.input_hash}\n")
     say(f"tritonserver ready (pid {handle.pid}, {len(info.models)} models of the endpoint(s) "
         f"{', '.join(info.endpoints)}; log {handle.log_file})")
