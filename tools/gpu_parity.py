@@ -89,7 +89,8 @@ def stage_parity(stage: Any, setup: Any, model_dir: Path, case: Any, xp: Any, to
             return runner.forward(torch.from_numpy(x).to(torch_device)).cpu().numpy()
         return runner.forward(x)
 
-    window = SlidingWindowSettings(patch_size=config.patch_size, num_heads=config.labels.num_segmentation_heads,
+    window = SlidingWindowSettings(patch_size=config.patch_size,
+                                   num_heads=config.labels.num_segmentation_heads,
                                    mirror_axes=config.mirror_axes, batch_size=4)
     with deterministic_cudnn():  # an exact row: the same network must give the same tiles twice
         logits = predict_sliding_window(data, network, window)

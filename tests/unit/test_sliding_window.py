@@ -287,7 +287,8 @@ def test_predict_sliding_window_equals_nnunet_when_real_3d_network(plans, net3d,
         predict_sliding_window(
             xp.asarray(data),
             ps.torch_predict_batch(net3d),
-            SlidingWindowSettings(patch_size=(16, 16, 16), num_heads=3, mirror_axes=mirror, tile_step_size=step),
+            SlidingWindowSettings(patch_size=(16, 16, 16), num_heads=3, mirror_axes=mirror,
+                                  tile_step_size=step),
         )
     )
     assert ours.dtype == ref.dtype == np.float16 and np.array_equal(ours, ref)
@@ -348,7 +349,8 @@ def test_torch_cpu_network_batch_n_matches_batch_1_only_without_onednn(net3d, re
     data = np.random.default_rng(8).standard_normal((1, 20, 27, 33)).astype(np.float32)
     kwargs = dict(patch_size=(16, 16, 16), num_heads=3, mirror_axes=None)
     predict = ps.torch_predict_batch(net3d)
-    batch_1, batch_4 = SlidingWindowSettings(batch_size=1, **kwargs), SlidingWindowSettings(batch_size=4, **kwargs)
+    batch_1 = SlidingWindowSettings(batch_size=1, **kwargs)
+    batch_4 = SlidingWindowSettings(batch_size=4, **kwargs)
     with torch.backends.mkldnn.flags(enabled=False):
         one_ref = predict_sliding_window(data, predict, batch_1)
         four_ref = predict_sliding_window(data, predict, batch_4)
@@ -391,7 +393,8 @@ def test_predict_sliding_window_equals_nnunet_when_fixture_model(model_dir):
             predict_sliding_window(
                 data,
                 ps.torch_predict_batch(predictor.network.eval()),
-                SlidingWindowSettings(patch_size=patch, num_heads=predictor.label_manager.num_segmentation_heads,
+                SlidingWindowSettings(patch_size=patch,
+                                      num_heads=predictor.label_manager.num_segmentation_heads,
                                       mirror_axes=predictor.allowed_mirroring_axes),
             )
         )

@@ -71,7 +71,8 @@ def test_settings_refuse_a_field_that_breaks_its_rule_naming_field_rule_and_valu
     with pytest.raises(InputValidationError) as caught:
         SlidingWindowSettings(**{**BASE, name: value})
     message = str(caught.value)
-    assert re.search(rf"'{name}' must be {re.escape(rule)}.*, got {re.escape(repr(value))}\.$", message), message
+    pattern = rf"'{name}' must be {re.escape(rule)}.*, got {re.escape(repr(value))}\.$"
+    assert re.search(pattern, message), message
 
 
 @pytest.mark.parametrize("gaussian", [np.zeros((8, 8, 4), np.float16), np.zeros((8, 8, 8), np.float32)])

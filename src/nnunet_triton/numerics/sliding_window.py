@@ -422,10 +422,11 @@ class TileMerger:
             variants = self._pending.setdefault(item.tile, [])
             variants.append(_flip(prediction, splitter.variants[item.variant], splitter.xp))
             if len(variants) == len(splitter.variants):
-                self.merger.add(item.tile, splitter.slicers[item.tile], average_tta(self._pending.pop(item.tile)))
+                tile_logits = average_tta(self._pending.pop(item.tile))
+                self.merger.add(item.tile, splitter.slicers[item.tile], tile_logits)
 
     def finalize(self) -> Any:
-        """The merger's result (:class:`VolumeMerger`: float16 logits ``(K, *spatial)`` of the unpadded volume)."""
+        """The merger's result (:class:`VolumeMerger`: float16 logits ``(K, *spatial)``, unpadded)."""
         if self._pending:
             raise RuntimeError(f"TileMerger.finalize with tiles {sorted(self._pending)} still incomplete.")
         return self.merger.finalize()
