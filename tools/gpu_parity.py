@@ -54,6 +54,7 @@ def stage_parity(stage: Any, setup: Any, model_dir: Path, case: Any, xp: Any, to
     from nnunet_triton.numerics.preprocess import preprocess_case
     from nnunet_triton.numerics.resampling import resample_data_or_seg_to_shape, resize, resize_segmentation
     from nnunet_triton.numerics.sliding_window import predict_sliding_window
+    from nnunet_triton.numerics.window import SlidingWindowSettings
     from nnunet_triton.pipeline.fold_runner import load_runner
 
     config = read_model_folder(model_dir)
@@ -88,11 +89,12 @@ def stage_parity(stage: Any, setup: Any, model_dir: Path, case: Any, xp: Any, to
             return runner.forward(torch.from_numpy(x).to(torch_device)).cpu().numpy()
         return runner.forward(x)
 
-    kwargs = dict(patch_size=config.patch_size, num_heads=config.labels.num_segmentation_heads,
-                  mirror_axes=config.mirror_axes, batch_size=4)
+    window = SlidingWindowSettings(patch_size=config.patch_size,
+                                   num_heads=config.labels.num_segmentation_heads,
+                                   mirror_axes=config.mirror_axes, batch_size=4)
     with deterministic_cudnn():  # an exact row: the same network must give the same tiles twice
-        logits = predict_sliding_window(data, network, **kwargs)
-        logits_d = predict_sliding_window(torch.from_numpy(data).to(torch_device), network, **kwargs)
+        logits = predict_sliding_window(data, network, window)
+        logits_d = predict_sliding_window(torch.from_numpy(data).to(torch_device), network, window)
     stage.rows.append({"function": "predict_sliding_window (tiles, TTA, Gaussian, fp16 sums; "
                                    "deterministic cuDNN)",
                        "backend": f"torch on {torch_device}", "metric": "max abs (fp16 logits)",

@@ -21,6 +21,7 @@ from nnunet_triton.numerics._xp import tensor_namespace, to_numpy
 from nnunet_triton.numerics.gaussian import compute_gaussian
 from nnunet_triton.numerics.sliding_window import average_folds, predict_sliding_window
 from nnunet_triton.numerics.tiling import pad_to_patch
+from nnunet_triton.numerics.window import SlidingWindowSettings
 from nnunet_triton.pipeline.orchestration import predict_folds_async
 from nnunet_triton.serving.devices import InstanceDevice
 
@@ -90,8 +91,8 @@ def test_fold_loop_keeps_every_hop_on_the_device_tensor_type_and_equals_nnunet(p
     seen: list[Any] = []
     logits = asyncio.run(predict_folds_async(
         _strict(data, device), [_strict_network(n, device, seen) for n in networks],
-        patch_size=(16, 16, 16), num_heads=3, mirror_axes=mirror, batch_size=3, max_inflight=2,
-        gaussian=compute_gaussian((16, 16, 16)),
+        SlidingWindowSettings(patch_size=(16, 16, 16), num_heads=3, mirror_axes=mirror, batch_size=3,
+                              max_inflight=2, gaussian=compute_gaussian((16, 16, 16))),
     ))
     assert isinstance(logits, StrictTensor) and logits.device.type == device and logits.dtype == torch.float16
     assert seen and set(seen) == {StrictTensor}
@@ -114,10 +115,10 @@ def test_sliding_window_on_tensors_equals_the_numpy_path_bit_for_bit(device):
         out = torch.nn.functional.conv3d(host, weight, padding=1)
         return out.numpy() if isinstance(x, np.ndarray) else out.to(x.device).as_subclass(StrictTensor)
 
-    kwargs = dict(patch_size=(12, 12, 12), num_heads=3, mirror_axes=(0, 1, 2), tile_step_size=0.5,
-                  batch_size=4)
-    ours = predict_sliding_window(_strict(data, device), network, **kwargs)
-    ref = predict_sliding_window(data, network, **kwargs)
+    window = SlidingWindowSettings(patch_size=(12, 12, 12), num_heads=3, mirror_axes=(0, 1, 2),
+                                   tile_step_size=0.5, batch_size=4)
+    ours = predict_sliding_window(_strict(data, device), network, window)
+    ref = predict_sliding_window(data, network, window)
     assert isinstance(ours, StrictTensor)
     assert np.array_equal(torch.Tensor(ours).cpu().numpy(), ref)
 

@@ -26,6 +26,7 @@ from nnunet_triton.numerics.prediction_export import (
 from nnunet_triton.numerics.preprocess import CaseProperties
 from nnunet_triton.numerics.resampling import compute_new_shape
 from nnunet_triton.numerics.sliding_window import predict_sliding_window
+from nnunet_triton.numerics.window import SlidingWindowSettings
 
 try:
     from . import parity_support as ps
@@ -254,9 +255,7 @@ def test_network_to_segmentation_equals_nnunet_when_real_network_and_cropped_tra
     ours_logits = predict_sliding_window(
         data,
         ps.torch_predict_batch(net),
-        patch_size=config.patch_size,
-        num_heads=3,
-        mirror_axes=config.mirror_axes,
+        SlidingWindowSettings(patch_size=config.patch_size, num_heads=3, mirror_axes=config.mirror_axes),
     )
     seg, probs = convert_logits_to_segmentation(ours_logits, props, config, return_probabilities=True)
     assert np.array_equal(ours_logits, ref_logits) and np.array_equal(seg, ref[0])

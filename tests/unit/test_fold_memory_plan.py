@@ -13,6 +13,7 @@ import torch
 from nnunet_triton.errors import ResourceExhaustedError
 from nnunet_triton.numerics.limits import FoldMemoryPlan, padded_voxels, plan_fold_memory
 from nnunet_triton.numerics.sliding_window import FoldAverage, average_folds
+from nnunet_triton.numerics.window import SlidingWindowSettings
 from nnunet_triton.pipeline.orchestration import predict_folds_async
 
 GiB = 2**30
@@ -86,14 +87,14 @@ def _fold(weight: float, events: list[tuple[str, int]], index: int):
 @pytest.mark.parametrize("max_folds", [1, 2, None])
 def test_predict_folds_keeps_at_most_max_concurrent_folds_alive_with_the_same_bits(max_folds):
     data = np.random.default_rng(5).normal(size=(1, 20, 17, 12)).astype(np.float32)
-    kwargs = {"patch_size": (8, 8, 8), "num_heads": 2, "mirror_axes": (0,), "batch_size": 2,
-              "max_inflight": 4}
+    window = SlidingWindowSettings(patch_size=(8, 8, 8), num_heads=2, mirror_axes=(0,), batch_size=2,
+                                   max_inflight=4)
     weights = (1.5, -0.25, 3.0, 0.7)
     sequential = [_fold(w, [], i) for i, w in enumerate(weights)]
-    reference = asyncio.run(predict_folds_async(data, sequential, **kwargs, max_concurrent_folds=1))
+    reference = asyncio.run(predict_folds_async(data, sequential, window, max_concurrent_folds=1))
     events: list[tuple[str, int]] = []
     folds = [_fold(w, events, i) for i, w in enumerate(weights)]
-    result = asyncio.run(predict_folds_async(data, folds, **kwargs, max_concurrent_folds=max_folds))
+    result = asyncio.run(predict_folds_async(data, folds, window, max_concurrent_folds=max_folds))
     assert result.tobytes() == reference.tobytes()
     alive, peak, calls = set(), 0, {i: sum(e == ("call", i) for e in events) for i in range(4)}
     returned = dict.fromkeys(range(4), 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from nnunet_triton.numerics.sliding_window import (
     plan_tile_batches,
     predict_sliding_window,
 )
+from nnunet_triton.numerics.window import SlidingWindowSettings
 from nnunet_triton.pipeline.orchestration import predict_fold_async, predict_folds_async
 
 # --- batching plan ---------------------------------------------------------------------------------
@@ -102,14 +104,13 @@ def test_predict_fold_async_equals_predict_sliding_window_when_batches_complete_
 ):
     data = np.random.default_rng(0).normal(size=shape).astype(np.float32)
     net = _fake_network(3, shape[0], seed=1)
-    expected = predict_sliding_window(
-        data, net, patch_size=patch, num_heads=3, mirror_axes=axes, tile_step_size=step, batch_size=1
-    )
+    window = SlidingWindowSettings(patch_size=patch, num_heads=3, mirror_axes=axes, tile_step_size=step)
+    expected = predict_sliding_window(data, net, window)
     calls: list[int] = []
     result = asyncio.run(
         predict_fold_async(
-            data, _async(net, shuffle_seed=2, calls=calls), patch_size=patch, num_heads=3, mirror_axes=axes,
-            tile_step_size=step, batch_size=batch_size, max_inflight=inflight,
+            data, _async(net, shuffle_seed=2, calls=calls),
+            dataclasses.replace(window, batch_size=batch_size, max_inflight=inflight),
         )
     )
     assert result.dtype == np.float16
@@ -121,11 +122,11 @@ def test_predict_folds_async_averages_folds_in_given_order_when_run_concurrently
     data = np.random.default_rng(3).normal(size=(1, 19, 11, 14)).astype(np.float32)
     nets = [_fake_network(2, 1, seed=s) for s in (10, 11, 12)]
     kwargs = {"patch_size": (8, 8, 8), "num_heads": 2, "mirror_axes": (0, 1, 2), "tile_step_size": 0.5}
-    expected = average_folds([predict_sliding_window(data, n, **kwargs) for n in nets])
+    expected = average_folds([predict_sliding_window(data, n, SlidingWindowSettings(**kwargs)) for n in nets])
     result = asyncio.run(
         predict_folds_async(
-            data, [_async(n, shuffle_seed=i) for i, n in enumerate(nets)], batch_size=4, max_inflight=3,
-            **kwargs,
+            data, [_async(n, shuffle_seed=i) for i, n in enumerate(nets)],
+            SlidingWindowSettings(batch_size=4, max_inflight=3, **kwargs),
         )
     )
     np.testing.assert_array_equal(result, expected)
@@ -147,8 +148,9 @@ def test_predict_folds_async_bounds_inflight_calls_over_all_folds_when_max_infli
     data = np.zeros((1, 24, 24, 24), dtype=np.float32)
     asyncio.run(
         predict_folds_async(
-            data, [infer, infer, infer], patch_size=(8, 8, 8), num_heads=2, mirror_axes=(0,), batch_size=2,
-            max_inflight=2,
+            data, [infer, infer, infer],
+            SlidingWindowSettings(patch_size=(8, 8, 8), num_heads=2, mirror_axes=(0,), batch_size=2,
+                                  max_inflight=2),
         )
     )
     assert peak == 2
@@ -171,8 +173,8 @@ def test_predict_folds_async_raises_submodel_error_and_cancels_others_when_one_f
     async def run() -> set[asyncio.Task]:
         data = np.zeros((1, 32, 32, 32), dtype=np.float32)
         with pytest.raises(SubmodelError, match="model 'fold_1' failed: boom"):
-            await predict_folds_async(data, [bad, good], patch_size=(8, 8, 8), num_heads=2, mirror_axes=None,
-                                      batch_size=1, max_inflight=2)
+            await predict_folds_async(data, [bad, good], SlidingWindowSettings(
+                patch_size=(8, 8, 8), num_heads=2, mirror_axes=None, batch_size=1, max_inflight=2))
         # the error reaches the caller only once no fold call is left running (plain gather leaves the
         # good fold's loop and its calls pending here)
         return asyncio.all_tasks() - {asyncio.current_task()}
@@ -189,7 +191,8 @@ def test_predict_fold_async_raises_submodel_error_when_network_returns_wrong_sha
     with pytest.raises(SubmodelError, match=match):
         asyncio.run(
             predict_fold_async(
-                np.zeros((1, 8, 8, 8), np.float32), wrong, patch_size=(8, 8, 8), num_heads=2, mirror_axes=None
+                np.zeros((1, 8, 8, 8), np.float32), wrong,
+                SlidingWindowSettings(patch_size=(8, 8, 8), num_heads=2, mirror_axes=None),
             )
         )
 
@@ -221,7 +224,8 @@ def test_predict_fold_async_matches_nnunet_predictor_when_network_is_a_torch_mod
 
     result = asyncio.run(
         predict_fold_async(
-            data.numpy(), infer, patch_size=patch, num_heads=3, mirror_axes=(0, 1, 2), batch_size=1
+            data.numpy(), infer,
+            SlidingWindowSettings(patch_size=patch, num_heads=3, mirror_axes=(0, 1, 2), batch_size=1),
         )
     )
     np.testing.assert_array_equal(result, expected)

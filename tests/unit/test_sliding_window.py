@@ -24,6 +24,7 @@ from nnunet_triton.numerics.sliding_window import (
     predict_sliding_window,
 )
 from nnunet_triton.numerics.tiling import tile_slicers
+from nnunet_triton.numerics.window import SlidingWindowSettings
 from nnunet_triton.validate.oracle import nnunet_predictor
 from tests.fixture_paths import ALL_FIXTURE_MODELS, require_fixture
 
@@ -185,10 +186,10 @@ def test_predict_sliding_window_is_batch_invariant_when_network_is_per_sample(ba
     data = xp.asarray(np.random.default_rng(1).standard_normal((2, 18, 21, 19)).astype(np.float32))
     net = FixedConv(2, 3, 3)
     kwargs = dict(patch_size=(12, 12, 12), num_heads=3, mirror_axes=(0, 1, 2), tile_step_size=0.5)
-    one = to_numpy(predict_sliding_window(data, net, batch_size=1, **kwargs))
+    one = to_numpy(predict_sliding_window(data, net, SlidingWindowSettings(batch_size=1, **kwargs)))
     n_inputs = sum(net.calls)
     net.calls.clear()
-    many = to_numpy(predict_sliding_window(data, net, batch_size=batch_size, **kwargs))
+    many = to_numpy(predict_sliding_window(data, net, SlidingWindowSettings(batch_size=batch_size, **kwargs)))
     assert np.array_equal(one, many) and sum(net.calls) == n_inputs
     assert max(net.calls) == min(batch_size, n_inputs)
 
@@ -217,7 +218,8 @@ def test_predict_sliding_window_equals_nnunet_when_network_is_fixed_conv(
     ref = predictor.predict_sliding_window_return_logits(torch.from_numpy(data)).numpy()
     ours = to_numpy(
         predict_sliding_window(
-            xp.asarray(data), net, patch_size=patch, num_heads=3, mirror_axes=mirror, batch_size=3
+            xp.asarray(data), net,
+            SlidingWindowSettings(patch_size=patch, num_heads=3, mirror_axes=mirror, batch_size=3),
         )
     )
     assert np.array_equal(ours, ref)
@@ -228,13 +230,13 @@ def test_predict_sliding_window_raises_when_arguments_invalid():
     net = FixedConv(1, 2, 3)
     kwargs = dict(patch_size=(16, 16, 16), num_heads=2)
     with pytest.raises(InputValidationError, match="mirror_axes"):
-        predict_sliding_window(data, net, mirror_axes=(0, 3), **kwargs)
+        predict_sliding_window(data, net, SlidingWindowSettings(mirror_axes=(0, 3), **kwargs))
     with pytest.raises(InputValidationError, match="batch_size"):
-        predict_sliding_window(data, net, mirror_axes=None, batch_size=0, **kwargs)
+        predict_sliding_window(data, net, SlidingWindowSettings(mirror_axes=None, batch_size=0, **kwargs))
     with pytest.raises(InputValidationError, match="data shape"):
-        predict_sliding_window(data[0, 0], net, mirror_axes=None, **kwargs)
+        predict_sliding_window(data[0, 0], net, SlidingWindowSettings(mirror_axes=None, **kwargs))
     with pytest.raises(InputValidationError, match="predict_batch returned"):
-        predict_sliding_window(data, lambda x: x, mirror_axes=None, **kwargs)
+        predict_sliding_window(data, lambda x: x, SlidingWindowSettings(mirror_axes=None, **kwargs))
 
 
 # ---------------------------------------------------------------- real nnU-Net network (PlainConvUNet)
@@ -285,10 +287,8 @@ def test_predict_sliding_window_equals_nnunet_when_real_3d_network(plans, net3d,
         predict_sliding_window(
             xp.asarray(data),
             ps.torch_predict_batch(net3d),
-            patch_size=(16, 16, 16),
-            num_heads=3,
-            mirror_axes=mirror,
-            tile_step_size=step,
+            SlidingWindowSettings(patch_size=(16, 16, 16), num_heads=3, mirror_axes=mirror,
+                                  tile_step_size=step),
         )
     )
     assert ours.dtype == ref.dtype == np.float16 and np.array_equal(ours, ref)
@@ -301,9 +301,7 @@ def test_predict_sliding_window_equals_nnunet_when_input_smaller_than_patch(plan
         predict_sliding_window(
             xp.asarray(data),
             ps.torch_predict_batch(net3d),
-            patch_size=(16, 16, 16),
-            num_heads=3,
-            mirror_axes=(0, 1, 2),
+            SlidingWindowSettings(patch_size=(16, 16, 16), num_heads=3, mirror_axes=(0, 1, 2)),
         )
     )
     assert ours.shape == (3, 9, 16, 13) and np.array_equal(ours, ref)
@@ -318,9 +316,7 @@ def test_predict_sliding_window_equals_nnunet_when_2d_configuration_on_3d_data(p
         predict_sliding_window(
             xp.asarray(data),
             ps.torch_predict_batch(net),
-            patch_size=(16, 16),
-            num_heads=3,
-            mirror_axes=(0, 1),
+            SlidingWindowSettings(patch_size=(16, 16), num_heads=3, mirror_axes=(0, 1)),
         )
     )
     assert np.array_equal(ours, ref)
@@ -342,9 +338,7 @@ def test_fold_average_equals_nnunet_predict_logits_when_several_parameter_sets(p
             predict_sliding_window(
                 xp.asarray(data),
                 ps.torch_predict_batch(network),
-                patch_size=(16, 16, 16),
-                num_heads=3,
-                mirror_axes=None,
+                SlidingWindowSettings(patch_size=(16, 16, 16), num_heads=3, mirror_axes=None),
             )
         )
     assert np.array_equal(to_numpy(average_folds(per_fold)), ref)
@@ -355,12 +349,14 @@ def test_torch_cpu_network_batch_n_matches_batch_1_only_without_onednn(net3d, re
     data = np.random.default_rng(8).standard_normal((1, 20, 27, 33)).astype(np.float32)
     kwargs = dict(patch_size=(16, 16, 16), num_heads=3, mirror_axes=None)
     predict = ps.torch_predict_batch(net3d)
+    batch_1 = SlidingWindowSettings(batch_size=1, **kwargs)
+    batch_4 = SlidingWindowSettings(batch_size=4, **kwargs)
     with torch.backends.mkldnn.flags(enabled=False):
-        one_ref = predict_sliding_window(data, predict, batch_size=1, **kwargs)
-        four_ref = predict_sliding_window(data, predict, batch_size=4, **kwargs)
+        one_ref = predict_sliding_window(data, predict, batch_1)
+        four_ref = predict_sliding_window(data, predict, batch_4)
     assert np.array_equal(one_ref, four_ref)
-    one = predict_sliding_window(data, predict, batch_size=1, **kwargs)
-    four = predict_sliding_window(data, predict, batch_size=4, **kwargs)
+    one = predict_sliding_window(data, predict, batch_1)
+    four = predict_sliding_window(data, predict, batch_4)
     record_property("onednn_batch4_vs_batch1_max_abs_diff_fp16_logits", ps.max_abs_diff(one, four))
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: only the native kernels ran (equal at both batch sizes)")
@@ -397,9 +393,9 @@ def test_predict_sliding_window_equals_nnunet_when_fixture_model(model_dir):
             predict_sliding_window(
                 data,
                 ps.torch_predict_batch(predictor.network.eval()),
-                patch_size=patch,
-                num_heads=predictor.label_manager.num_segmentation_heads,
-                mirror_axes=predictor.allowed_mirroring_axes,
+                SlidingWindowSettings(patch_size=patch,
+                                      num_heads=predictor.label_manager.num_segmentation_heads,
+                                      mirror_axes=predictor.allowed_mirroring_axes),
             )
         )
     assert np.array_equal(average_folds(per_fold), ref)

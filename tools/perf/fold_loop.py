@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from nnunet_triton.numerics.gaussian import compute_gaussian
+from nnunet_triton.numerics.window import SlidingWindowSettings
 from nnunet_triton.parameters import DEFAULT_MAX_INFLIGHT, DEFAULT_TILE_BATCH_SIZE
 from nnunet_triton.pipeline.orchestration import predict_folds_async
 
@@ -29,7 +30,9 @@ CASES = (  # (name, patch, heads, preprocessed shape, mirror axes, folds)
 
 
 def _time(data, outputs, patch: Sequence[int], heads: int, mirror, folds: int, reps: int) -> float:
-    gaussian = compute_gaussian(patch)
+    window = SlidingWindowSettings(patch_size=patch, num_heads=heads, mirror_axes=mirror,
+                                   batch_size=DEFAULT_TILE_BATCH_SIZE, max_inflight=DEFAULT_MAX_INFLIGHT,
+                                   gaussian=compute_gaussian(patch))
 
     async def infer(x):
         n = x.shape[0]
@@ -38,9 +41,7 @@ def _time(data, outputs, patch: Sequence[int], heads: int, mirror, folds: int, r
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        asyncio.run(predict_folds_async(data, [infer] * folds, patch_size=patch, num_heads=heads,
-                                        mirror_axes=mirror, batch_size=DEFAULT_TILE_BATCH_SIZE,
-                                        max_inflight=DEFAULT_MAX_INFLIGHT, gaussian=gaussian))
+        asyncio.run(predict_folds_async(data, [infer] * folds, window))
         best = min(best, time.perf_counter() - start)
     return best
 

@@ -24,13 +24,15 @@ import numpy as np
 
 from nnunet_triton.errors import InputValidationError
 
-__all__ = ["compute_gaussian"]
+__all__ = ["DEFAULT_SIGMA_SCALE", "compute_gaussian"]
+
+DEFAULT_SIGMA_SCALE = 1.0 / 8  # sigma = P_d / 8 (nnU-Net's compute_gaussian default, the one it uses)
 
 
 def compute_gaussian(
     patch_size: Sequence[int],
     *,
-    sigma_scale: float = 1.0 / 8,
+    sigma_scale: float = DEFAULT_SIGMA_SCALE,
     value_scaling_factor: float = 10,
     xp: ModuleType = np,
 ) -> Any:

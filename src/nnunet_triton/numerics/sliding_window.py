@@ -10,10 +10,13 @@ Ports from ``nnunetv2/inference/predict_from_raw_data.py`` (class ``nnUNetPredic
 - ``predict_sliding_window_return_logits``: pad to the patch, tile, crop the padding away;
 - ``predict_logits_from_preprocessed_data``: fold results summed in float16 in fold order, ``/= n``.
 
-The loop is split the way MONAI's ``inferers/splitter.py`` + ``merger.py`` split it: a
-:class:`TileSplitter` pads the volume, lays out nnU-Net's tiles and cuts (tile, mirror variant) items
-into network batches; a :class:`TileMerger` un-flips each returned batch, averages a tile's variants
-once they are all back and accumulates tiles in tile order (:class:`LogitAccumulator`). The synchronous
+The loop is split the way MONAI's ``inferers/splitter.py`` + ``merger.py`` split it, and its settings are
+one value, :class:`~nnunet_triton.numerics.window.SlidingWindowSettings` (patch, heads, mirror axes, tile
+step, Gaussian, batching, the merger), handed whole to both sides: a :class:`TileSplitter` pads the
+volume, lays out nnU-Net's tiles and cuts (tile, mirror variant) items into network batches; a
+:class:`TileMerger` un-flips each returned batch, averages a tile's variants once they are all back and
+gives each finished tile, in tile order, to the fold's :class:`~nnunet_triton.numerics.window.Merger`
+(default :class:`VolumeMerger`: whole-volume accumulation, :class:`LogitAccumulator`). The synchronous
 :func:`predict_sliding_window` here and the orchestrator's asynchronous
 ``pipeline.orchestration.predict_fold_async`` (several batches in flight) are both this pair.
 
@@ -43,7 +46,7 @@ from nnunet_triton.errors import InputValidationError, NumericalError
 from nnunet_triton.numerics._xp import is_torch_module, tensor_namespace
 from nnunet_triton.numerics.gaussian import compute_gaussian
 from nnunet_triton.numerics.tiling import pad_to_patch, tile_slicers
-from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE
+from nnunet_triton.numerics.window import Merger, MergerFactory, SlidingWindowSettings
 
 __all__ = [
     "mirror_combinations",
@@ -55,6 +58,7 @@ __all__ = [
     "plan_tile_batches",
     "extract_batch",
     "TileSplitter",
+    "VolumeMerger",
     "TileMerger",
     "predict_sliding_window",
 ]
@@ -330,57 +334,73 @@ class TileSplitter:
 
     Args:
         data: preprocessed case ``(C, *spatial)`` float32 (NumPy, CuPy or a torch tensor on any device).
-        patch_size: the configuration's patch size ``P``.
-        mirror_axes: allowed mirroring axes (spatial, 0-based); ``None``/empty for no TTA.
-        tile_step_size: step as a fraction of ``P``.
+        window: the settings; ``patch_size``, ``mirror_axes`` and ``tile_step_size`` are read here.
 
     Raises:
-        InputValidationError: ``data`` is not ``(C, *spatial)`` for ``P``, or a mirror axis is out of range.
+        InputValidationError: ``data`` is not ``(C, *spatial)`` for the patch size.
     """
 
-    def __init__(self, data: Any, patch_size: Sequence[int], *, mirror_axes: Sequence[int] | None,
-                 tile_step_size: float) -> None:
-        patch = tuple(int(p) for p in patch_size)
+    def __init__(self, data: Any, window: SlidingWindowSettings) -> None:
+        patch = window.patch_size
         if data.ndim not in (len(patch) + 1, len(patch) + 2):
             raise InputValidationError(
                 f"data shape {tuple(data.shape)} must be (C, *spatial) with {len(patch)} or {len(patch) + 1} "
                 f"spatial axes for patch_size {patch}."
             )
-        combos = mirror_combinations(tuple(mirror_axes)) if mirror_axes else []
-        if combos and max(max(c) for c in combos) >= len(patch):
-            raise InputValidationError(
-                f"mirror_axes {tuple(mirror_axes or ())} out of range for a {len(patch)}D patch."
-            )
+        self.window = window
         self.xp = tensor_namespace(data)
         self.patch_size = patch
         self.padded, self.unpad = pad_to_patch(data, patch)
-        self.slicers = tile_slicers(self.padded.shape[1:], patch, tile_step_size)
-        self.variants: list[tuple[int, ...]] = [(), *combos]
+        self.slicers = tile_slicers(self.padded.shape[1:], patch, window.tile_step_size)
+        self.variants: list[tuple[int, ...]] = [(), *mirror_combinations(window.mirror_axes)]
 
-    def batches(self, batch_size: int) -> list[tuple[TileItem, ...]]:
-        """Every (tile, variant) item, tile-major, in batches of at most ``batch_size``."""
-        return plan_tile_batches(len(self.slicers), len(self.variants), batch_size)
+    def batches(self) -> list[tuple[TileItem, ...]]:
+        """Every (tile, variant) item, tile-major, in batches of at most ``window.batch_size``."""
+        return plan_tile_batches(len(self.slicers), len(self.variants), self.window.batch_size)
 
     def extract(self, batch: Sequence[TileItem]) -> Any:
         """The network input ``(N, C, *P)`` float32 of ``batch``."""
         return extract_batch(self.padded, self.slicers, self.variants, batch)
 
 
-class TileMerger:
-    """The output side: un-flip, average a tile's variants (TTA), accumulate tiles in tile order.
+class VolumeMerger:
+    """The default :class:`~nnunet_triton.numerics.window.Merger`: nnU-Net's whole-volume accumulation.
 
-    Batches must be added in the order :meth:`TileSplitter.batches` gave them (tiles then complete in
-    tile order, which nnU-Net's fp16 sums depend on). ``gaussian`` is an optional precomputed
-    :func:`~nnunet_triton.numerics.gaussian.compute_gaussian` map to share across folds and cases.
+    One :class:`LogitAccumulator` over the padded volume (float16 ``predicted_logits`` / ``n_predictions``,
+    allocated like ``splitter.padded``: same array type and device), the Gaussian map of ``window`` (its
+    cached :attr:`~SlidingWindowSettings.gaussian` or one computed here), and at the end the float16
+    division, the ``inf`` check and the crop to the unpadded volume.
     """
 
-    def __init__(self, splitter: TileSplitter, num_heads: int, *, use_gaussian: bool = True,
-                 gaussian: Any | None = None) -> None:
+    def __init__(self, splitter: TileSplitter, window: SlidingWindowSettings) -> None:
+        self._unpad = splitter.unpad
+        self._accumulator = LogitAccumulator(
+            window.num_heads, splitter.padded.shape[1:], window.patch_size, use_gaussian=window.use_gaussian,
+            xp=splitter.xp, gaussian=window.gaussian_map() if window.use_gaussian else None,
+            like=splitter.padded)
+
+    def add(self, tile: int, slicer: tuple[Any, ...], logits: Any) -> None:
+        self._accumulator.add(logits, slicer)
+
+    def finalize(self) -> Any:
+        """float16 logits ``(K, *spatial)`` of the unpadded volume (see :meth:`LogitAccumulator.finalize`)."""
+        return self._accumulator.finalize(self._unpad)
+
+
+class TileMerger:
+    """The output side: un-flip, average a tile's variants (TTA), hand finished tiles to the fold's merger.
+
+    Batches must be added in the order :meth:`TileSplitter.batches` gave them: tiles then complete in tile
+    order, which nnU-Net's fp16 sums depend on, and each is given once to the
+    :class:`~nnunet_triton.numerics.window.Merger` that ``window.merger`` makes (default
+    :class:`VolumeMerger`); :meth:`finalize` returns that merger's result.
+    """
+
+    def __init__(self, splitter: TileSplitter, window: SlidingWindowSettings) -> None:
         self._splitter = splitter
-        self.num_heads = int(num_heads)
-        self._accumulator = LogitAccumulator(num_heads, splitter.padded.shape[1:], splitter.patch_size,
-                                             use_gaussian=use_gaussian, xp=splitter.xp, gaussian=gaussian,
-                                             like=splitter.padded)
+        self.num_heads = window.num_heads
+        factory: MergerFactory = window.merger if window.merger is not None else VolumeMerger
+        self.merger: Merger = factory(splitter, window)
         self._pending: dict[int, list[Any]] = {}
 
     def expected_shape(self, batch: Sequence[TileItem]) -> tuple[int, ...]:
@@ -402,37 +422,29 @@ class TileMerger:
             variants = self._pending.setdefault(item.tile, [])
             variants.append(_flip(prediction, splitter.variants[item.variant], splitter.xp))
             if len(variants) == len(splitter.variants):
-                self._accumulator.add(average_tta(self._pending.pop(item.tile)), splitter.slicers[item.tile])
+                tile_logits = average_tta(self._pending.pop(item.tile))
+                self.merger.add(item.tile, splitter.slicers[item.tile], tile_logits)
 
     def finalize(self) -> Any:
-        """float16 logits ``(K, *spatial)`` of the unpadded volume (see :meth:`LogitAccumulator.finalize`)."""
+        """The merger's result (:class:`VolumeMerger`: float16 logits ``(K, *spatial)``, unpadded)."""
         if self._pending:
             raise RuntimeError(f"TileMerger.finalize with tiles {sorted(self._pending)} still incomplete.")
-        return self._accumulator.finalize(self._splitter.unpad)
+        return self.merger.finalize()
 
 
-def predict_sliding_window(
-    data: Any,
-    predict_batch: PredictBatch,
-    *,
-    patch_size: Sequence[int],
-    num_heads: int,
-    mirror_axes: Sequence[int] | None,
-    tile_step_size: float = DEFAULT_TILE_STEP_SIZE,
-    batch_size: int = 1,
-    use_gaussian: bool = True,
-) -> Any:
+def predict_sliding_window(data: Any, predict_batch: PredictBatch, window: SlidingWindowSettings) -> Any:
     """One fold's sliding-window logits, float16 ``(K, *data.shape[1:])`` (nnU-Net's per-fold loop).
 
     ``data`` is the preprocessed float32 volume ``(C, *spatial)``; ``predict_batch(x)`` maps
     ``(N, C, *patch)`` to ``(N, K, *patch)``. Tiles and their mirrored copies are sent in order,
-    ``batch_size`` inputs per call (nnU-Net uses 1); batching does not change the arithmetic
-    as long as ``predict_batch`` treats each sample independently.
+    ``window.batch_size`` inputs per call (nnU-Net uses 1); batching does not change the arithmetic
+    as long as ``predict_batch`` treats each sample independently. With a custom ``window.merger`` the
+    result is that merger's.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InputValidationError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
-    splitter = TileSplitter(data, patch_size, mirror_axes=mirror_axes, tile_step_size=tile_step_size)
-    merger = TileMerger(splitter, num_heads, use_gaussian=use_gaussian)
-    for batch in splitter.batches(batch_size):
+    if not isinstance(window, SlidingWindowSettings):
+        raise InputValidationError(f"window must be a SlidingWindowSettings, got {type(window).__name__}.")
+    splitter = TileSplitter(data, window)
+    merger = TileMerger(splitter, window)
+    for batch in splitter.batches():
         merger.add(batch, predict_batch(splitter.extract(batch)))
     return merger.finalize()

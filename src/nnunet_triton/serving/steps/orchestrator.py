@@ -4,8 +4,11 @@ For each request: read the per-request options (request parameters, forwarded by
 ensemble), then run nnU-Net's sliding window for every selected fold concurrently
 (:func:`nnunet_triton.pipeline.orchestration.predict_folds_async`): pad, plan tiles, send batches of tiles
 (mirrored copies are extra batch items) to the ``fold_<k>`` models through BLS, un-flip, TTA-average,
-Gaussian-accumulate in tile order, and average the folds' fp16 logits in fold order. All numerics are
-library calls; this module only moves tensors.
+Gaussian-accumulate in tile order, and average the folds' fp16 logits in fold order. The window's settings
+are one ``numerics.window.SlidingWindowSettings`` per request
+(:func:`~nnunet_triton.pipeline.orchestration.window_settings`: the deployed model's patch, heads and mirror
+axes, the config parameters below, the request's mirroring and tile step, the instance's Gaussian map). All
+numerics are library calls; this module only moves tensors.
 
 Fold accumulators are planned per request (``numerics.limits.plan_fold_memory``): from the instance's
 free device memory (KIND_GPU) or the available host memory (KIND_CPU), divided by the orchestrator
@@ -48,10 +51,9 @@ from nnunet_triton import io_names
 from nnunet_triton.errors import PlansError, RequestCancelledError
 from nnunet_triton.numerics.gaussian import compute_gaussian
 from nnunet_triton.numerics.limits import check_preprocessed, padded_voxels, plan_fold_memory
-from nnunet_triton.numerics.sliding_window import mirror_combinations
 from nnunet_triton.options import RequestOptions
 from nnunet_triton.parameters import PARAM_FOLD_MODELS, OrchestratorParameters
-from nnunet_triton.pipeline.orchestration import predict_folds_async
+from nnunet_triton.pipeline.orchestration import predict_folds_async, window_settings
 from nnunet_triton.serving.bls import infer
 from nnunet_triton.serving.metrics import ORCHESTRATOR_COUNTS, RequestRecord
 from nnunet_triton.serving.steps.base import AsyncStep, triton_model
@@ -80,9 +82,7 @@ class OrchestratorStep(AsyncStep):
                 f"{list(self.config.folds)}, got {names}."
             )
         self.fold_models = dict(zip(self.config.folds, names, strict=True))
-        self.tile_batch_size = params.tile_batch_size
-        self.max_inflight = params.max_inflight
-        self.limits = params
+        self.limits = params  # also the window's tile_batch_size and max_inflight
         self.gaussian = self.device.tensor(compute_gaussian(self.config.patch_size))
         self.instances = self.device.instances(json.loads(self.args.get("model_config") or "{}"))
 
@@ -98,26 +98,20 @@ class OrchestratorStep(AsyncStep):
     async def run(self, arrays: Mapping[str, Any], options: RequestOptions,  # type: ignore[override]
                   record: RequestRecord) -> dict[str, Any]:
         config, request, data = self.config, arrays["request"], arrays[io_names.PREPROCESSED]
-        mirror_axes = config.mirror_axes if options.mirroring else None
+        window = window_settings(config, self.limits, options, gaussian=self.gaussian)
         available, memory = self.device.available_memory()
         plan = plan_fold_memory(  # refuses the request (UNAVAILABLE) when not even one fold fits
-            num_heads=config.labels.num_segmentation_heads, channels=data.shape[0],
-            voxels=padded_voxels(data.shape[1:], config.patch_size), folds=len(options.folds),
+            num_heads=window.num_heads, channels=data.shape[0],
+            voxels=padded_voxels(data.shape[1:], window.patch_size), folds=len(options.folds),
             instances=self.instances, available_bytes=available, memory=memory,
         )
         logits = await predict_folds_async(
             data,
             [self._fold_infer(self.fold_models[fold], request, record) for fold in options.folds],
-            patch_size=config.patch_size,
-            num_heads=config.labels.num_segmentation_heads,
-            mirror_axes=mirror_axes,
-            tile_step_size=options.tile_step_size,
-            batch_size=self.tile_batch_size,
-            max_inflight=self.max_inflight,
-            gaussian=self.gaussian,
+            window,
             max_concurrent_folds=plan.max_concurrent_folds,
         )
-        per_tile = len(options.folds) * (1 + len(mirror_combinations(mirror_axes)))  # inputs per tile
+        per_tile = len(options.folds) * window.variants_per_tile  # inputs per tile
         record.add(folds=len(options.folds), tiles=record.counts.get("forwards", 0) // per_tile)
         return {io_names.LOGITS: logits}
 
