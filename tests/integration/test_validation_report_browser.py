@@ -6,9 +6,7 @@ chromium is installed with apt when it is missing and this runs as root (about 2
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,15 +16,11 @@ import pytest
 from nnunet_triton.options import RequestOptions
 from nnunet_triton.validate.report import write_report
 from nnunet_triton.validate.run import Thresholds, ValidationResult, run_validation
+from tools.ohif import chromium
 
 
 def _chromium() -> str:
-    found = shutil.which("chromium")
-    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"],
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, capture_output=True,
-                       timeout=900, check=False)
-        found = shutil.which("chromium")
+    found = chromium()  # Debian's, installed with apt when missing (tools.ohif)
     if found is None:
         pytest.skip("chromium is not installed and cannot be installed here (needs root and apt-get)")
     return found
