@@ -73,7 +73,7 @@ def test_fold_models_run_tile_batches_of_concurrent_requests_together_and_answer
     repository = build(SYNTHCT, orchestrator_instances=2)
     fold = io_names.fold_model_name(0)
     case = cases(SYNTHCT)[0]
-    with triton_server(repository) as server:
+    with triton_server(repository, metrics=True) as server:  # the counters: metrics are opened when asked
         requests_before, executions_before = _fold_counts(server, fold)
 
         def run(protocol: str):
