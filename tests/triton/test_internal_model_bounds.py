@@ -370,6 +370,7 @@ def test_the_container_entry_points_watchdog_gives_a_grown_region_back(identity_
 
     import tritonclient.http as http
 
+    from nnunet_triton.server import preload
     from nnunet_triton.server.triton_install import prepare_home, server_env
 
     installation = prepare_home(os.environ.get("NNUNET_TRITON_HOME", REPO_ROOT / "build" / "triton-home"))
@@ -380,6 +381,7 @@ def test_the_container_entry_points_watchdog_gives_a_grown_region_back(identity_
         http_port, grpc_port, metrics_port = (s.getsockname()[1] for s in (a, b, c))
     command = [
         sys.executable, "-m", "nnunet_triton.server.thread_budget", "exec", "--watchdog",
+        "--preload", str(preload.library(tmp_path / "preload")),  # as the image's entry point has it
         "--model-repository", str(repo), "--", str(installation.server_bin), f"--model-repository={repo}",
         f"--backend-directory={installation.backend_dir}", f"--cache-directory={installation.cache_dir}",
         "--http-address=127.0.0.1", f"--http-port={http_port}", "--grpc-address=127.0.0.1",
