@@ -7,7 +7,7 @@ voxel reads a fixed neighbourhood of input voxels, so a range of output rows of 
 bounded range of input rows (:func:`source_rows`): the whole logits never have to exist at once.
 
 :func:`zoom_rows` recomputes SciPy's zoom for a range of output rows with SciPy's own arithmetic (read
-from ``ni_interpolation.c``, checked bitwise against ``ndimage.zoom`` in ``tests/unit/test_slab_resampling.py``):
+from ``ni_interpolation.c``, checked bitwise against ``ndimage.zoom`` in ``test_slab_resampling.py``):
 per axis the coordinate ``cc = (k + 0.5) * (in / out) - 0.5`` in float64, ``start = floor(cc)`` (order 0:
 ``floor(cc + 0.5)``), weights ``w0 = 1 - (cc - start)`` and ``w1 = 1 - w0``, input indices clamped to the axis
 (``mode='nearest'``), and per output voxel ``t = 0``, ``t += v * w_axis0 * w_axis1 * ...`` over the corners
