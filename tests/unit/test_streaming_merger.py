@@ -113,3 +113,36 @@ def test_torch_tensors_stream_to_the_same_bits_as_their_whole_volume_path():
     streamed = predict_sliding_window(data, net, dataclasses.replace(window, merger=slab_merger()))
     assert isinstance(streamed, torch.Tensor) and streamed.dtype == torch.float16
     assert torch.equal(streamed, reference)
+
+
+def test_fold_slabs_averaged_as_they_arrive_equal_the_whole_volume_fold_mean_bit_for_bit():
+    from nnunet_triton.numerics.sliding_window import average_folds
+    from nnunet_triton.numerics.streaming import FoldSlabAverage
+    from nnunet_triton.pipeline.orchestration import predict_folds_async
+
+    data = (np.random.default_rng(8).normal(size=(1, 27, 12, 15)) * 3).astype(np.float16).astype(np.float32)
+    nets = [_network(3), lambda x: _network(3, scale=25.0)(x) * np.float32(-0.7) + 3]
+    window = SlidingWindowSettings(patch_size=(8, 8, 8), num_heads=3, mirror_axes=(0, 1), batch_size=2,
+                                   max_inflight=2)
+    expected = average_folds([predict_sliding_window(data, net, window) for net in nets])
+    slabs: list[tuple[int, np.ndarray]] = []
+    average = FoldSlabAverage(2, lambda start, slab: slabs.append((start, slab)))
+    folds = iter(range(2))
+
+    def factory(splitter: TileSplitter, settings: SlidingWindowSettings) -> SlabMerger:
+        return SlabMerger(splitter, settings, average.sink(next(folds)))  # mergers are made in fold order
+
+    rng = random.Random(3)
+
+    def infer(net):
+        async def call(x):
+            await asyncio.sleep(rng.random() * 0.002)
+            return net(x)
+        return call
+
+    streaming = dataclasses.replace(window, merger=factory)
+    assert asyncio.run(predict_folds_async(data, [infer(n) for n in nets], streaming)) is None
+    assert [s for s, _ in slabs] == sorted(s for s, _ in slabs) and len(slabs) > 1
+    joined = np.concatenate([slab for _, slab in slabs], axis=1)
+    assert joined.dtype == np.float16 and joined.tobytes() == expected.tobytes()
+    assert average.peak_pending_rows < 2 * data.shape[1]  # folds advancing together never held both whole

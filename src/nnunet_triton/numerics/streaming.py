@@ -196,3 +196,57 @@ def slab_merger(sink: SlabSink | None = None) -> MergerFactory:
         return SlabMerger(splitter, window, sink)
 
     return factory
+
+
+class FoldSlabAverage:
+    """The fold mean of streamed slabs: rows go on once every fold has given them, summed in fold order.
+
+    Each fold's :class:`SlabMerger` hands its slabs (in row order) to :meth:`sink` ``(fold)``; as soon as all
+    folds have covered a row range, its mean (float16 ``+=`` in fold order, then ``/ n``: the arithmetic of
+    ``sliding_window.average_folds``, per voxel) goes to ``sink(start, logits)``. Only rows some fold has
+    given and another has not yet are held (:attr:`peak_pending_rows`): folds that advance together hold
+    little, a fold run to the end before the next holds its whole result.
+    """
+
+    def __init__(self, num_folds: int, sink: SlabSink) -> None:
+        if num_folds < 1:
+            raise InputValidationError(f"FoldSlabAverage needs at least one fold, got {num_folds}.")
+        self._n = int(num_folds)
+        self._sink = sink
+        self._pending: list[Any] = [None] * self._n  # rows [done, done + len) per fold
+        self._done = 0
+        self.peak_pending_rows = 0
+
+    def sink(self, fold: int) -> SlabSink:
+        """The ``sink`` for fold ``fold``'s merger."""
+        if not 0 <= fold < self._n:
+            raise InputValidationError(f"fold index must be in 0..{self._n - 1}, got {fold}.")
+
+        def take(start: int, slab: Any) -> None:
+            self._take(fold, start, slab)
+
+        return take
+
+    def _take(self, fold: int, start: int, slab: Any) -> None:
+        from nnunet_triton.numerics._xp import tensor_namespace
+        from nnunet_triton.numerics.sliding_window import _sum_then_divide
+
+        xp = tensor_namespace(slab)
+        held = self._pending[fold]
+        expected = self._done + (0 if held is None else int(held.shape[1]))
+        if start != expected:
+            raise InputValidationError(f"fold {fold} slab starts at row {start}, expected row {expected}.")
+        if held is None:
+            self._pending[fold] = slab
+        else:
+            self._pending[fold] = xp.cat([held, slab], dim=1) if is_torch_module(xp) else \
+                xp.concatenate([held, slab], axis=1)
+        rows = [0 if p is None else int(p.shape[1]) for p in self._pending]
+        self.peak_pending_rows = max(self.peak_pending_rows, sum(rows))
+        ready = min(rows)
+        if ready == 0:
+            return
+        parts = [p[:, :ready] for p in self._pending]
+        self._pending = [None if int(p.shape[1]) == ready else p[:, ready:] for p in self._pending]
+        start_row, self._done = self._done, self._done + ready
+        self._sink(start_row, _sum_then_divide(parts, xp))

@@ -162,7 +162,8 @@ async def predict_folds_async(
             request's memory plan (``numerics.limits.plan_fold_memory``), not a window setting.
 
     Returns:
-        float16 ``(K, *spatial)``: the fold mean (fp16 sum in fold order, then / n), as ``average_folds``.
+        float16 ``(K, *spatial)``: the fold mean (fp16 sum in fold order, then / n), as ``average_folds``;
+        ``None`` when every fold's merger handed its slabs on (``numerics.streaming.FoldSlabAverage``).
     """
     if not fold_infer:
         raise ValueError("fold_infer must hold at least one fold.")
@@ -173,19 +174,32 @@ async def predict_folds_async(
     splitter = TileSplitter(data, window)
     semaphore = asyncio.Semaphore(window.max_inflight)
     average = FoldAverage(len(fold_infer))
+    streamed = 0  # folds whose merger handed its result on itself (finalize returned None)
+
+    def add(result: Any) -> None:
+        nonlocal streamed
+        if result is None:
+            streamed += 1
+        else:
+            average.add(result)
+
     running: deque[asyncio.Task[Any]] = deque()
     try:
         for infer in fold_infer:
             if len(running) >= alive:
-                average.add(await _first_in_order(running))
+                add(await _first_in_order(running))
             running.append(asyncio.ensure_future(_predict_fold(splitter, _bounded(infer, semaphore))))
         while running:
-            average.add(await _first_in_order(running))
+            add(await _first_in_order(running))
     except BaseException:  # the first failure cancels the other folds before it is raised
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
         raise
+    if streamed:  # a streaming merger (numerics.streaming) averages its slabs itself
+        if streamed != len(fold_infer):
+            raise ValueError(f"{streamed} of {len(fold_infer)} folds streamed their result: all or none.")
+        return None
     return average.finalize()
 
 

@@ -1,0 +1,121 @@
+"""The export fed slab by slab gives nnU-Net's label map bit for bit, whatever the slab and step sizes.
+
+The geometries of ``test_export.py`` (passthrough, transposed and cropped, resampled, separate z, a 2D
+configuration), labels and regions: the streamed labels equal nnU-Net's own
+``convert_predicted_logits_to_segmentation_with_correct_shape`` and our whole-volume export exactly, and the
+streamed probabilities equal our whole-volume export's bit for bit, for slabs of one row, uneven slabs and
+one slab, with one output row per step or several.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nnunet_triton.errors import InputValidationError
+from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
+from nnunet_triton.numerics.slab_export import SlabExporter
+
+try:
+    from . import parity_support as ps
+    from .test_export import CASES, _nnunet, _setup
+except ImportError:  # run as a top-level module
+    import parity_support as ps
+    from test_export import CASES, _nnunet, _setup
+
+
+def _slabs(n: int, kind: str, rng: np.random.Generator) -> list[tuple[int, int]]:
+    if kind == "rows":
+        return [(i, i + 1) for i in range(n)]
+    if kind == "whole":
+        return [(0, n)]
+    edges = sorted({0, n, *(int(e) for e in rng.integers(1, max(n, 2), size=3))})
+    return list(zip(edges, edges[1:], strict=False))
+
+
+def _stream(logits, props, config, slabs, step, probabilities):
+    exporter = SlabExporter(props, config, tuple(logits.shape[1:]), logits.shape[0], rows_per_step=step,
+                            return_probabilities=probabilities)
+    for lo, hi in slabs:
+        exporter.add(lo, logits[:, lo:hi].copy())
+    return exporter, exporter.finalize()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("regions", [False, True], ids=["labels", "regions"])
+@pytest.mark.parametrize(("slab_kind", "step"), [("rows", 1), ("uneven", 3), ("whole", 64)])
+def test_streamed_export_equals_nnunets_labels_and_the_whole_volume_probabilities(case, regions, slab_kind,
+                                                                                  step):
+    dataset_json = ps.make_dataset_json(regions=regions)
+    rng = np.random.default_rng(len(case.name) + 7 * regions)
+    plans, config, props, logits = _setup(case, dataset_json, rng)
+    reference = _nnunet(plans, dataset_json, case.configuration, logits, props, False)
+    whole_seg, whole_probs = convert_logits_to_segmentation(logits, props, config, return_probabilities=True)
+    slabs = _slabs(logits.shape[1], slab_kind, rng)
+    exporter, (seg, probs) = _stream(logits, props, config, slabs, step, True)
+    assert seg.dtype == reference.dtype and np.array_equal(seg, reference)
+    assert seg.tobytes() == whole_seg.tobytes() and probs.tobytes() == whole_probs.tobytes()
+    if slab_kind == "rows":  # one input row at a time: only the rows the next output rows read are held
+        assert exporter.peak_input_rows <= 4
+
+
+def test_slabs_out_of_order_or_of_the_wrong_shape_are_refused_naming_the_rows():
+    dataset_json = ps.make_dataset_json()
+    _, config, props, logits = _setup(CASES[2], dataset_json, np.random.default_rng(0))
+    exporter = SlabExporter(props, config, tuple(logits.shape[1:]), logits.shape[0])
+    with pytest.raises(InputValidationError, match="starts at row 2, expected row 0"):
+        exporter.add(2, logits[:, 2:4])
+    with pytest.raises(InputValidationError, match="does not fit"):
+        exporter.add(0, logits[:1, 0:2])
+    exporter.add(0, logits[:, 0:2])
+    with pytest.raises(InputValidationError, match="finalize after 2 of"):
+        exporter.finalize()
+
+
+def test_tiles_to_labels_streamed_end_to_end_equal_the_whole_volume_path_bit_for_bit():
+    """Two folds' sliding windows (streaming mergers), the fold mean by slabs, the export by rows: the
+    labels and probabilities of the whole-volume path, while no fold or export buffer covers the volume."""
+    import asyncio
+    import dataclasses
+
+    from nnunet_triton.numerics.sliding_window import average_folds, predict_sliding_window
+    from nnunet_triton.numerics.streaming import FoldSlabAverage, SlabMerger
+    from nnunet_triton.numerics.window import SlidingWindowSettings
+    from nnunet_triton.pipeline.orchestration import predict_folds_async
+
+    dataset_json = ps.make_dataset_json(n_labels=4)
+    case = next(c for c in CASES if c.name == "resampled_transposed_cropped")
+    _, config, props, logits = _setup(case, dataset_json, np.random.default_rng(9))
+    spatial = tuple(logits.shape[1:])
+    data = np.random.default_rng(10).normal(size=(1, *spatial)).astype(np.float32)
+    weights = np.random.default_rng(11).normal(size=(2, logits.shape[0])).astype(np.float32) * 6
+
+    def net(fold):
+        def predict(x):
+            return np.stack([w * np.sin(x[:, 0] * (k + 1)) for k, w in enumerate(weights[fold])], axis=1)
+        return predict
+
+    window = SlidingWindowSettings(patch_size=(8, 8, 8), num_heads=logits.shape[0], mirror_axes=(0, 1, 2))
+    whole = average_folds([predict_sliding_window(data, net(f), window) for f in range(2)])
+    expected = convert_logits_to_segmentation(whole, props, config, return_probabilities=True)
+
+    exporter = SlabExporter(props, config, spatial, logits.shape[0], rows_per_step=2, return_probabilities=True)
+    average = FoldSlabAverage(2, exporter.add)
+    folds = iter(range(2))
+    mergers: list[SlabMerger] = []
+
+    def factory(splitter, settings):
+        mergers.append(SlabMerger(splitter, settings, average.sink(next(folds))))
+        return mergers[-1]
+
+    async def infer(fold):
+        async def call(x):
+            await asyncio.sleep(0)
+            return net(fold)(x)
+        return call
+
+    fold_infer = [asyncio.run(infer(f)) for f in range(2)]
+    assert asyncio.run(predict_folds_async(data, fold_infer, dataclasses.replace(window, merger=factory))) is None
+    seg, probs = exporter.finalize()
+    assert seg.tobytes() == expected[0].tobytes() and probs.tobytes() == expected[1].tobytes()
+    assert all(m.band_rows == 8 for m in mergers) and exporter.peak_input_rows < spatial[0]
