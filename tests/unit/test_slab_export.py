@@ -99,7 +99,8 @@ def test_tiles_to_labels_streamed_end_to_end_equal_the_whole_volume_path_bit_for
     whole = average_folds([predict_sliding_window(data, net(f), window) for f in range(2)])
     expected = convert_logits_to_segmentation(whole, props, config, return_probabilities=True)
 
-    exporter = SlabExporter(props, config, spatial, logits.shape[0], rows_per_step=2, return_probabilities=True)
+    exporter = SlabExporter(props, config, spatial, logits.shape[0], rows_per_step=2,
+                            return_probabilities=True)
     average = FoldSlabAverage(2, exporter.add)
     folds = iter(range(2))
     mergers: list[SlabMerger] = []
@@ -108,14 +109,14 @@ def test_tiles_to_labels_streamed_end_to_end_equal_the_whole_volume_path_bit_for
         mergers.append(SlabMerger(splitter, settings, average.sink(next(folds))))
         return mergers[-1]
 
-    async def infer(fold):
+    def infer(fold):
         async def call(x):
             await asyncio.sleep(0)
             return net(fold)(x)
         return call
 
-    fold_infer = [asyncio.run(infer(f)) for f in range(2)]
-    assert asyncio.run(predict_folds_async(data, fold_infer, dataclasses.replace(window, merger=factory))) is None
+    streaming = dataclasses.replace(window, merger=factory)
+    assert asyncio.run(predict_folds_async(data, [infer(f) for f in range(2)], streaming)) is None
     seg, probs = exporter.finalize()
     assert seg.tobytes() == expected[0].tobytes() and probs.tobytes() == expected[1].tobytes()
     assert all(m.band_rows == 8 for m in mergers) and exporter.peak_input_rows < spatial[0]
