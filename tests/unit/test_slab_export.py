@@ -4,7 +4,7 @@ The geometries of ``test_export.py`` (passthrough, transposed and cropped, resam
 configuration), labels and regions: the streamed labels equal nnU-Net's own
 ``convert_predicted_logits_to_segmentation_with_correct_shape`` and our whole-volume export exactly, and the
 streamed probabilities equal our whole-volume export's bit for bit, for slabs of one row, uneven slabs and
-one slab, with one output row per step or several.
+one slab, with one output row per step or several, exported by one thread or two.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def _slabs(n: int, kind: str, rng: np.random.Generator) -> list[tuple[int, int]]
     return list(zip(edges, edges[1:], strict=False))
 
 
-def _stream(logits, props, config, slabs, step, probabilities):
+def _stream(logits, props, config, slabs, step, probabilities, workers):
     exporter = SlabExporter(props, config, tuple(logits.shape[1:]), logits.shape[0], rows_per_step=step,
-                            return_probabilities=probabilities)
+                            return_probabilities=probabilities, workers=workers)
     for lo, hi in slabs:
         exporter.add(lo, logits[:, lo:hi].copy())
     return exporter, exporter.finalize()
@@ -43,16 +43,17 @@ def _stream(logits, props, config, slabs, step, probabilities):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("regions", [False, True], ids=["labels", "regions"])
-@pytest.mark.parametrize(("slab_kind", "step"), [("rows", 1), ("uneven", 3), ("whole", 64)])
+@pytest.mark.parametrize(("slab_kind", "step", "workers"),
+                         [("rows", 1, 1), ("uneven", 3, 2), ("whole", 4, 2)])
 def test_streamed_export_equals_nnunets_labels_and_the_whole_volume_probabilities(case, regions, slab_kind,
-                                                                                  step):
+                                                                                  step, workers):
     dataset_json = ps.make_dataset_json(regions=regions)
     rng = np.random.default_rng(len(case.name) + 7 * regions)
     plans, config, props, logits = _setup(case, dataset_json, rng)
     reference = _nnunet(plans, dataset_json, case.configuration, logits, props, False)
     whole_seg, whole_probs = convert_logits_to_segmentation(logits, props, config, return_probabilities=True)
     slabs = _slabs(logits.shape[1], slab_kind, rng)
-    exporter, (seg, probs) = _stream(logits, props, config, slabs, step, True)
+    exporter, (seg, probs) = _stream(logits, props, config, slabs, step, True, workers)
     assert seg.dtype == reference.dtype and np.array_equal(seg, reference)
     assert seg.tobytes() == whole_seg.tobytes() and probs.tobytes() == whole_probs.tobytes()
     if slab_kind == "rows":  # one input row at a time: only the rows the next output rows read are held

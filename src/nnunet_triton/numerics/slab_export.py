@@ -60,6 +60,8 @@ class SlabExporter:
         logits_shape: spatial shape of the logits (the preprocessed volume).
         num_heads: channels of the logits.
         rows_per_step: output rows resampled at once (memory per step: ``K x rows x plane`` float64).
+        workers: threads exporting ready row ranges side by side (NumPy releases the GIL in its loops;
+            each range writes its own rows, so the bits do not depend on it).
         return_probabilities: also assemble float32 probabilities ``(K, *original shape)``.
         xp: the array module of the slabs (NumPy or CuPy).
 
@@ -69,7 +71,7 @@ class SlabExporter:
 
     def __init__(self, props: CaseProperties, config: InferenceConfig, logits_shape: tuple[int, ...],
                  num_heads: int, *, rows_per_step: int = 8, return_probabilities: bool = False,
-                 xp: Any = None) -> None:
+                 workers: int = 1, xp: Any = None) -> None:
         import numpy as np
 
         self._xp = xp = np if xp is None else xp
@@ -83,6 +85,9 @@ class SlabExporter:
         if rows_per_step < 1:
             raise InputValidationError(f"rows_per_step must be >= 1, got {rows_per_step}.")
         self._step = int(rows_per_step)
+        if workers < 1:
+            raise InputValidationError(f"workers must be >= 1, got {workers}.")
+        self._workers = int(workers)
         self._plan = row_resampling(props, config, self._in_shape)
         self._out_shape = tuple(int(s) for s in props.shape_after_cropping_and_before_resampling)
         self._seg = xp.zeros(self._out_shape, dtype=segmentation_dtype(config.labels))
@@ -130,22 +135,36 @@ class SlabExporter:
         return seg_full, xp.ascontiguousarray(probs_full.transpose(axes))
 
     def _export_ready(self) -> None:
-        while self._next_row < self._out_shape[0]:
-            r0 = self._next_row
+        ranges = []
+        r0 = self._next_row
+        while r0 < self._out_shape[0]:
             r1 = min(r0 + self._step, self._out_shape[0])
             while r1 > r0 and self._plan.source_rows((r0, r1))[1] > self._received:
                 r1 -= 1
             if r1 == r0:
-                return
-            lo, _ = self._plan.source_rows((r0, r1))
-            block = self._buffer[:, lo - self._buffer_start:]
-            resampled = self._plan.rows(block, lo, (r0, r1))
-            self._seg[r0:r1] = segmentation_from_logits(resampled, self._labels).astype(self._seg.dtype)
-            if self._probs is not None:
-                self._probs[:, r0:r1] = apply_inference_nonlin(resampled, self._labels)
-            self._next_row = r1
-            self._drop_rows_before(self._plan.source_rows((r1, r1 + 1))[0] if r1 < self._out_shape[0]
-                                   else self._received)
+                break
+            ranges.append((r0, r1))
+            r0 = r1
+        if not ranges:
+            return
+        if self._workers == 1 or len(ranges) == 1:
+            for rows in ranges:
+                self._export(rows)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(self._workers, len(ranges))) as pool:
+                list(pool.map(self._export, ranges))  # re-raises the first failure
+        self._next_row = r0
+        self._drop_rows_before(self._plan.source_rows((r0, r0 + 1))[0] if r0 < self._out_shape[0]
+                               else self._received)
+
+    def _export(self, rows: tuple[int, int]) -> None:
+        lo, _ = self._plan.source_rows(rows)
+        resampled = self._plan.rows(self._buffer[:, lo - self._buffer_start:], lo, rows)
+        self._seg[rows[0]:rows[1]] = segmentation_from_logits(resampled, self._labels).astype(self._seg.dtype)
+        if self._probs is not None:
+            self._probs[:, rows[0]:rows[1]] = apply_inference_nonlin(resampled, self._labels)
 
     def _drop_rows_before(self, row: int) -> None:
         row = min(row, self._received)  # the next rows may read rows that have not arrived yet
