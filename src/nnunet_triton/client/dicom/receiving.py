@@ -1,6 +1,9 @@
 """The receiving side of the DICOM node: pynetdicom's event handlers (association request, data, C-STORE,
-connection closed), as a mixin of :class:`~.node.DicomNode` (it uses the node's config, spool, lock and
-series bookkeeping; see :mod:`.node` for the whole story)."""
+connection closed), as a mixin of :class:`~.node.DicomNode` (through
+:class:`~.receiving_routes.RoutedReceiving`). It writes every instance it keeps to the spool and records
+it in the series queue (:class:`~.series_queue.SeriesQueue`: the node's ``_pending``, ``_study_seen``,
+``_carrying``, ``_storing`` and ``_lock``), from which the series worker takes the complete series; see
+:mod:`.node` for the whole story."""
 
 from __future__ import annotations
 
@@ -104,6 +107,7 @@ class Receiving:
     _carrying: dict[int, set[str]]
     _rx_bytes: dict[int, int]
     _storing: set[tuple[str, str]]
+    _degraded: dict[str, str]
     _fatal: str | None
     _server: Any
 
