@@ -88,7 +88,7 @@ from nnunet_triton.client.dicom.phi import describe
 from nnunet_triton.client.dicom.receiving import receive_into
 from nnunet_triton.client.dicom.receiving_routes import RoutedReceiving
 from nnunet_triton.client.dicom.routing import Routes
-from nnunet_triton.client.dicom.series_queue import PendingSeries, SeriesQueue
+from nnunet_triton.client.dicom.series_queue import SeriesQueue
 from nnunet_triton.client.dicom.series_worker import SeriesWorker
 from nnunet_triton.client.dicom.spool import Spool, durable_json
 from nnunet_triton.errors import PacsError
@@ -113,13 +113,9 @@ class DicomNode(RoutedReceiving):
         self.incoming, self.outgoing = self.spool.incoming, self.spool.outgoing
         self.failed = self.spool.failed
         self.queue = SeriesQueue()
-        self.health = NodeHealth(self.queue.lock)  # one lock for the node
+        self.health = NodeHealth(self.queue.lock)
         self.worker = SeriesWorker(config, self.spool, self.queue, self.health)
-        # the receiving side's names for the queue and the health it shares with the worker
-        self._lock = self.queue.lock
-        self._pending, self._study_seen = self.queue.pending, self.queue.study_seen
-        self._carrying, self._storing = self.queue.carrying, self.queue.storing
-        self._degraded = self.health.degraded
+        self._lock = self.queue.lock  # one lock for the node
         self._rx_bytes: dict[int, int] = {}  # association -> bytes received since its last C-STORE
         self._called_ae: dict[int, str] = {}  # association -> its called AE title (for the routes)
         self._stop = threading.Event()
@@ -149,18 +145,8 @@ class DicomNode(RoutedReceiving):
             raise PacsError(f"spool {spool} is in use by another node (one node per spool).") from None
         return handle
 
-    # --- what the receiving side asks of the node ----------------------------------------------------
-    @staticmethod
-    def _new_series(study: str, now: float, count: int) -> PendingSeries:
-        return PendingSeries(study, now, count=count)
-
-    def _series_lock(self, uid: str) -> threading.Lock:
-        return self.queue.series_lock(uid)
-
-    def _set_degraded(self, key: str, reason: str | None) -> None:
-        self.health.set_degraded(key, reason)
-
     def _refuses_new_series(self) -> str | None:
+        """New series are refused while the worker is stuck (see :meth:`.receiving.Receiving._keep`)."""
         return self.health.stuck(self.config.max_busy_s)
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -297,10 +283,10 @@ class DicomNode(RoutedReceiving):
         busy = health.busy
         stuck = health.stuck(self.config.max_busy_s)
         with self._lock:
-            pending = len(self._pending)
+            pending = len(self.queue.pending)
             degraded = sorted(health.degraded.values()) + ([stuck] if stuck else [])
-            by_model = collections.Counter(e.model or "(no route yet)" for e in self._pending.values())
-            busy_entry = self._pending.get(busy[0]) if busy else None
+            by_model = collections.Counter(e.model or "(no route yet)" for e in self.queue.pending.values())
+            busy_entry = self.queue.pending.get(busy[0]) if busy else None
             recent = list(health.recent)
         state = "unhealthy" if self._fatal else ("degraded" if degraded else "ok")
         return {"state": state, "reason": self._fatal or "; ".join(degraded), "pid": os.getpid(),
@@ -319,7 +305,7 @@ class DicomNode(RoutedReceiving):
             durable_json(self.spool.status_file, self.status())
         except OSError as exc:  # a full disk: the status goes stale, which read_status reports
             if exc.errno == errno.ENOSPC:
-                self._set_degraded("disk", "the spool's disk is full")
+                self.health.set_degraded("disk", "the spool's disk is full")
             LOGGER.debug("could not write the node status: %s", describe(exc))
         except Exception as exc:  # noqa: BLE001 - the monitor must outlive a bug in the status
             LOGGER.error("could not write the node status: %s", describe(exc))

@@ -42,8 +42,8 @@ class RoutedReceiving(Receiving):
         """Keep the instance (:meth:`.receiving.Receiving._keep`); the first one kept of a series decides
         and records its route before the C-STORE is answered."""
         called = self._called_ae.get(assoc_key)
-        with self._lock:
-            entry = self._pending.get(series)
+        with self.queue.lock:
+            entry = self.queue.pending.get(series)
             routed = entry is not None and entry.routed
         decision = None if routed else self._decide(staged, called)
         status = super()._keep(staged, study, series, sop, assoc_key=assoc_key)
@@ -73,8 +73,8 @@ class RoutedReceiving(Receiving):
         """Record the route of a series in its state unless it has one (a later instance follows it, and so
         does a series whose earlier SEG was sent: its record keeps the route), with its study (a restart
         keeps the series with the other series of its study)."""
-        with self._lock:
-            entry = self._pending.get(series)
+        with self.queue.lock:
+            entry = self.queue.pending.get(series)
             if entry is None:  # a known instance of a sent series: nothing waits for a route
                 return
             routed, first, model = entry.routed, entry.called_ae, entry.model
@@ -87,7 +87,7 @@ class RoutedReceiving(Receiving):
                            shown(first, 16), model or "(none)")
         if routed:
             return
-        with self._series_lock(series):
+        with self.queue.series_lock(series):
             if not self.spool.series_dir(series).is_dir():  # its instances are in done/ only: no new round
                 return
             state = self.spool.state(series)
@@ -97,7 +97,7 @@ class RoutedReceiving(Receiving):
                     decision = self._decide(self.spool.instance(series, sop), called)
                 state.update(self._route_keys(series, called, decision), study=study)
                 self.spool.write_state(series, state)
-        with self._lock:
+        with self.queue.lock:
             route_entry(entry, state)
         if new and state.get("model"):
             LOGGER.info("series %s: routed to model %s (%s)", series, state["model"], state.get("route"))
