@@ -45,7 +45,8 @@ class SeriesWorker:
     """Works off the series of ``spool`` that ``queue`` holds, with the models and retries of ``config``.
 
     ``queue`` and ``health`` are shared with the receiving side when there is one (a node); alone, the
-    worker makes its own and works off what the spool holds (:meth:`resume`, then :meth:`step`)."""
+    worker makes its own and works off what the spool holds (:meth:`resume`, then :meth:`step`). It does
+    not lock the spool: its owner does (one node per spool, :class:`~.node.DicomNode`)."""
 
     def __init__(self, config: NodeConfig, spool: Spool, queue: SeriesQueue | None = None,
                  health: NodeHealth | None = None) -> None:
