@@ -1,6 +1,8 @@
 """The receiving side of the DICOM node: pynetdicom's event handlers (association request, data, C-STORE,
-connection closed), as a mixin of :class:`~.node.DicomNode` (it uses the node's config, spool, lock and
-series bookkeeping; see :mod:`.node` for the whole story)."""
+connection closed), as a mixin of :class:`~.node.DicomNode` (through
+:class:`~.receiving_routes.RoutedReceiving`). It writes every instance it keeps to the spool and records
+it in the series queue (:class:`~.series_queue.SeriesQueue`), from which the series worker takes the
+complete series; see :mod:`.node` for the whole story."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from typing import Any
 import pydicom
 
 from nnunet_triton.client.dicom.access import DEFLATED, REJECT_UNAVAILABLE, Refusal
+from nnunet_triton.client.dicom.node_health import NodeHealth
 from nnunet_triton.client.dicom.phi import describe
-from nnunet_triton.client.dicom.spool import InstanceTooLarge, inflate_deflated
+from nnunet_triton.client.dicom.series_queue import PendingSeries, SeriesQueue
+from nnunet_triton.client.dicom.spool import InstanceTooLarge, Spool, inflate_deflated
 from nnunet_triton.client.dicom.uids import UID_RULE, valid_uid
 
 __all__ = ["Receiving", "receive_into", "STATUS_SUCCESS",
@@ -94,16 +98,15 @@ def receive_into(folder: Path | None, *, previous: Path | None = None) -> None:
 
 
 class Receiving:
-    """pynetdicom handlers of :class:`~.node.DicomNode`; every instance is checked, then kept durably."""
+    """pynetdicom handlers of :class:`~.node.DicomNode`; every instance is checked, then kept durably in
+    ``spool`` and recorded in ``queue`` (under ``queue.lock``); what is wrong but may pass goes to
+    ``health``."""
 
     config: Any
-    spool: Any
-    _lock: Any
-    _pending: dict[str, Any]
-    _study_seen: dict[str, float]
-    _carrying: dict[int, set[str]]
+    spool: Spool
+    queue: SeriesQueue
+    health: NodeHealth
     _rx_bytes: dict[int, int]
-    _storing: set[tuple[str, str]]
     _fatal: str | None
     _server: Any
 
@@ -158,8 +161,8 @@ class Receiving:
         """EVT_CONN_CLOSE: forget the association; remove the dataset it was sending when it ended."""
         key = id(event.assoc)
         self._rx_bytes.pop(key, None)
-        with self._lock:
-            self._carrying.pop(key, None)
+        with self.queue.lock:
+            self.queue.carrying.pop(key, None)
         message = getattr(getattr(event.assoc, "dimse", None), "message", None)
         partial = getattr(message, "_data_set_file", None)
         if partial is not None:  # pynetdicom keeps a half-received dataset in a temporary file
@@ -245,8 +248,8 @@ class Receiving:
         limits = self.spool.limits
         size = staged.stat().st_size
         now = time.monotonic()
-        with self._lock:
-            if (series, sop) in self._storing:  # another association is storing the same instance now
+        with self.queue.lock:
+            if (series, sop) in self.queue.storing:  # another association is storing the same instance now
                 self._seen(series, study, now, assoc_key)
                 LOGGER.warning("refused instance %s of series %s: another association is storing it now",
                                sop, series)
@@ -255,7 +258,7 @@ class Receiving:
                 self._seen(series, study, now, assoc_key)
                 LOGGER.info("series %s: instance %s is spooled already; not stored again", series, sop)
                 return STATUS_SUCCESS
-            pending = self._pending.get(series)
+            pending = self.queue.pending.get(series)
             stuck = self._refuses_new_series() if pending is None else None
             if stuck:  # a series it could not process for a long time: the sender keeps it and retries
                 LOGGER.warning("refused instance %s of new series %s: %s", sop, series, stuck)
@@ -266,20 +269,21 @@ class Receiving:
                                "max_instances_per_series", sop, series, count)
                 return STATUS_OUT_OF_RESOURCES
             if not self.spool.reserve(size):
-                self._degraded["quota"] = f"spool quota max_spool_bytes={limits.max_spool_bytes} reached"
+                quota = f"spool quota max_spool_bytes={limits.max_spool_bytes} reached"
+                self.health.degraded["quota"] = quota
                 LOGGER.warning("refused instance %s of series %s: the spool quota of %d bytes is reached",
                                sop, series, limits.max_spool_bytes)
                 return STATUS_OUT_OF_RESOURCES
             # the place is reserved before the data is accepted: concurrent stores see it counted
-            entry = pending if pending is not None else self._pending.setdefault(
-                series, self._new_series(study, now, count))
+            entry = pending if pending is not None else self.queue.pending.setdefault(
+                series, PendingSeries(study, now, count=count))
             entry.count += 1
-            self._storing.add((series, sop))
+            self.queue.storing.add((series, sop))
         placed = False
         try:
             with open(staged, "rb") as handle:
                 os.fsync(handle.fileno())
-            with self._series_lock(series):  # the worker does not clear the folder meanwhile
+            with self.queue.series_lock(series):  # the worker does not clear the folder meanwhile
                 placed = self.spool.place(staged, self.spool.instance(series, sop))
         except OSError as exc:
             return self._spool_error(f"spooling instance {sop} of series {series}", exc)
@@ -293,17 +297,18 @@ class Receiving:
                 assoc_key: int) -> None:
         """End a reservation: count the instance stored, or give its place and bytes back."""
         now = time.monotonic()
-        with self._lock:
-            self._storing.discard((series, sop))
+        with self.queue.lock:
+            self.queue.storing.discard((series, sop))
             if not placed:
                 self.spool.release(size)
                 entry.count -= 1
-                if entry.count <= 0 and self._pending.get(series) is entry and not self.spool.count(series):
-                    del self._pending[series]
+                pending = self.queue.pending
+                if entry.count <= 0 and pending.get(series) is entry and not self.spool.count(series):
+                    del pending[series]
                 return
-            self._degraded.pop("disk", None)
-            self._degraded.pop("quota", None)
-            self._pending.setdefault(series, entry)  # the worker may have finished the series meanwhile
+            self.health.degraded.pop("disk", None)
+            self.health.degraded.pop("quota", None)
+            self.queue.pending.setdefault(series, entry)  # the worker may have finished the series meanwhile
             self._seen(series, study, now, assoc_key, entry)
 
     def _seen(self, series: str, study: str, now: float, assoc_key: int, entry: Any = None) -> None:
@@ -313,16 +318,16 @@ class Receiving:
         after the node restarted) keeps it open with the instances the spool has too, so it is not cut in
         the middle of the re-send; a series recovered from the spool without a recorded study (it stands
         for its own study then) learns it here."""
-        entry = entry if entry is not None else self._pending.get(series)
+        entry = entry if entry is not None else self.queue.pending.get(series)
         if entry is not None:
             entry.last_seen = now
             if entry.study == series:
                 entry.study = study
-        self._study_seen[study] = now
-        self._carrying.setdefault(assoc_key, set()).add(study)
+        self.queue.study_seen[study] = now
+        self.queue.carrying.setdefault(assoc_key, set()).add(study)
 
     def _spool_error(self, what: str, exc: OSError) -> int:
         reason = f"{what} failed: {os.strerror(exc.errno) if exc.errno else type(exc).__name__}"
-        self._set_degraded("disk", reason)
+        self.health.set_degraded("disk", reason)
         LOGGER.error("could not keep a received instance: %s", reason)
         return STATUS_OUT_OF_RESOURCES
