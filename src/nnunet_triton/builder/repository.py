@@ -6,8 +6,8 @@
 
 Two or more ``--model-dir`` folders build an ensemble of configurations (``build_ensemble_repository``).
 
-A repository holds any number of endpoint names, each with versions (``nnunet_triton.registry``). One build
-writes one version of one name and leaves every other name and version untouched::
+A repository holds any number of endpoint names, each with versions (``nnunet_triton.repository.registry``).
+One build writes one version of one name and leaves every other name and version untouched::
 
     repository_metadata.json            the registry: every name's versions (what each build recorded:
                                         versions, plans sha256, folds, target, export checks, input hash)
@@ -60,7 +60,6 @@ from nnunet_triton.builder.build_inputs import (
     torch_version,
 )
 from nnunet_triton.builder.config_gen import ModelSpec
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
 from nnunet_triton.errors import OlderRepositoryError, PlansError, RepositoryError
 from nnunet_triton.io_names import TORCHSCRIPT_FILE, VERSION_DIR
@@ -73,7 +72,8 @@ from nnunet_triton.numerics.postprocessing import (
     find_postprocessing_pkl,
     load_postprocessing_pkl,
 )
-from nnunet_triton.registry import Registry, locked, write_registry
+from nnunet_triton.repository import ModelRepository
+from nnunet_triton.repository.registry import Registry, locked, write_registry
 from nnunet_triton.segment_metadata import PUBLISHED_KEY, SegmentMetadata, label_values, read_segment_metadata
 from nnunet_triton.util.hashing import sha256_file
 
@@ -648,10 +648,7 @@ def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> l
     if not out.is_dir():
         raise RepositoryError(f"{str(out)!r} is not a model repository (no such folder).")
     with locked(out):
-        registry = ModelRepository(out).registry()
-        if registry is None:
-            raise RepositoryError(f"{str(out)!r} is not a model repository built by nnunet-triton (no "
-                                  f"{io_names.REPOSITORY_METADATA_FILE}).")
+        registry = ModelRepository(out).require_registry()
         entry = registry.endpoint(name)
         if version is None:
             gone = set(entry.public_models).union(*(set(v.models) for v in entry.versions.values()))

@@ -80,7 +80,6 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.errors import ThreadBudgetError
 from nnunet_triton.io_names import FOLD_SLOT_RESOURCE, VERSION_DIR
 from nnunet_triton.parameters import PARAM_TORCH_NUM_THREADS, FoldRunnerParameters
@@ -92,6 +91,7 @@ from nnunet_triton.pipeline.threads import (
     checked_threads,
     positive_int,
 )
+from nnunet_triton.repository import ModelRepository
 from nnunet_triton.server.exactness import (
     FoldNetwork,
     Reference,
@@ -102,7 +102,7 @@ from nnunet_triton.server.exactness import (
 from nnunet_triton.server.server_config import TritonServerConfig, from_args, rate_limit_args
 
 if TYPE_CHECKING:
-    from nnunet_triton.builder.config_gen import ModelConfigInfo
+    from nnunet_triton.repository.config import ModelConfigInfo
 
 __all__ = [
     "POLICY_ENV",
@@ -198,7 +198,7 @@ def repository_folds(model_repository: str | Path) -> FoldModels:
         dims = config.first_input_dims
         if dims and min(dims) > 0:
             largest = max(largest, math.prod(dims))
-        folder = repository.model_dir(model)
+        folder = repository.model_folder(model)
         network = _libtorch_network(folder, config) if on_libtorch else _network(folder, config)
         if network is not None:
             networks.append(network)
