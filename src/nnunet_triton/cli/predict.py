@@ -329,8 +329,8 @@ def _local_server(home: str | None, server_url: str) -> Any:
 
 
 def _registry(repository: Path | None) -> Any:
-    from nnunet_triton.builder.model_repository import ModelRepository
     from nnunet_triton.errors import RepositoryError
+    from nnunet_triton.repository import ModelRepository
 
     if repository is None:
         return None

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.errors import DeployError, PreloadUnavailableError, RepositoryError, ServerError
+from nnunet_triton.repository import ModelRepository
 from nnunet_triton.server import backends, cves, preload, proxy, readiness, watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory

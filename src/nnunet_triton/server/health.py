@@ -12,11 +12,11 @@ both sides:
   ``/v2/models/<m>/config``).
 
 The endpoint is healthy when the server is ready and every model is ready with all its processes. In a
-repository of several endpoints and versions (``nnunet_triton.registry``) the models that must be loaded
-are the public endpoints and their promoted versions; another version may be loaded or not (it is built,
-waiting to be validated or promoted, or kept for a rollback), but when it is loaded it must be whole.
-Only the standard library is used (it runs as a Kubernetes exec probe every few seconds): one
-``/proc`` scan and two loopback HTTP requests per model, a few milliseconds (docs/reliability.md).
+repository of several endpoints and versions (``nnunet_triton.repository.registry``) the models that must be
+loaded are the public endpoints and their promoted versions; another version may be loaded or not (it is
+built, waiting to be validated or promoted, or kept for a rollback), but when it is loaded it must be whole.
+Only the standard library is used (it runs as a Kubernetes exec probe every few seconds): one ``/proc`` scan
+and two loopback HTTP requests per model, a few milliseconds (docs/reliability.md).
 
 CLI (exit 0 healthy, 1 not healthy, 2 server unreachable)::
 
@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.parameters import DEFAULT_HTTP_PORT
+from nnunet_triton.repository import ModelRepository
 from nnunet_triton.util.process import pid_alive  # re-exported for the watchdog and the handle
 
 __all__ = [
