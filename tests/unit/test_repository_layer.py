@@ -116,7 +116,7 @@ def test_one_refusal_for_a_folder_not_built_by_nnunet_triton(tmp_path: Path) -> 
     assert {*messages, str(deploy.value)} == {
         f"{str(tmp_path)!r} is not a model repository built by nnunet-triton (no "
         f"{io_names.REPOSITORY_METADATA_FILE}): build one with `nnunet-triton build --model-dir <results "
-        "folder> --out <folder>`."}
+        "folder> --model-repository <folder>`."}
     assert not ModelRepository(tmp_path).has_registry()
     # ... and it is written in one place of the package (docstrings aside)
     writers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")

@@ -1,7 +1,8 @@
 """Build nnU-Net models into a Triton model repository: one endpoint name and version per build.
 
     nnunet-triton build --model-dir <Dataset.../Trainer__Plans__Config> [<more folders>] [--endpoint liver]
-        [--new-version | --endpoint-version N] [--promote] [--folds 0 1] [--out build/model_repository]
+        [--new-version | --endpoint-version N] [--promote] [--folds 0 1]
+        [--model-repository build/model_repository]
         [--target cpu|gpu] [--tile-batch-size 4] [--max-voxels N] [--max-request-bytes N] [--force]
 
 Two or more ``--model-dir`` folders build an ensemble of configurations (``build_ensemble_repository``).

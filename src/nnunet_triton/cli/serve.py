@@ -202,12 +202,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     args.model = args.model or args.legacy_model_dir
+    args.model_repository = args.model_repository or build.DEFAULT_OUT
     if args.model:
-        args.out = args.model_repository or build.DEFAULT_OUT
         code = build.run(args)
         if code:
             return code
-    args.model_repository = args.model_repository or (args.out if args.model else build.DEFAULT_OUT)
     return _cmd_start(args)
 
 

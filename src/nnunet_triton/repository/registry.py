@@ -289,7 +289,7 @@ def require_registry(repository: str | Path) -> Registry:
         raise NotBuiltRepositoryError(
             f"{str(repository)!r} is not a model repository built by nnunet-triton (no "
             f"{io_names.REPOSITORY_METADATA_FILE}): build one with `nnunet-triton build --model-dir <results "
-            "folder> --out <folder>`.")
+            "folder> --model-repository <folder>`.")
     return registry
 
 
