@@ -105,17 +105,17 @@ def test_a_built_repository_gives_the_facts_the_regex_readers_found(built: Path)
         ("liver__v1__fold_0", True, 0), ("liver__v1__fold_1", True, 0)]  # the GPU folds need no check
     assert backends.required_backends([built]) == _old_backends(built)
     assert set(backends.required_backends([built])) == {"python", "pytorch"}
-    ensembles = [m for m in repository.model_dirs() if repository.is_ensemble(m)]
-    assert ensembles == [m for m in repository.model_dirs() if _old_is_ensemble(built, m)]
+    ensembles = [m for m in repository.model_folders() if repository.is_ensemble(m)]
+    assert ensembles == [m for m in repository.model_folders() if _old_is_ensemble(built, m)]
     assert "liver" in ensembles and "liver__v1" in ensembles and "liver__v1__fold_0" not in ensembles
-    assert repository.model_dirs() == sorted(p.parent.name for p in built.glob("*/config.pbtxt"))
+    assert repository.model_folders() == sorted(p.parent.name for p in built.glob("*/config.pbtxt"))
 
 
 def test_the_registry_names_every_model_and_which_must_be_loaded(built: Path, tmp_path: Path) -> None:
     repository = ModelRepository(built)
-    assert repository.models() == repository.model_dirs()
+    assert repository.models() == repository.model_folders()
     required, optional = repository.expected_models()
-    assert (sorted(required), optional) == (repository.model_dirs(), [])  # one version each: all required
+    assert (sorted(required), optional) == (repository.model_folders(), [])  # one version each: all required
     assert repository.require_registry().endpoint("lung").public_models == io_names.public_endpoints("lung")
     (tmp_path / "hand_made").mkdir()
     (tmp_path / "hand_made" / "config.pbtxt").write_text('name: "hand_made"\nbackend: "python"\n')
@@ -129,7 +129,7 @@ def test_the_registry_names_every_model_and_which_must_be_loaded(built: Path, tm
 
 def test_both_readers_of_the_text_format_give_the_same_tree_for_every_built_config(built: Path) -> None:
     repository = ModelRepository(built)
-    for model in repository.model_dirs():
+    for model in repository.model_folders():
         text = repository.config_text(model)
         assert config_gen._TextReader(text).message() == config_gen.config_tree(text), model
 
@@ -266,7 +266,7 @@ def test_the_embedded_server_loads_every_registry_model_or_every_folder(built: P
 
     (tmp_path / "hand_made").mkdir()
     (tmp_path / "hand_made" / "config.pbtxt").write_text('name: "hand_made"\nbackend: "python"\n')
-    assert embedded._repository_load_list([built, tmp_path]) == (*ModelRepository(built).model_dirs(),
+    assert embedded._repository_load_list([built, tmp_path]) == (*ModelRepository(built).model_folders(),
                                                                  "hand_made")
     (tmp_path / io_names.REPOSITORY_METADATA_FILE).write_text("{")
     with pytest.raises(ValueError, match="cannot serve .* is not valid JSON"):

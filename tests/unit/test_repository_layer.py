@@ -69,7 +69,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_repository_layer_reads_a_repository_without_the_builder_or_the_server(repository: Path) -> None:
     script = ("from nnunet_triton.repository import ModelRepository\n"
               "r = ModelRepository(repository)\n"
-              "result = [r.has_registry(), r.model_dirs() == r.models(), r.expected_models()[0][:1],\n"
+              "result = [r.has_registry(), r.model_folders() == r.models(), r.expected_models()[0][:1],\n"
               "          [c.name for c in r.configs()][:1], r.inference_config('liver').patch_size,\n"
               "          r.inference_config('liver', 2).num_input_channels]")
     seen = _loaded_in_a_fresh_interpreter(script, repository)
@@ -86,7 +86,7 @@ def test_the_health_probe_reads_a_repository_without_importing_the_builder(repos
     seen = _loaded_in_a_fresh_interpreter(script, repository)
     assert seen["result"][:2] == [["liver"], sorted(ModelRepository(repository).require_registry()
                                                     .endpoint("liver").version(2).models)]
-    assert seen["result"][2] == len(ModelRepository(repository).model_dirs())
+    assert seen["result"][2] == len(ModelRepository(repository).model_folders())
     assert "builder" not in _layers(seen["modules"]), seen["modules"]
 
 
@@ -144,3 +144,8 @@ def test_the_old_import_paths_still_work_and_say_they_are_deprecated(old: str, n
     replacement = __import__(new, fromlist=["_"])
     for name in module.__all__:
         assert getattr(module, name) is getattr(replacement, name), name
+
+
+def test_model_dirs_is_the_deprecated_name_of_model_folders(repository: Path) -> None:
+    with pytest.warns(DeprecationWarning, match=r"model_dirs\(\) is deprecated .* use model_folders\(\)"):
+        assert ModelRepository(repository).model_dirs() == ModelRepository(repository).model_folders()

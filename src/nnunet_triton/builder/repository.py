@@ -635,21 +635,21 @@ def write_public_endpoints(source: Path, target: Path, name: str, version: int) 
     return written
 
 
-def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> list[str]:
-    """Remove version ``version`` of ``name`` from the repository ``out`` (every version and the public
-    endpoint when ``version`` is None); returns the model folders removed. The registry is committed first,
-    so an interrupted removal leaves only unlisted folders. Unload them from a running server first
+def remove_endpoint(repository: str | Path, name: str, version: int | None = None) -> list[str]:
+    """Remove version ``version`` of ``name`` from the model repository ``repository`` (every version and the
+    public endpoint when ``version`` is None); returns the model folders removed. The registry is committed
+    first, so an interrupted removal leaves only unlisted folders. Unload them from a running server first
     (``server.rollout.remove``).
 
     Raises:
-        RepositoryError: no such endpoint or version, the promoted version (while others remain), or not a
-            repository of this nnunet-triton.
+        NotBuiltRepositoryError: not a repository built by nnunet-triton (no registry).
+        RepositoryError: no such endpoint or version, the promoted version (while others remain).
     """
-    out = Path(out)
-    if not out.is_dir():
-        raise RepositoryError(f"{str(out)!r} is not a model repository (no such folder).")
-    with locked(out):
-        registry = ModelRepository(out).require_registry()
+    repository = Path(repository)
+    if not repository.is_dir():
+        raise RepositoryError(f"{str(repository)!r} is not a model repository (no such folder).")
+    with locked(repository):
+        registry = ModelRepository(repository).require_registry()
         entry = registry.endpoint(name)
         if version is None:
             gone = set(entry.public_models).union(*(set(v.models) for v in entry.versions.values()))
@@ -657,14 +657,14 @@ def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> l
         else:
             gone = set(entry.version(version).models)
             remaining = registry.without_version(name, version)
-        write_registry(out, remaining)
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.remove-", dir=out.parent))
+        write_registry(repository, remaining)
+        trash = Path(tempfile.mkdtemp(prefix=f".{repository.name}.remove-", dir=repository.parent))
         try:
             for model in sorted(gone):
-                if (out / model).exists():
-                    (out / model).rename(trash / model)
+                if (repository / model).exists():
+                    (repository / model).rename(trash / model)
         finally:
             shutil.rmtree(trash, ignore_errors=True)
     what = name if version is None else f"{name} version {version}"
-    LOGGER.info("removed %s from %s (%d model folders)", what, out, len(gone))
+    LOGGER.info("removed %s from %s (%d model folders)", what, repository, len(gone))
     return sorted(gone)

@@ -16,6 +16,7 @@ Used by the launchers (thread budget, backends), the health probe, rollouts, ``p
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,10 +66,16 @@ class ModelRepository:
         """Whether ``model`` has a folder with a config (what Triton loads as a model)."""
         return self.config_path(model).is_file()
 
-    def model_dirs(self) -> list[str]:
+    def model_folders(self) -> list[str]:
         """Names of the model folders (sub-folders holding a ``config.pbtxt``), sorted; OSError when the
         repository cannot be listed."""
         return sorted(p.name for p in self.path.iterdir() if self.has_model(p.name))
+
+    def model_dirs(self) -> list[str]:
+        """Deprecated name of :meth:`model_folders` (``model_dir`` means an nnU-Net results folder)."""
+        warnings.warn("ModelRepository.model_dirs() is deprecated and will be removed in the next release: "
+                      "use model_folders()", DeprecationWarning, stacklevel=2)
+        return self.model_folders()
 
     # --- registry -------------------------------------------------------------------------------------
 
@@ -125,7 +132,7 @@ class ModelRepository:
         """Every Triton model of the repository: the registry's (every version's and the public
         endpoints), or every model folder when there is no registry."""
         registry = self.registry()
-        return list(registry.models()) if registry is not None else self.model_dirs()
+        return list(registry.models()) if registry is not None else self.model_folders()
 
     def expected_models(self) -> tuple[list[str], list[str]]:
         """(models that must be loaded, models that may be): with a registry the public endpoints and their
@@ -136,7 +143,7 @@ class ModelRepository:
         except RepositoryError:
             registry = None
         if registry is None:
-            return self.model_dirs(), []
+            return self.model_folders(), []
         required = list(registry.required_models())
         return required, sorted(set(registry.models()) - set(required))
 
@@ -157,7 +164,7 @@ class ModelRepository:
     def readable_configs(self, reader: str) -> Iterator[tuple[str, ModelConfigInfo]]:
         """``(model, config)`` of every model folder whose config reads; one that does not is skipped with a
         warning naming ``reader`` (a launch check: Triton refuses that model itself, naming the error)."""
-        for model in self.model_dirs():
+        for model in self.model_folders():
             try:
                 yield model, self.config(model)
             except RepositoryError as exc:
@@ -165,7 +172,7 @@ class ModelRepository:
 
     def configs(self) -> list[ModelConfigInfo]:
         """Every model folder's parsed config, in folder order."""
-        return [self.config(model) for model in self.model_dirs()]
+        return [self.config(model) for model in self.model_folders()]
 
     def is_ensemble(self, model: str) -> bool:
         """Whether ``model`` is an ensemble (False when its config cannot be read)."""

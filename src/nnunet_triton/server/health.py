@@ -142,16 +142,16 @@ def find_server_pid(*, proc: str | Path = "/proc") -> int | None:
     return min(pids) if pids else None
 
 
-def repository_models(model_repository: str | Path) -> list[str]:
+def repository_models(repository: str | Path) -> list[str]:
     """Model names of a repository folder: its sub-folders holding a ``config.pbtxt``."""
-    return ModelRepository(model_repository).model_dirs()
+    return ModelRepository(repository).model_folders()
 
 
-def repository_expectations(model_repository: str | Path) -> tuple[list[str], list[str]]:
+def repository_expectations(repository: str | Path) -> tuple[list[str], list[str]]:
     """(models that must be loaded, models that may be) of a repository: with a registry, the public
     endpoints and their promoted versions, then every other version's models; without one, every model
     folder must be loaded."""
-    return ModelRepository(model_repository).expected_models()
+    return ModelRepository(repository).expected_models()
 
 
 def expected_instances(config: Mapping[str, Any]) -> tuple[str, ...]:

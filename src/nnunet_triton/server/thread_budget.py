@@ -183,10 +183,10 @@ def _libtorch_network(folder: Path, config: ModelConfigInfo) -> FoldNetwork | No
                        configured_threads=int(config.parameters.get("INTRA_OP_THREAD_COUNT", "0") or 0))
 
 
-def repository_folds(model_repository: str | Path) -> FoldModels:
+def repository_folds(repository: str | Path) -> FoldModels:
     """Fold-model instances in a repository (Python runner and libtorch), their largest input and their CPU
     networks (a config that cannot be read is skipped with a warning: Triton refuses that model itself)."""
-    repository = ModelRepository(model_repository)
+    repository = ModelRepository(repository)
     total, largest, networks, libtorch = 0, 0, [], False
     for model, config in repository.readable_configs("thread budget"):
         # a Python fold runner's config (model_specs.python_fold_spec), a libtorch fold's (libtorch_fold_spec)

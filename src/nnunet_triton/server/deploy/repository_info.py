@@ -219,7 +219,7 @@ class RepositoryInfo:
         directories."""
         repository = Path(repository)
         registry = _read_registry(repository)
-        _check_model_dirs(ModelRepository(repository), registry.models())
+        _check_model_folders(ModelRepository(repository), registry.models())
         pipelines = []
         for name, entry in sorted(registry.endpoints.items()):
             order = [entry.promoted, *sorted(v for v in entry.versions if v != entry.promoted)]
@@ -243,13 +243,13 @@ def _read_registry(repository: Path) -> Registry:
     return registry
 
 
-def _check_model_dirs(repository: ModelRepository, models: tuple[str, ...]) -> None:
+def _check_model_folders(repository: ModelRepository, models: tuple[str, ...]) -> None:
     """Every model in the registry has a config, and every model directory is in the registry.
 
     With ``--model-control-mode explicit`` only listed models load; a fold model missing from the list
     would only fail at the first BLS call (BLS callees are invisible to the repository manager).
     """
-    on_disk = set(repository.model_dirs())
+    on_disk = set(repository.model_folders())
     missing, unlisted = sorted(set(models) - on_disk), sorted(on_disk - set(models))
     if missing or unlisted:
         raise DeployError(
