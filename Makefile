@@ -162,7 +162,7 @@ soak: $(SETUP_STAMP) ## Bounded soak: mixed valid/invalid requests, answers chec
 	$(PY) tools/soak.py --duration $(SOAK_DURATION) --concurrency $(SOAK_CONCURRENCY) --out build/soak
 
 repository: $(SETUP_STAMP) ## Build MODEL=<results folder> into a model repository as endpoint NAME (default nnunet; other names stay): [CONFIG=3d_fullres] [FOLDS="0 1"] [OUT=build/model_repository] [BUILD_TARGET=cpu|gpu] [BUILD_ARGS=--new-version]
-	$(PY) -m repository.build --model-dir $(or $(MODEL),$(FIXTURE_MODEL)) --out "$(OUT)" --target $(BUILD_TARGET) \
+	$(PY) -m repository.build --model-dir $(or $(MODEL),$(FIXTURE_MODEL)) --model-repository "$(OUT)" --target $(BUILD_TARGET) \
 		$(if $(NAME),--endpoint $(NAME)) $(if $(CONFIG),--configuration $(CONFIG)) $(if $(FOLDS),--folds $(FOLDS)) \
 		$(BUILD_ARGS)
 

@@ -27,7 +27,7 @@ python -m pip install --no-cache-dir --disable-pip-version-check -c /opt/constra
 cd /opt/src
 export PYTHONPATH=/opt/src/src PYTHONDONTWRITEBYTECODE=1
 python -c "import torch; print('export torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-python -m repository.build "$@" --out "${REPOSITORY_OUT}"
+python -m repository.build "$@" --model-repository "${REPOSITORY_OUT}"
 
 if [[ -n "${HOST_UID:-}" ]]; then
     chown -R "${HOST_UID}:${HOST_GID:-${HOST_UID}}" "${REPOSITORY_OUT}"

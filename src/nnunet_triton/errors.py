@@ -26,6 +26,7 @@ __all__ = [
     "ServerNotRunningError",
     "RepositoryError",
     "OlderRepositoryError",
+    "NotBuiltRepositoryError",
     "RequestCancelledError",
     "ResourceExhaustedError",
     "NOT_RUNNING_MESSAGES",
@@ -157,6 +158,11 @@ class RepositoryError(NnunetTritonError):
 
 class OlderRepositoryError(RepositoryError):
     """The repository was written by an older nnunet-triton (one model, no registry of endpoints)."""
+
+
+class NotBuiltRepositoryError(RepositoryError):
+    """The folder has no registry: it is not a model repository built by nnunet-triton (its one message is
+    written by ``nnunet_triton.repository.registry.require_registry``)."""
 
 
 class RequestCancelledError(NnunetTritonError):

@@ -68,8 +68,8 @@ def served(installed, tmp_path_factory: pytest.TempPathFactory):
     env = {k: v for k, v in env.items() if k not in ("NNUNET_TRITON_HOME", "NNUNET_TRITON_URL")}  # a new user
     command = str(venv / "bin" / "nnunet-triton")
     work = tmp_path_factory.mktemp("elsewhere")
-    built = _run([command, "build", "--model-dir", str(model_dir(SYNTHCT)), "--out", "repo"], cwd=work,
-                 env=env)
+    built = _run([command, "build", "--model-dir", str(model_dir(SYNTHCT)), "--model-repository", "repo"],
+                 cwd=work, env=env)
     assert built.returncode == 0, built.stderr[-3000:]
     assert (work / "repo" / "preprocess_model" / "1" / "model.py").read_text().startswith('"""Triton model')
     served = _run([command, "serve", "--model-repository", "repo"], cwd=work, env=env)

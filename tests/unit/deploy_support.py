@@ -16,7 +16,7 @@ from nnunet_triton.builder.model_specs import BuildOptions, namespaced_specs, re
 from nnunet_triton.io_names import ENDPOINT_MODEL, model_namespace, public_endpoints
 from nnunet_triton.numerics.model_folder import load_inference_config
 from nnunet_triton.numerics.plans import InferenceConfig
-from nnunet_triton.registry import Registry, read_registry, write_registry
+from nnunet_triton.repository.registry import Registry, read_registry, write_registry
 from nnunet_triton.server.deploy import docker, k8s, sizing
 from nnunet_triton.server.deploy.repository_info import ModelGeometry, RepositoryInfo
 
@@ -86,7 +86,8 @@ def write_repository(
 ) -> Path:
     """A fake built repository following the builder's layout and registry contract: version ``version`` of
     endpoint ``name`` added to ``root`` (other endpoints already there stay), its models in the version's
-    namespace, the public endpoints of ``name``, the registry written by ``nnunet_triton.registry``."""
+    namespace, the public endpoints of ``name``, the registry written by
+    ``nnunet_triton.repository.registry``."""
     config = make_config()
     specs = repository_specs(config, options)
     _, renaming = namespaced_specs(specs, name, version)

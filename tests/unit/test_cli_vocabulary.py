@@ -1,6 +1,7 @@
 """One spelling per concept on the command line: ``--endpoint``/``--endpoint-version`` name an endpoint in
-every subcommand, ``--model-dir`` a results folder; the old spellings (``--model``, ``--model-version``,
-``--name``, ``--version``) still work for one release, with a warning. Parsing only: no server."""
+every subcommand, ``--model-dir`` a results folder, ``--model-repository`` a model repository; the old
+spellings (``--model``, ``--model-version``, ``--name``, ``--version``, ``build --out``,
+``deploy --repository``) still work for one release, with a warning. Parsing only: no server."""
 
 from __future__ import annotations
 
@@ -43,13 +44,48 @@ def test_validate_takes_the_results_folder_as_model_dir_and_model_still_works(ca
     assert capsys.readouterr().err.count("use --model-dir") == 1
 
 
-@pytest.mark.parametrize("argv", [["build", "--out", "o"], ["export", "--out", "o"], ["deploy"]])
+@pytest.mark.parametrize("argv", [["build", "--model-repository", "o"], ["export", "--out", "o"], ["deploy"]])
 def test_the_results_folder_is_model_dir_and_model_is_its_old_spelling(argv, capsys) -> None:
     for flag in ("--model-dir", "--model"):
         args = cli.parser().parse_args([*argv, flag, "a", "b"])
         assert [str(m) for m in args.model] == ["a", "b"]
     assert capsys.readouterr().err.count(
         "warning: --model is deprecated and will be removed in the next release; use --model-dir") == 1
+
+
+@pytest.mark.parametrize(("argv", "old", "dest"), [
+    (["build", "--model-dir", "m"], "--out", "model_repository"),
+    (["deploy", "--target", "k8s"], "--repository", "repository"),
+])
+def test_the_model_repository_is_model_repository_and_the_old_spelling_still_works(argv, old, dest,
+                                                                                    capsys) -> None:
+    args = cli.parser().parse_args([*argv, "--model-repository", "r"])
+    assert str(getattr(args, dest)) == "r"
+    assert "deprecated" not in capsys.readouterr().err
+    args = cli.parser().parse_args([*argv, old, "r"])
+    assert str(getattr(args, dest)) == "r"
+    assert capsys.readouterr().err == (f"warning: {old} is deprecated and will be removed in the next "
+                                       "release; use --model-repository\n")
+
+
+def test_every_command_taking_a_model_repository_spells_it_model_repository() -> None:
+    import argparse
+
+    def commands(parser: argparse.ArgumentParser, prefix: str = ""):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from commands(sub, f"{prefix}{name} ")
+        yield prefix.strip(), parser
+
+    spellings = {}
+    for name, parser in commands(cli.parser()):
+        for action in parser._actions:
+            if action.dest in ("model_repository", "repository") and action.option_strings:
+                spellings.setdefault(name, set()).update(
+                    s for s in action.option_strings if "deprecated" not in (action.help or ""))
+    assert spellings and all(flags == {"--model-repository"} for flags in spellings.values()), spellings
+    assert {"build", "serve", "deploy", "load", "promote", "rollback", "remove", "info"} <= set(spellings)
 
 
 def test_a_bad_endpoint_name_is_refused_by_either_spelling(capsys) -> None:
@@ -139,6 +175,9 @@ def test_describe_endpoint_takes_endpoint_and_model_name_is_deprecated() -> None
 REPO = Path(__file__).resolve().parents[2]
 _COMMAND = re.compile(r"(?:nnunet-triton|nnunet_triton\.cli)[\s\"',)]+([a-z][\w-]*)(.*)")
 _OLD_FLAGS = re.compile(r"--model(?![-\w])|--model-version|--name(?![-\w])|--version[\s=\"',]+[\d$]")
+# a flag that is old in one command only: ``build --out`` (export's --out is its own), ``deploy --repository``
+_OLD_COMMAND_FLAGS = {"build": re.compile(r"--out(?![-\w])"), "deploy": re.compile(r"--repository(?![-\w])")}
+_BUILD_SHORTHAND = re.compile(r"-m[\s\"',]+repository\.build(.*)")  # python -m repository.build: build
 
 
 def _command_lines() -> list[tuple[str, str]]:
@@ -155,22 +194,29 @@ def _command_lines() -> list[tuple[str, str]]:
 
 def _uses_an_old_spelling(line: str) -> bool:
     match = _COMMAND.search(line)
-    if match is None or "deprecated" in line:  # a line naming an old spelling as such is allowed
+    shorthand = _BUILD_SHORTHAND.search(line)
+    if (match is None and shorthand is None) or "deprecated" in line:  # naming an old spelling as such: fine
         return False
-    command, rest = match.groups()
+    command, rest = match.groups() if match is not None else ("build", shorthand.group(1))
     positional = command == "serve" and re.match(r"\s+[^-\s|`]", rest) is not None  # serve RESULTS_FOLDER
-    return positional or _OLD_FLAGS.search(rest) is not None
+    old_here = _OLD_COMMAND_FLAGS.get(command)
+    return positional or _OLD_FLAGS.search(rest) is not None or (
+        old_here is not None and old_here.search(rest) is not None)
 
 
 def test_the_old_spelling_check_finds_old_spellings_and_passes_new_ones() -> None:
     old = ["nnunet-triton listen --spool s --model liver", "nnunet-triton serve results/ --folds 0",
            "$(PY) -m nnunet_triton.cli build --model $(MODEL) --name $(NAME)",
            "nnunet-triton promote --version 2",
-           '[str(bin_dir / "nnunet-triton"), "predict", "-i", "x", "--model-version", "2"]']
+           '[str(bin_dir / "nnunet-triton"), "predict", "-i", "x", "--model-version", "2"]',
+           "nnunet-triton build --model-dir m --out repo", "nnunet-triton deploy --target k8s --repository r",
+           '$(PY) -m repository.build --model-dir $(MODEL) --out "$(OUT)"']
     new = ["nnunet-triton listen --spool s --endpoint liver", "nnunet-triton serve --model-dir results/",
            "nnunet-triton serve --model-repository r", "nnunet-triton --version",
            "`nnunet-triton serve|stop`",
-           "nnunet-triton predict --endpoint liver (--model: deprecated spelling)"]
+           "nnunet-triton predict --endpoint liver (--model: deprecated spelling)",
+           "nnunet-triton build --model-dir m --model-repository repo", "nnunet-triton export --out o",
+           "nnunet-triton deploy --target k8s --out build/k8s --model-repository r"]
     assert [_uses_an_old_spelling(line) for line in old + new] == [True] * len(old) + [False] * len(new)
 
 

@@ -141,7 +141,7 @@ RULES = {
 # Literals of the same value that are not the same default, each with its reason.
 TIMEOUT = "client timeout 600 s"
 ALLOWED = {
-    (TIMEOUT, "src/nnunet_triton/registry.py"): "waiting for the repository lock, not a request",
+    (TIMEOUT, "src/nnunet_triton/repository/registry.py"): "waiting for the repository lock, not a request",
     (TIMEOUT, "tools/container_host.py"): "apt-get update's time limit",
     (TIMEOUT, "src/nnunet_triton/server/deploy/image_check.py"):
         "how long the image check waits for the fixture's models to load",

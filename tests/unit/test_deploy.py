@@ -84,7 +84,8 @@ def test_repository_info_refuses_when_a_model_dir_is_missing_or_unlisted(tmp_pat
 
 
 def test_repository_info_refuses_when_metadata_is_missing(tmp_path: Path) -> None:
-    with pytest.raises(DeployError, match="repository_metadata.json is missing"):
+    with pytest.raises(DeployError, match=r"not a model repository built by nnunet-triton \(no "
+                                          r"repository_metadata.json\)"):
         RepositoryInfo.from_repository(tmp_path)
 
 

@@ -340,7 +340,7 @@ def test_export_container_command_runs_the_builder_with_torch_2_10_on_the_model_
         "gpu",
     )
     script = (REPO_ROOT / "docker" / "export_in_container.sh").read_text()
-    assert 'python -m repository.build "$@" --out "${REPOSITORY_OUT}"' in script
+    assert 'python -m repository.build "$@" --model-repository "${REPOSITORY_OUT}"' in script
     subprocess.run(
         ["bash", "-n", str(REPO_ROOT / "docker" / "export_in_container.sh")], check=True, timeout=30
     )

@@ -262,7 +262,7 @@ def test_deploy_tool_with_two_names_builds_both_in_the_cpu_images_export_stage(
     lines = _printed_commands(capsys.readouterr().out, "podman")
     exports = [line for line in lines if " -m repository.build " in line]
     assert [line.split()[-2:] for line in exports] == [["--endpoint", "liver"], ["--endpoint", "lung"]]
-    assert all(f"--out /out/{out.name}" in line and "-export python3 -m repository.build" in line
+    assert all(f"--model-repository /out/{out.name}" in line and "-export python3 -m repository.build" in line
                for line in exports)
     (run,) = [line for line in lines if line.startswith("podman run --detach")]
     assert {"--load-model=liver", "--load-model=lung"} <= set(run.split())

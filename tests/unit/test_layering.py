@@ -1,14 +1,16 @@
 """The package's layers and the direction of imports between them (read from the source with ``ast``).
 
-    core       errors io_names options dtypes registry util segment_metadata (and the version in __init__)
+    core       errors io_names options dtypes util segment_metadata (and the version in __init__)
     numerics   nnU-Net's numerics                        -> core
+    repository ModelRepository, registry, config.pbtxt I/O -> core, numerics (``registry``: deprecated path)
     parameters config parameters of the models           -> core, numerics
     pipeline   the BLS loop, the fold runner              -> core, numerics, parameters
     serving    pb_utils glue                              -> core, numerics, parameters, pipeline
-    builder    config.pbtxt and repository building       -> core, numerics, parameters
+    builder    config.pbtxt and repository building       -> core, numerics, parameters, repository
     client     client, image and DICOM I/O, the DICOM node -> core, numerics, parameters
-    server     embedded server, health, watchdog, deploy  -> core, numerics, parameters, pipeline, builder,
-                                                            client (the thread check runs the fold runner)
+    server     embedded server, health, watchdog, deploy  -> core, numerics, parameters, pipeline, repository,
+                                                            builder, client (the thread check runs the fold
+                                                            runner)
     validate   the endpoint against nnU-Net               -> core, numerics, parameters, client
     cli        every command line (and ``python -m``)     -> everything; nothing imports it
 
@@ -23,19 +25,21 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "nnunet_triton"
-CORE = {"errors", "io_names", "options", "dtypes", "registry", "util", "segment_metadata", "__init__"}
+CORE = {"errors", "io_names", "options", "dtypes", "util", "segment_metadata", "__init__"}
+RENAMED = {"registry": "repository"}  # deprecated module paths: the layer of the module they re-export
 ALLOWED = {
     "core": {"core"},
     "numerics": {"core", "numerics"},
+    "repository": {"core", "numerics", "repository"},
     "parameters": {"core", "numerics", "parameters"},
     "pipeline": {"core", "numerics", "parameters", "pipeline"},
     "serving": {"core", "numerics", "parameters", "pipeline", "serving"},
-    "builder": {"core", "numerics", "parameters", "builder"},
+    "builder": {"core", "numerics", "parameters", "repository", "builder"},
     "client": {"core", "numerics", "parameters", "client"},
-    "server": {"core", "numerics", "parameters", "pipeline", "builder", "client", "server"},
+    "server": {"core", "numerics", "parameters", "pipeline", "repository", "builder", "client", "server"},
     "validate": {"core", "numerics", "parameters", "client", "validate"},
-    "cli": {"core", "numerics", "parameters", "pipeline", "serving", "builder", "client", "server",
-            "validate", "cli"},
+    "cli": {"core", "numerics", "parameters", "pipeline", "serving", "repository", "builder", "client",
+            "server", "validate", "cli"},
 }
 
 
@@ -45,7 +49,7 @@ def layer_of(module: str) -> str:
     first = parts[1] if len(parts) > 1 else "__init__"
     if first == "__main__":  # ``python -m nnunet_triton`` is the command line
         return "cli"
-    return "core" if first in CORE else first
+    return "core" if first in CORE else RENAMED.get(first, first)
 
 
 def _runtime_nodes(tree: ast.AST):

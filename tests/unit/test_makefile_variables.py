@@ -64,7 +64,7 @@ def test_serve_with_two_models_builds_the_ensemble_and_serves_it(tmp_path: Path)
     assert build[:2] == ["-m", "repository.build"]
     assert _value(build, "--model-dir") == ["/m/2d", "/m/3d"]
     assert _value(build, "--folds") == ["0", "1"]
-    assert _value(build, "--out") == ["/out/my repo"]
+    assert _value(build, "--model-repository") == ["/out/my repo"]
     assert start[:3] == ["start", "--model-repository", "/out/my repo"]
 
 
@@ -78,7 +78,7 @@ def test_repository_passes_several_models_configurations_and_an_out_with_a_space
                      "FOLDS=0 1 2")
     assert _value(build, "--model-dir") == ["/m/a", "/m/b"]
     assert _value(build, "--configuration") == ["2d", "3d_fullres"]
-    assert _value(build, "--out") == ["/o/x y"]
+    assert _value(build, "--model-repository") == ["/o/x y"]
     assert _value(build, "--folds") == ["0", "1", "2"]
 
 

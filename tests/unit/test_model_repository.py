@@ -1,4 +1,4 @@
-"""``ModelRepository``: the one reader of a repository on disk, its configs parsed by ``config_gen``.
+"""``ModelRepository``: the one reader of a repository on disk, its configs parsed by ``repository.config``.
 
 The fixture repository is what the builder writes for three endpoints (its own spec lists rendered by
 ``config_gen``, its public endpoints copied by ``write_public_endpoints``, its registry): a CPU Python
@@ -22,11 +22,10 @@ from deploy_support import GPU_OPTIONS, make_config
 from nnunet_triton import io_names
 from nnunet_triton.builder import config_gen
 from nnunet_triton.builder.config_gen import InstanceGroup, ModelConfigInfo, ModelSpec, TensorSpec
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.builder.model_specs import BuildOptions, namespaced_specs, repository_specs
 from nnunet_triton.builder.repository import write_public_endpoints
 from nnunet_triton.errors import RepositoryError
-from nnunet_triton.registry import Registry, read_registry, write_registry
+from nnunet_triton.repository import ModelRepository, Registry, read_registry, write_registry
 from nnunet_triton.server import backends, rollout
 from nnunet_triton.server import thread_budget as tb
 
@@ -40,7 +39,7 @@ def _build(root: Path, name: str, options: BuildOptions) -> None:
     specs, renaming = namespaced_specs(repository_specs(make_config(), options), name, 1)
     repository = ModelRepository(root)
     for spec in specs:
-        repository.write_config(spec)
+        config_gen.write_config(spec, repository.model_folder(spec.name))
     write_public_endpoints(root, root, name, 1)
     registry = read_registry(root) or Registry()
     write_registry(root, registry.with_version(name, 1, {"models": sorted(renaming.values())}))
@@ -106,17 +105,17 @@ def test_a_built_repository_gives_the_facts_the_regex_readers_found(built: Path)
         ("liver__v1__fold_0", True, 0), ("liver__v1__fold_1", True, 0)]  # the GPU folds need no check
     assert backends.required_backends([built]) == _old_backends(built)
     assert set(backends.required_backends([built])) == {"python", "pytorch"}
-    ensembles = [m for m in repository.model_dirs() if repository.is_ensemble(m)]
-    assert ensembles == [m for m in repository.model_dirs() if _old_is_ensemble(built, m)]
+    ensembles = [m for m in repository.model_folders() if repository.is_ensemble(m)]
+    assert ensembles == [m for m in repository.model_folders() if _old_is_ensemble(built, m)]
     assert "liver" in ensembles and "liver__v1" in ensembles and "liver__v1__fold_0" not in ensembles
-    assert repository.model_dirs() == sorted(p.parent.name for p in built.glob("*/config.pbtxt"))
+    assert repository.model_folders() == sorted(p.parent.name for p in built.glob("*/config.pbtxt"))
 
 
 def test_the_registry_names_every_model_and_which_must_be_loaded(built: Path, tmp_path: Path) -> None:
     repository = ModelRepository(built)
-    assert repository.models() == repository.model_dirs()
+    assert repository.models() == repository.model_folders()
     required, optional = repository.expected_models()
-    assert (sorted(required), optional) == (repository.model_dirs(), [])  # one version each: all required
+    assert (sorted(required), optional) == (repository.model_folders(), [])  # one version each: all required
     assert repository.require_registry().endpoint("lung").public_models == io_names.public_endpoints("lung")
     (tmp_path / "hand_made").mkdir()
     (tmp_path / "hand_made" / "config.pbtxt").write_text('name: "hand_made"\nbackend: "python"\n')
@@ -130,7 +129,7 @@ def test_the_registry_names_every_model_and_which_must_be_loaded(built: Path, tm
 
 def test_both_readers_of_the_text_format_give_the_same_tree_for_every_built_config(built: Path) -> None:
     repository = ModelRepository(built)
-    for model in repository.model_dirs():
+    for model in repository.model_folders():
         text = repository.config_text(model)
         assert config_gen._TextReader(text).message() == config_gen.config_tree(text), model
 
@@ -157,7 +156,7 @@ def test_a_config_written_through_the_repository_reads_back_as_its_spec(tmp_path
                      parameters={"INTRA_OP_THREAD_COUNT": 2, "INFERENCE_MODE": True},
                      default_model_filename="net.pt")
     repository = ModelRepository(tmp_path)
-    path = repository.write_config(spec)
+    path = config_gen.write_config(spec, repository.model_folder(spec.name))
     assert path == repository.config_path("fold_7") and repository.has_model("fold_7")
     assert repository.config("fold_7") == ModelConfigInfo(
         name="fold_7", platform="pytorch_libtorch", max_batch_size=1, default_model_filename="net.pt",
@@ -237,7 +236,7 @@ def _names_in(path: Path) -> tuple[set[str], set[str]]:
     return strings, names
 
 
-def test_config_pbtxt_is_opened_in_config_gen_only_the_registry_read_in_one_place_and_no_regex() -> None:
+def test_config_pbtxt_is_opened_in_the_repository_layer_only_registry_read_in_one_place_no_regex() -> None:
     naming, regex = set(), set()
     for path in sorted(SRC.rglob("*.py")):
         strings, names = _names_in(path)
@@ -247,12 +246,12 @@ def test_config_pbtxt_is_opened_in_config_gen_only_the_registry_read_in_one_plac
             naming.add(module)
             if "re" in names:
                 regex.add(module)
-    assert naming == {"io_names.py", "builder/config_gen.py", "builder/model_repository.py"}
+    assert naming == {"io_names.py", "repository/config.py", "repository/model_repository.py"}
     assert regex == {"io_names.py"}  # its regexes check endpoint names
     registry_readers = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
                         if "read_registry" in _names_in(p)[1]}
-    assert registry_readers == {"registry.py", "builder/model_repository.py"}
-    _, layout = _names_in(SRC / "builder" / "model_repository.py")
+    assert registry_readers == {"repository/registry.py", "repository/model_repository.py"}
+    _, layout = _names_in(SRC / "repository" / "model_repository.py")
     assert not layout & {"open", "read_text", "read_bytes", "write_text", "write_bytes"}
     for reader in ("server/thread_budget.py", "server/backends.py", "server/rollout.py", "server/health.py",
                    "server/deploy/repository_info.py", "builder/repository.py"):
@@ -267,7 +266,7 @@ def test_the_embedded_server_loads_every_registry_model_or_every_folder(built: P
 
     (tmp_path / "hand_made").mkdir()
     (tmp_path / "hand_made" / "config.pbtxt").write_text('name: "hand_made"\nbackend: "python"\n')
-    assert embedded._repository_load_list([built, tmp_path]) == (*ModelRepository(built).model_dirs(),
+    assert embedded._repository_load_list([built, tmp_path]) == (*ModelRepository(built).model_folders(),
                                                                  "hand_made")
     (tmp_path / io_names.REPOSITORY_METADATA_FILE).write_text("{")
     with pytest.raises(ValueError, match="cannot serve .* is not valid JSON"):

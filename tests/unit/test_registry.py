@@ -1,4 +1,4 @@
-"""Endpoint names and the repository's registry (io_names, nnunet_triton.registry) without a build."""
+"""Endpoint names and the repository's registry (io_names, nnunet_triton.repository.registry), no build."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from nnunet_triton import io_names
 from nnunet_triton.errors import RepositoryError
-from nnunet_triton.registry import Registry, locked, read_registry, version_metadata, write_registry
+from nnunet_triton.repository import Registry, locked, read_registry, version_metadata, write_registry
 
 
 @pytest.mark.parametrize(("model", "owner"), [

@@ -59,8 +59,9 @@ WORK = REPO_ROOT / "build" / "perf" / "defaults"
 
 def _build(model: Path, out: Path) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "repository.build", "--model-dir", str(model), "--out", str(out),
-                    "--force"], check=True, cwd=REPO_ROOT, capture_output=True)
+    subprocess.run([sys.executable, "-m", "repository.build", "--model-dir", str(model),
+                    "--model-repository", str(out), "--force"],
+                   check=True, cwd=REPO_ROOT, capture_output=True)
     return round(time.perf_counter() - start, 1)
 
 
@@ -153,8 +154,8 @@ def _transfer(fixture: Path, shape: tuple[int, int, int], reps: int) -> dict[str
     from nnunet_triton.errors import ClientError
 
     repo = WORK / "transfer_repo"
-    subprocess.run([sys.executable, "-m", "repository.build", "--model-dir", str(fixture), "--out", str(repo),
-                    "--max-voxels", "1000000"], check=True, cwd=REPO_ROOT,
+    subprocess.run([sys.executable, "-m", "repository.build", "--model-dir", str(fixture),
+                    "--model-repository", str(repo), "--max-voxels", "1000000"], check=True, cwd=REPO_ROOT,
                    capture_output=True)
     image = (np.random.default_rng(0).integers(-1024, 2000, size=(1, *shape))).astype(np.int16)
     times: dict[str, list[float]] = {"INT16": [], "FP32": []}

@@ -49,7 +49,7 @@ from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.builder.model_specs import BuildOptions
-from nnunet_triton.registry import version_metadata
+from nnunet_triton.repository.registry import version_metadata
 from tools.perf import analyzer, baselines, repos, server_stats, workloads
 from tools.perf.monolith import MONOLITH_MODEL
 from tools.perf.resources import ProcessTreeSampler, ResourceUsage

@@ -426,7 +426,7 @@ def _relative(path: Path) -> str:
 
 
 def _model_info(spec: ModelSpec, model_dir: Path, cases: Sequence[Case], repository: Path) -> dict[str, Any]:
-    from nnunet_triton.registry import version_metadata
+    from nnunet_triton.repository.registry import version_metadata
 
     folds = version_metadata(repository, spec.name)["folds"]
     return {"model_folder": _relative(model_dir), "folds": list(folds),

@@ -1,13 +1,14 @@
 """Build nnU-Net models into a Triton model repository: one endpoint name and version per build.
 
     nnunet-triton build --model-dir <Dataset.../Trainer__Plans__Config> [<more folders>] [--endpoint liver]
-        [--new-version | --endpoint-version N] [--promote] [--folds 0 1] [--out build/model_repository]
+        [--new-version | --endpoint-version N] [--promote] [--folds 0 1]
+        [--model-repository build/model_repository]
         [--target cpu|gpu] [--tile-batch-size 4] [--max-voxels N] [--max-request-bytes N] [--force]
 
 Two or more ``--model-dir`` folders build an ensemble of configurations (``build_ensemble_repository``).
 
-A repository holds any number of endpoint names, each with versions (``nnunet_triton.registry``). One build
-writes one version of one name and leaves every other name and version untouched::
+A repository holds any number of endpoint names, each with versions (``nnunet_triton.repository.registry``).
+One build writes one version of one name and leaves every other name and version untouched::
 
     repository_metadata.json            the registry: every name's versions (what each build recorded:
                                         versions, plans sha256, folds, target, export checks, input hash)
@@ -60,7 +61,6 @@ from nnunet_triton.builder.build_inputs import (
     torch_version,
 )
 from nnunet_triton.builder.config_gen import ModelSpec
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner
 from nnunet_triton.errors import OlderRepositoryError, PlansError, RepositoryError
 from nnunet_triton.io_names import TORCHSCRIPT_FILE, VERSION_DIR
@@ -73,7 +73,8 @@ from nnunet_triton.numerics.postprocessing import (
     find_postprocessing_pkl,
     load_postprocessing_pkl,
 )
-from nnunet_triton.registry import Registry, locked, write_registry
+from nnunet_triton.repository import ModelRepository
+from nnunet_triton.repository.registry import Registry, locked, write_registry
 from nnunet_triton.segment_metadata import PUBLISHED_KEY, SegmentMetadata, label_values, read_segment_metadata
 from nnunet_triton.util.hashing import sha256_file
 
@@ -634,24 +635,21 @@ def write_public_endpoints(source: Path, target: Path, name: str, version: int) 
     return written
 
 
-def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> list[str]:
-    """Remove version ``version`` of ``name`` from the repository ``out`` (every version and the public
-    endpoint when ``version`` is None); returns the model folders removed. The registry is committed first,
-    so an interrupted removal leaves only unlisted folders. Unload them from a running server first
+def remove_endpoint(repository: str | Path, name: str, version: int | None = None) -> list[str]:
+    """Remove version ``version`` of ``name`` from the model repository ``repository`` (every version and the
+    public endpoint when ``version`` is None); returns the model folders removed. The registry is committed
+    first, so an interrupted removal leaves only unlisted folders. Unload them from a running server first
     (``server.rollout.remove``).
 
     Raises:
-        RepositoryError: no such endpoint or version, the promoted version (while others remain), or not a
-            repository of this nnunet-triton.
+        NotBuiltRepositoryError: not a repository built by nnunet-triton (no registry).
+        RepositoryError: no such endpoint or version, the promoted version (while others remain).
     """
-    out = Path(out)
-    if not out.is_dir():
-        raise RepositoryError(f"{str(out)!r} is not a model repository (no such folder).")
-    with locked(out):
-        registry = ModelRepository(out).registry()
-        if registry is None:
-            raise RepositoryError(f"{str(out)!r} is not a model repository built by nnunet-triton (no "
-                                  f"{io_names.REPOSITORY_METADATA_FILE}).")
+    repository = Path(repository)
+    if not repository.is_dir():
+        raise RepositoryError(f"{str(repository)!r} is not a model repository (no such folder).")
+    with locked(repository):
+        registry = ModelRepository(repository).require_registry()
         entry = registry.endpoint(name)
         if version is None:
             gone = set(entry.public_models).union(*(set(v.models) for v in entry.versions.values()))
@@ -659,14 +657,14 @@ def remove_endpoint(out: str | Path, name: str, version: int | None = None) -> l
         else:
             gone = set(entry.version(version).models)
             remaining = registry.without_version(name, version)
-        write_registry(out, remaining)
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.remove-", dir=out.parent))
+        write_registry(repository, remaining)
+        trash = Path(tempfile.mkdtemp(prefix=f".{repository.name}.remove-", dir=repository.parent))
         try:
             for model in sorted(gone):
-                if (out / model).exists():
-                    (out / model).rename(trash / model)
+                if (repository / model).exists():
+                    (repository / model).rename(trash / model)
         finally:
             shutil.rmtree(trash, ignore_errors=True)
     what = name if version is None else f"{name} version {version}"
-    LOGGER.info("removed %s from %s (%d model folders)", what, out, len(gone))
+    LOGGER.info("removed %s from %s (%d model folders)", what, repository, len(gone))
     return sorted(gone)

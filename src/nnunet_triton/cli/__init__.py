@@ -1,7 +1,7 @@
 """``nnunet-triton``: every command line of the project, one subcommand per task.
 
-    nnunet-triton build    --model-dir RESULTS_FOLDER [--endpoint N] [--new-version] [--out DIR] ...
-        (cli.build)
+    nnunet-triton build    --model-dir RESULTS_FOLDER [--endpoint N] [--new-version]
+                           [--model-repository DIR] ...                            (cli.build)
     nnunet-triton versions / load / promote / rollback / remove --endpoint N [--endpoint-version V]
                                                                                         (cli.rollout)
     nnunet-triton export   --model-dir RESULTS_FOLDER --out DIR ...                         (cli.export)

@@ -13,7 +13,13 @@ from typing import Any
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner, Target
 from nnunet_triton.builder.repository import VersionChoice, build_ensemble_repository, build_repository
-from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, endpoint_name, endpoint_version
+from nnunet_triton.cli.common import (
+    DeprecatedAlias,
+    add_model_dir_argument,
+    add_model_repository_argument,
+    endpoint_name,
+    endpoint_version,
+)
 from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import NnunetTritonError, PlansError
 from nnunet_triton.io_names import ENDPOINT_MODEL
@@ -62,8 +68,9 @@ def endpoint_choice(args: argparse.Namespace) -> VersionChoice:
 
 
 def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> None:
-    """The builder's flags (``--model-dir``, ``--out``, ``--target``, ...) on a parser or argument group;
-    ``serve`` takes the model folders as its positional arguments and the output as ``--model-repository``."""
+    """The builder's flags (``--model-dir``, ``--model-repository``, ``--target``, ...) on a parser or
+    argument group (``--out``: the deprecated spelling of ``--model-repository``); ``serve`` has its own
+    ``--model-repository`` (``out=False``)."""
     if model_required:
         add_model_dir_argument(p, required=True, nargs="+",
                                help="results folder with plans.json, dataset.json and "
@@ -74,9 +81,9 @@ def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> N
                         "for all)")
     p.add_argument("--folds", nargs="+", type=parse_fold, default=None, help="default: all fold_<k> found")
     if out:
-        p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                       help=f"the repository to write into (default {DEFAULT_OUT}, relative to the working "
-                            "directory)")
+        add_model_repository_argument(p, old="--out", default=DEFAULT_OUT,
+                                      help=f"the model repository to write into (default {DEFAULT_OUT}, "
+                                           "relative to the working directory)")
     add_endpoint_arguments(p)
     p.add_argument("--target", choices=[t.value for t in Target], default=Target.CPU.value)
     p.add_argument("--tile-batch-size", type=int, default=BuildOptions.tile_batch_size,
@@ -168,12 +175,13 @@ def run(args: argparse.Namespace) -> int:
         endpoint = endpoint_choice(args)
         if len(args.model) > 1:
             pp = None if args.postprocessing == "auto" else args.postprocessing
-            result = build_ensemble_repository(args.model, args.out, options=options, folds=args.folds,
-                                               force=args.force, export_device=args.export_device,
+            result = build_ensemble_repository(args.model, args.model_repository, options=options,
+                                               folds=args.folds, force=args.force,
+                                               export_device=args.export_device,
                                                postprocessing=pp, endpoint=endpoint,
                                                seg_metadata=args.seg_metadata)
         else:
-            result = build_repository(args.model[0], args.out, options=options, folds=args.folds,
+            result = build_repository(args.model[0], args.model_repository, options=options, folds=args.folds,
                                       configuration=configurations[0], force=args.force,
                                       folds_only=args.folds_only, export_device=args.export_device,
                                       postprocessing=args.postprocessing,

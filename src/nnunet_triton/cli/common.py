@@ -102,6 +102,18 @@ def add_model_dir_argument(parser: Any, *, help: str, nargs: str | None = None, 
                        replacement="--model-dir", help="deprecated spelling of --model-dir")
 
 
+def add_model_repository_argument(parser: Any, *, dest: str = "model_repository", old: str | None = None,
+                                  **kwargs: Any) -> None:
+    """``--model-repository``: the one spelling of a model repository folder on every command line
+    (``kwargs``: its ``default``, ``required``, ``help``); ``old`` is a deprecated spelling of it
+    (``build --out``, ``deploy --repository``), accepted with a warning for one release."""
+    parser.add_argument("--model-repository", dest=dest, type=Path, **kwargs)
+    if old is not None:
+        new = "--model-repository"
+        parser.add_argument(old, dest=dest, type=Path, action=DeprecatedAlias, replacement=new,
+                            help=f"deprecated spelling of {new}")
+
+
 def add_endpoint_selection(parser: argparse.ArgumentParser, *, model_aliases: bool = True) -> None:
     """Which endpoint a client command calls: ``--endpoint NAME`` and ``--endpoint-version N`` (a pinned
     version; default: the promoted one). ``model_aliases``: the old spellings ``--model`` /

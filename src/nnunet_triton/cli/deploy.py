@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.cli import serve
+from nnunet_triton.cli import common, serve
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, endpoint_name
 from nnunet_triton.cli.exit_codes import EPILOG, ExitCode
 from nnunet_triton.cli.serve import add_server_arguments, tls_settings
@@ -76,14 +76,13 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     add_model_dir_argument(p, nargs="+",
                            help="nnU-Net results folder(s): with one --endpoint per folder each is its own "
                                 "endpoint in one server; else one endpoint (several folders, embedded only: "
-                                "an ensemble of configurations); k8s with a built --repository needs none")
+                                "an ensemble of configurations); k8s with --model-repository needs none")
     p.add_argument("--name", type=endpoint_name, nargs="+", dest="name", action=DeprecatedAlias,
                    replacement="--endpoint", help="deprecated spelling of --endpoint")
     p.add_argument("--endpoint", type=endpoint_name, nargs="+", default=None, dest="name",
                    help=f"endpoint names, one per --model-dir folder (--model-dir A B --endpoint liver lung: "
                         f"two endpoints in one repository and one server), or one for all of them (default "
-                        f"{io_names.ENDPOINT_MODEL}); k8s with a built --repository: the endpoints it "
-                        "must hold")
+                        f"{io_names.ENDPOINT_MODEL}); k8s with --model-repository: endpoints it must hold")
     p.add_argument("--configuration", nargs="+", default=None,
                    help="check the checkpoints' configuration: one for every --model-dir folder or one per "
                         "folder")
@@ -120,8 +119,9 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     gpu.add_argument("--max-spacing", type=float, nargs=3, default=None, metavar=("Z", "Y", "X"))
     gpu.add_argument("--probabilities", action="store_true", help="size for PROBABILITIES outputs")
     kube = p.add_argument_group("k8s")
+    common.add_model_repository_argument(kube, dest="repository", old="--repository", default=None,
+                                         help="built GPU repository (default build/model_repository_gpu)")
     for flag, kind, default, text in (
-        ("--repository", Path, None, "built GPU repository (default build/model_repository_gpu)"),
         ("--image", str, None, "serving image in a registry"), ("--namespace", str, None, "namespace"),
         ("--model-image", str, None, "image holding /models (init container)"),
         ("--model-pvc", str, None, "PVC holding the repository instead"),

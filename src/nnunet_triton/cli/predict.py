@@ -36,6 +36,7 @@ from nnunet_triton.cli.common import (
     DeprecatedAlias,
     add_connection_arguments,
     add_endpoint_selection,
+    add_model_repository_argument,
     add_request_option_arguments,
     connection_tls,
     endpoint_model,
@@ -98,8 +99,8 @@ def add_parsers(sub: Any) -> None:
                              help="describe only this endpoint (default: every endpoint served)")
     info_parser.add_argument("--model", dest="only", action=DeprecatedAlias, replacement="--endpoint",
                              help="deprecated spelling of --endpoint")
-    info_parser.add_argument("--model-repository", type=Path, default=None,
-                             help="the served repository (default: the one the server of --home serves)")
+    add_model_repository_argument(info_parser, default=None,
+                                  help="the served repository (default: the one the server of --home serves)")
     info_parser.add_argument("--home", default=None, help="server home of `nnunet-triton serve`")
     add_connection_arguments(info_parser)
 
@@ -329,8 +330,8 @@ def _local_server(home: str | None, server_url: str) -> Any:
 
 
 def _registry(repository: Path | None) -> Any:
-    from nnunet_triton.builder.model_repository import ModelRepository
     from nnunet_triton.errors import RepositoryError
+    from nnunet_triton.repository import ModelRepository
 
     if repository is None:
         return None

@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.cli.build import DEFAULT_OUT
-from nnunet_triton.cli.common import DeprecatedAlias, endpoint_name, endpoint_version, say
+from nnunet_triton.cli.common import (
+    DeprecatedAlias,
+    add_model_repository_argument,
+    endpoint_name,
+    endpoint_version,
+    say,
+)
 from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import ServerNotRunningError
 from nnunet_triton.server import rollout
@@ -37,8 +43,8 @@ __all__ = ["add_parsers"]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-repository", type=Path, default=None,
-                   help=f"the repository (default: the one the server of --home serves, else {DEFAULT_OUT})")
+    add_model_repository_argument(p, default=None, help=f"the repository (default: the one the server of "
+                                                        f"--home serves, else {DEFAULT_OUT})")
     p.add_argument("--home", default=None, help=f"server home (default ${HOME_ENV} or {DEFAULT_HOME})")
     p.add_argument("--url", default=None,
                    help="HTTP host:port of a server not started here (token: $NNUNET_TRITON_CONTROL_TOKEN)")

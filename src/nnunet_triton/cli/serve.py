@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.cli import build, exit_code, with_epilog
-from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument
+from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, add_model_repository_argument
 from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 from nnunet_triton.server.embedded import ALLOW_DEGRADED_FLAG, DEFAULT_HOST, LaunchOptions, start
@@ -57,13 +57,13 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
         serve.add_argument("legacy_model_dir", nargs="*", type=Path, default=[], metavar="MODEL",
                            action=DeprecatedAlias, replacement="--model-dir",
                            help="deprecated spelling of --model-dir")
-        serve.add_argument("--model-repository", type=Path, default=None,
-                           help=f"the repository to serve (built there from --model-dir when given; default "
-                                f"{build.DEFAULT_OUT})")
+        add_model_repository_argument(serve, default=None,
+                                      help=f"the repository to serve (built there from --model-dir when "
+                                           f"given; default {build.DEFAULT_OUT})")
         builder = serve.add_argument_group("building (with --model-dir)")
         build.add_arguments(builder, model_required=False, out=False)
     else:
-        serve.add_argument("--model-repository", required=True, type=Path)
+        add_model_repository_argument(serve, required=True)
     serve.add_argument("--host", default=DEFAULT_HOST,
                        help="bind address (default loopback); any other address needs --tls-cert, --tls-key "
                             "and --tls-ca and/or --tls-token-file")
@@ -202,12 +202,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     args.model = args.model or args.legacy_model_dir
+    args.model_repository = args.model_repository or build.DEFAULT_OUT
     if args.model:
-        args.out = args.model_repository or build.DEFAULT_OUT
         code = build.run(args)
         if code:
             return code
-    args.model_repository = args.model_repository or (args.out if args.model else build.DEFAULT_OUT)
     return _cmd_start(args)
 
 

@@ -17,8 +17,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.errors import ServerError
+from nnunet_triton.repository import ModelRepository
 from nnunet_triton.server.backend_build import DEFAULT_OUT
 
 __all__ = ["BUILD_HINTS", "available_backends", "check_backends", "default_backend_dirs",

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.errors import DeployError, PreloadUnavailableError, RepositoryError, ServerError
+from nnunet_triton.repository import ModelRepository
 from nnunet_triton.server import backends, cves, preload, proxy, readiness, watchdog
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
@@ -322,7 +322,8 @@ def visible_gpus(env: Mapping[str, str] | None = None, dev: Path = Path("/dev"))
     return len([p for p in dev.glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
 
 
-def _memory_plan(repo: Path, volume: VolumeSpec, gpus: int) -> tuple[MemoryPools, dict[str, object] | None]:
+def _memory_plan(repository: Path, volume: VolumeSpec,
+                 gpus: int) -> tuple[MemoryPools, dict[str, object] | None]:
     """Pool sizes and their summary for a GPU repository built by this project (Triton's defaults otherwise).
 
     Triton's CUDA pool (default 64 MiB) holds every tensor passed between models in device memory; when it
@@ -331,7 +332,7 @@ def _memory_plan(repo: Path, volume: VolumeSpec, gpus: int) -> tuple[MemoryPools
     repository and the largest volume, as the docker and Kubernetes launches do.
     """
     try:
-        info = RepositoryInfo.from_repository(repo)
+        info = RepositoryInfo.from_repository(repository)
     except DeployError:
         return MemoryPools(), None  # not a full repository of this project: Triton's defaults
     if info.target != "gpu":
@@ -553,7 +554,7 @@ def _proxy_config(host: str, port: int | None, upstream_port: int, tls: proxy.Tl
     for repository in map(ModelRepository, repositories):
         registry = repository.registry()
         if registry is None:
-            models += repository.model_dirs()
+            models += repository.model_folders()
         else:
             endpoints += sorted(registry.endpoints)
     return proxy.ProxyConfig(

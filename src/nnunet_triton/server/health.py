@@ -12,11 +12,11 @@ both sides:
   ``/v2/models/<m>/config``).
 
 The endpoint is healthy when the server is ready and every model is ready with all its processes. In a
-repository of several endpoints and versions (``nnunet_triton.registry``) the models that must be loaded
-are the public endpoints and their promoted versions; another version may be loaded or not (it is built,
-waiting to be validated or promoted, or kept for a rollback), but when it is loaded it must be whole.
-Only the standard library is used (it runs as a Kubernetes exec probe every few seconds): one
-``/proc`` scan and two loopback HTTP requests per model, a few milliseconds (docs/reliability.md).
+repository of several endpoints and versions (``nnunet_triton.repository.registry``) the models that must be
+loaded are the public endpoints and their promoted versions; another version may be loaded or not (it is
+built, waiting to be validated or promoted, or kept for a rollback), but when it is loaded it must be whole.
+Only the standard library is used (it runs as a Kubernetes exec probe every few seconds): one ``/proc`` scan
+and two loopback HTTP requests per model, a few milliseconds (docs/reliability.md).
 
 CLI (exit 0 healthy, 1 not healthy, 2 server unreachable)::
 
@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.parameters import DEFAULT_HTTP_PORT
+from nnunet_triton.repository import ModelRepository
 from nnunet_triton.util.process import pid_alive  # re-exported for the watchdog and the handle
 
 __all__ = [
@@ -142,16 +142,16 @@ def find_server_pid(*, proc: str | Path = "/proc") -> int | None:
     return min(pids) if pids else None
 
 
-def repository_models(model_repository: str | Path) -> list[str]:
+def repository_models(repository: str | Path) -> list[str]:
     """Model names of a repository folder: its sub-folders holding a ``config.pbtxt``."""
-    return ModelRepository(model_repository).model_dirs()
+    return ModelRepository(repository).model_folders()
 
 
-def repository_expectations(model_repository: str | Path) -> tuple[list[str], list[str]]:
+def repository_expectations(repository: str | Path) -> tuple[list[str], list[str]]:
     """(models that must be loaded, models that may be) of a repository: with a registry, the public
     endpoints and their promoted versions, then every other version's models; without one, every model
     folder must be loaded."""
-    return ModelRepository(model_repository).expected_models()
+    return ModelRepository(repository).expected_models()
 
 
 def expected_instances(config: Mapping[str, Any]) -> tuple[str, ...]:

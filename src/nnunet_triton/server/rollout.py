@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.builder.repository import remove_endpoint, write_public_endpoints
 from nnunet_triton.errors import RepositoryError, ServerError
-from nnunet_triton.registry import Registry, locked, write_registry
+from nnunet_triton.repository import ModelRepository
+from nnunet_triton.repository.registry import Registry, locked, write_registry
 from nnunet_triton.server.handle import recorded_server
 from nnunet_triton.server.model_control import ModelControl
 

@@ -80,7 +80,6 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.errors import ThreadBudgetError
 from nnunet_triton.io_names import FOLD_SLOT_RESOURCE, VERSION_DIR
 from nnunet_triton.parameters import PARAM_TORCH_NUM_THREADS, FoldRunnerParameters
@@ -92,6 +91,7 @@ from nnunet_triton.pipeline.threads import (
     checked_threads,
     positive_int,
 )
+from nnunet_triton.repository import ModelRepository
 from nnunet_triton.server.exactness import (
     FoldNetwork,
     Reference,
@@ -102,7 +102,7 @@ from nnunet_triton.server.exactness import (
 from nnunet_triton.server.server_config import TritonServerConfig, from_args, rate_limit_args
 
 if TYPE_CHECKING:
-    from nnunet_triton.builder.config_gen import ModelConfigInfo
+    from nnunet_triton.repository.config import ModelConfigInfo
 
 __all__ = [
     "POLICY_ENV",
@@ -183,10 +183,10 @@ def _libtorch_network(folder: Path, config: ModelConfigInfo) -> FoldNetwork | No
                        configured_threads=int(config.parameters.get("INTRA_OP_THREAD_COUNT", "0") or 0))
 
 
-def repository_folds(model_repository: str | Path) -> FoldModels:
+def repository_folds(repository: str | Path) -> FoldModels:
     """Fold-model instances in a repository (Python runner and libtorch), their largest input and their CPU
     networks (a config that cannot be read is skipped with a warning: Triton refuses that model itself)."""
-    repository = ModelRepository(model_repository)
+    repository = ModelRepository(repository)
     total, largest, networks, libtorch = 0, 0, [], False
     for model, config in repository.readable_configs("thread budget"):
         # a Python fold runner's config (model_specs.python_fold_spec), a libtorch fold's (libtorch_fold_spec)
@@ -198,7 +198,7 @@ def repository_folds(model_repository: str | Path) -> FoldModels:
         dims = config.first_input_dims
         if dims and min(dims) > 0:
             largest = max(largest, math.prod(dims))
-        folder = repository.model_dir(model)
+        folder = repository.model_folder(model)
         network = _libtorch_network(folder, config) if on_libtorch else _network(folder, config)
         if network is not None:
             networks.append(network)

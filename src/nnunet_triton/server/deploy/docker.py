@@ -370,10 +370,10 @@ def export_container_command(*, source_root: str, model_dir: str, out_dir: str, 
 
     Runs ``docker/export_in_container.sh`` in ``python:3.11-slim`` (the builder's Python, with pip's
     torch): pip torch ``torch_version`` (2.14.1 = libtorch 2.14 of Triton 26.09),
-    then ``python -m repository.build --model-dir /models/<name> --out /out/<name> <builder_args>``; the
-    result
-    is handed to ``uid:gid``. The model folder's parent is mounted (read-only) so that a cascade stage finds
-    its previous stage (nnU-Net's sibling folder). fp16 exports trace under CUDA autocast: ``--gpus``.
+    then ``python -m repository.build --model-dir /models/<name> --model-repository /out/<name>
+    <builder_args>``; the result is handed to ``uid:gid``. The model folder's parent is mounted (read-only)
+    so that a cascade stage finds its previous stage (nnU-Net's sibling folder). fp16 exports trace under
+    CUDA autocast: ``--gpus``.
     """
     out, model = Path(out_dir), Path(model_dir)
     gpus = ("--gpus", f"device={gpu}") if gpu is not None else ()
@@ -405,7 +405,7 @@ def cpu_export_command(spec: DeploySpec, *, source_root: str, model_dir: str, ou
         "--volume", f"{model.parent}:/models:ro",
         "--volume", f"{out.parent}:/out",
         spec.export_image_tag, "python3", "-m", "repository.build", "--model-dir", f"/models/{model.name}",
-        "--out", f"/out/{out.name}", *builder_args,
+        "--model-repository", f"/out/{out.name}", *builder_args,
     )
 
 

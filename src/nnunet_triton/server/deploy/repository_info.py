@@ -1,11 +1,12 @@
 """What a deployment needs to know about a built (or planned) model repository, and the torch check.
 
 :class:`RepositoryInfo` holds one :class:`PipelineInfo` per endpoint version of the repository (several
-nnU-Net models, and versions of each, behind one server) and every model a server loads. It comes either
-from a built repository (the registry ``repository_metadata.json`` written by the builder plus one
-``1/inference_config.json`` per version) or, before anything is built, from the model folder's
-:class:`InferenceConfig` and the :class:`BuildOptions` the builder will get (the model names then come from
-``model_specs.repository_specs`` renamed into the version's namespace, exactly what the builder writes).
+nnU-Net models, and versions of each, behind one server) and every model a server loads. It comes either from
+a built repository (read through the repository layer, :class:`~nnunet_triton.repository.ModelRepository`: the
+registry written by the builder and each version's ``inference_config``) or, before anything is built, from
+the model folder's :class:`InferenceConfig` and the :class:`BuildOptions` the builder will get (the model
+names then come from ``model_specs.repository_specs`` renamed into the version's namespace, exactly what the
+builder writes).
 
 TorchScript compatibility: a ``model.pt`` saved by a newer torch may not load in an older libtorch
 (pytorch/pytorch#62313: a newer export fails in an older Triton with "Unknown type name 'NoneType'").
@@ -24,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.builder.model_repository import ModelRepository
 from nnunet_triton.builder.torch_compat import TRITON_RELEASES, TritonRelease, torch_minor, torch_minor_text
 from nnunet_triton.errors import DeployError, RepositoryError
 from nnunet_triton.numerics.plans import InferenceConfig
-from nnunet_triton.registry import Registry
+from nnunet_triton.repository import ModelRepository
+from nnunet_triton.repository.registry import Registry
 
 __all__ = [
     "ModelGeometry",
@@ -38,8 +39,6 @@ __all__ = [
     "check_torch_compatible",
 ]
 
-# each has 1/inference_config.json
-_CONFIG_DIRS = (io_names.PREPROCESS_MODEL, io_names.ORCHESTRATOR_MODEL, io_names.STITCH_MODEL)
 _FOLD_MODEL = re.compile(rf"(member[0-9]+_|{io_names.PREVIOUS_STAGE_PREFIX})?fold_.+")
 _REQUIRED_KEYS = ("models", "folds", "target", "fold_runner", "fold_precision", "tile_batch_size",
                   "build_options", "torch_version", "input_hash")
@@ -142,9 +141,9 @@ class PipelineInfo:
         )
 
     @classmethod
-    def from_metadata(cls, repo: Path, name: str, version: int, meta: dict[str, Any]) -> PipelineInfo:
+    def from_metadata(cls, repository: Path, name: str, version: int, meta: dict[str, Any]) -> PipelineInfo:
         """The pipeline of ``name`` v``version`` from what the builder recorded of it (registry entry)."""
-        where = f"{io_names.REPOSITORY_METADATA_FILE} of {str(repo)!r}, {name} version {version}"
+        where = f"{io_names.REPOSITORY_METADATA_FILE} of {str(repository)!r}, {name} version {version}"
         missing = [key for key in _REQUIRED_KEYS if key not in meta]
         if missing:
             raise DeployError(f"{where} lacks the keys {missing} (rebuild the repository).")
@@ -159,8 +158,7 @@ class PipelineInfo:
             orchestrator_instances=int(options.get("orchestrator_instances", 1)),
             stitch_instances=int(options.get("stitch_instances", 1)),
             fold_instances=int(options.get("fold_instances", 1)),
-            geometry=ModelGeometry.from_config(
-                _read_config(repo, io_names.model_namespace(name, version), where)),
+            geometry=ModelGeometry.from_config(_read_config(repository, name, version, where)),
             torch_versions=(*exports, (f"the build of {name} version {version}", str(meta["torch_version"]))),
             input_hash=str(meta["input_hash"]), name=name, version=version,
             stages=len(meta.get("ensemble_members") or ()) or (2 if meta.get("previous_stage") else 1),
@@ -219,13 +217,13 @@ class RepositoryInfo:
     def from_repository(cls, repository: str | Path) -> RepositoryInfo:
         """Read ``<repository>/repository_metadata.json`` (the registry) and check it against the model
         directories."""
-        repo = Path(repository)
-        registry = _read_registry(repo)
-        _check_model_dirs(ModelRepository(repo), registry.models())
+        repository = Path(repository)
+        registry = _read_registry(repository)
+        _check_model_folders(ModelRepository(repository), registry.models())
         pipelines = []
         for name, entry in sorted(registry.endpoints.items()):
             order = [entry.promoted, *sorted(v for v in entry.versions if v != entry.promoted)]
-            pipelines += [PipelineInfo.from_metadata(repo, name, v, dict(entry.versions[v].metadata))
+            pipelines += [PipelineInfo.from_metadata(repository, name, v, dict(entry.versions[v].metadata))
                           for v in order]
         pipelines.sort(key=lambda p: p.version != registry.endpoints[p.name].promoted)  # promoted first
         digest = hashlib.sha256()
@@ -235,50 +233,40 @@ class RepositoryInfo:
         return cls(pipelines=tuple(pipelines), models=registry.models(), input_hash=digest.hexdigest())
 
 
-def _read_registry(repo: Path) -> Registry:
+def _read_registry(repository: Path) -> Registry:
     try:
-        registry = ModelRepository(repo).registry()
+        registry = ModelRepository(repository).require_registry()
     except RepositoryError as exc:
         raise DeployError(str(exc)) from None
-    if registry is None:
-        raise DeployError(
-            f"{str(repo)!r} is not a built model repository: {io_names.REPOSITORY_METADATA_FILE} is missing "
-            "(build it with `nnunet-triton build --model-dir <results folder> --out <dir>`)."
-        )
     if not registry.endpoints:
-        raise DeployError(f"{str(repo)!r} holds no endpoint (every one was removed): build one.")
+        raise DeployError(f"{str(repository)!r} holds no endpoint (every one was removed): build one.")
     return registry
 
 
-def _check_model_dirs(repo: ModelRepository, models: tuple[str, ...]) -> None:
+def _check_model_folders(repository: ModelRepository, models: tuple[str, ...]) -> None:
     """Every model in the registry has a config, and every model directory is in the registry.
 
     With ``--model-control-mode explicit`` only listed models load; a fold model missing from the list
     would only fail at the first BLS call (BLS callees are invisible to the repository manager).
     """
-    on_disk = set(repo.model_dirs())
+    on_disk = set(repository.model_folders())
     missing, unlisted = sorted(set(models) - on_disk), sorted(on_disk - set(models))
     if missing or unlisted:
         raise DeployError(
-            f"repository {str(repo.path)!r} disagrees with its {io_names.REPOSITORY_METADATA_FILE}: models "
-            f"without config.pbtxt {missing}, model directories not in the registry {unlisted} (rebuild it "
-            "with --force)."
+            f"repository {str(repository.path)!r} disagrees with its {io_names.REPOSITORY_METADATA_FILE}: "
+            f"models without config.pbtxt {missing}, model directories not in the registry {unlisted} "
+            "(rebuild it with --force)."
         )
 
 
-def _read_config(repo: Path, namespace: str, where: str) -> InferenceConfig:
-    """The version's configuration (an ensemble's first member's: members predict the same labels from the
-    same channels, which is what sizing needs)."""
-    candidates = [namespace + prefix + step for prefix in ("", io_names.member_prefix(0))
-                  for step in _CONFIG_DIRS]
-    for model in candidates:
-        path = ModelRepository(repo).version_file(model, io_names.INFERENCE_CONFIG_FILE)
-        if path.is_file():
-            return InferenceConfig.from_json(path.read_text())
-    raise DeployError(
-        f"{where}: no 1/inference_config.json in any of {candidates}; deploy needs the full pipeline (not a "
-        "--folds-only build)."
-    )
+def _read_config(repository: Path, name: str, version: int, where: str) -> InferenceConfig:
+    """The version's configuration (``ModelRepository.inference_config``: an ensemble's first member's,
+    which is what sizing needs)."""
+    try:
+        return ModelRepository(repository).inference_config(name, version)
+    except RepositoryError as exc:
+        raise DeployError(f"{where}: {exc} Deploy needs the full pipeline (not a --folds-only "
+                          "build).") from None
 
 
 def check_torch_compatible(info: RepositoryInfo, runtime_torch: str, runtime: str) -> None:

@@ -94,7 +94,7 @@ def endpoint_plans(models: Sequence[Path], names: Sequence[str] | None = None,
 
     No name or one name: every folder under that name (default ``nnunet``; several folders: an ensemble of
     configurations). One name per folder: one endpoint per folder, in the same order. No folder: none
-    (k8s renders a built ``--repository``). ``--configuration``: one for every folder or one per folder.
+    (k8s renders a built ``--model-repository``). ``--configuration``: one for every folder or one per folder.
 
     Raises:
         DeployError: names and folders do not pair up, a name is given twice, or the configurations
