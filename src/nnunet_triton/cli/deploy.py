@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.cli import serve
+from nnunet_triton.cli import run_command, serve
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, endpoint_name
-from nnunet_triton.cli.exit_codes import EPILOG, ExitCode
 from nnunet_triton.cli.serve import add_server_arguments, tls_settings
-from nnunet_triton.errors import NnunetTritonError
+from nnunet_triton.exit_codes import EPILOG, ExitCode
 from nnunet_triton.parameters import DEFAULT_TILE_BATCH_SIZE
 from nnunet_triton.server.deploy import docker, service
 from nnunet_triton.server.deploy import engine as container_engine
@@ -167,19 +165,20 @@ def _plan(args: argparse.Namespace, *, undeploy: bool) -> service.DeployPlan:
 
 
 def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:
-    """Deploy or undeploy as ``args`` say; the exit code (``cli.exit_codes``: 2 on a reported error)."""
-    try:
-        plan = _plan(args, undeploy=undeploy)
-        if not undeploy:
-            service.deploy(plan, print)
-            return ExitCode.OK
-        service.undeploy(plan, print)
-        if plan.target == "embedded":
-            return serve.main(["stop"])
+    """Deploy or undeploy as ``args`` say; the exit code (an error's is ``cli.exit_code``'s, logged in one
+    line)."""
+    return run_command(lambda parsed: _deploy(parsed, undeploy=undeploy), args, logger=LOGGER)
+
+
+def _deploy(args: argparse.Namespace, *, undeploy: bool) -> int:
+    plan = _plan(args, undeploy=undeploy)
+    if not undeploy:
+        service.deploy(plan, print)
         return ExitCode.OK
-    except (NnunetTritonError, ValueError, subprocess.CalledProcessError) as exc:
-        LOGGER.error("%s", exc)
-        return ExitCode.USAGE  # a deployment that cannot work as asked: fix the command or the project
+    service.undeploy(plan, print)
+    if plan.target == "embedded":
+        return serve.main(["stop"])
+    return ExitCode.OK
 
 
 def _parser(undeploy: bool) -> argparse.ArgumentParser:
@@ -191,7 +190,7 @@ def _parser(undeploy: bool) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``deploy ARGS`` (the default) or ``undeploy ARGS``; the exit code (2 on a reported error)."""
+    """``deploy ARGS`` (the default) or ``undeploy ARGS``; the exit code (``cli.exit_code`` of an error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     undeploy = argv[:1] == ["undeploy"]
     rest = argv[1:] if argv[:1] in (["deploy"], ["undeploy"]) else argv

@@ -56,8 +56,8 @@ from nnunet_triton.cli.common import (
     url,
 )
 from nnunet_triton.cli.dicomweb import add_auth_arguments, add_modality_argument, auth_from_args
-from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import ClientError, InputValidationError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.options import RequestOptions
 
 __all__ = ["add_parsers", "listen", "run_spool_command", "parse_bytes", "parse_duration"]

@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.cli import build, exit_code, with_epilog
+from nnunet_triton.cli import build, run_command, with_epilog
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument
-from nnunet_triton.cli.exit_codes import ExitCode
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 from nnunet_triton.server.embedded import ALLOW_DEGRADED_FLAG, DEFAULT_HOST, LaunchOptions, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
@@ -316,14 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s"
     )
-    try:
-        return args.run(args)
-    except Exception as exc:
-        code = exit_code(exc)
-        if code is None:
-            raise
-        LOGGER.error("%s", exc)
-        return code
+    return run_command(args.run, args, logger=LOGGER)
 
 
 if __name__ == "__main__":

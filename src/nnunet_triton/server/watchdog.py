@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.errors import ServerError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.server import readiness
 from nnunet_triton.server.health import (
     ModelHealth,
@@ -201,7 +202,7 @@ class Watchdog:
                 time.sleep(self.interval_s)
             if self._stop:
                 LOGGER.info("watchdog stops (asked to)")
-                return 0
+                return ExitCode.OK
             code = self._server.returncode if self._server is not None else None
             LOGGER.error("tritonserver pid %d exited without being stopped (%s)", self.server_pid,
                          "exit status unknown" if code is None else
@@ -210,9 +211,9 @@ class Watchdog:
             if self.launch is None:
                 LOGGER.error("nothing restarts it here (start it again: `nnunet-triton serve` / "
                              "`nnunet-triton deploy`)")
-                return 0
+                return ExitCode.OK
             if not self.restart():
-                return 0 if self._stop else 1
+                return ExitCode.OK if self._stop else ExitCode.CHECK_FAILED  # the restart gave up
 
     def restart(self) -> bool:
         """Start the server again after the policy's delay and wait until it is ready; False when the policy
@@ -460,12 +461,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     token = os.environ.get(TOKEN_ENV)
     if not token:
         LOGGER.error("%s is not set: the watchdog cannot use the model-control API", TOKEN_ENV)
-        return 2
+        return ExitCode.USAGE
     try:
         reclaim = ReclaimPolicy.from_env()
     except ValueError as exc:
         LOGGER.error("%s", exc)
-        return 2
+        return ExitCode.USAGE
     watchdog = Watchdog(args.url, args.server_pid, repository_models(args.model_repository), token,
                         events_file=args.events_file, interval_s=args.interval, reclaim=reclaim,
                         model_repository=args.model_repository, proxy_config=args.proxy_config,
