@@ -48,6 +48,7 @@ from nnunet_triton.server.triton_install import (
     server_env,
 )
 from nnunet_triton.util.durable import write_text_atomic
+from nnunet_triton.util.process import kill
 
 __all__ = [
     "ALLOW_DEGRADED_FLAG",
@@ -257,7 +258,7 @@ def _spawn(launch: _Launch) -> ServerHandle:
         launch.pid_file.write_text(f"{process.pid}\n")
         _write_state(launch.state_file, handle)
     except BaseException:
-        os.killpg(process.pid, signal.SIGKILL)  # never leave an unrecorded server (or its stubs) behind
+        kill(process.pid, group=True)  # never leave an unrecorded server (or its stubs) behind
         process.wait()
         raise
     return handle

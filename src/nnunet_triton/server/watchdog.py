@@ -82,6 +82,7 @@ from nnunet_triton.server.restart import LaunchSpec, RestartPolicy
 from nnunet_triton.server.server_config import TritonServerConfig
 from nnunet_triton.server.shm_reclaim import ReclaimPolicy, ShmReclaimer
 from nnunet_triton.util.durable import write_json_atomic
+from nnunet_triton.util.process import kill, wait_gone
 from nnunet_triton.util.retry import RetryPolicy
 
 __all__ = [
@@ -270,15 +271,11 @@ class Watchdog:
         """After the server died: end its orphaned stubs (they serve nothing; some linger for minutes) once
         ``grace_s`` has passed, then remove their shm regions. Returns the regions removed."""
         stubs = list(self._stubs.values())
-        deadline = time.monotonic() + grace_s
-        while any(_is_stub(s) for s in stubs) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_gone(lambda: any(_is_stub(s) for s in stubs), grace_s, poll_s=0.2)
         lingering = [s for s in stubs if _is_stub(s)]
         for stub in lingering:
-            os.kill(stub.pid, signal.SIGKILL)
-        deadline = time.monotonic() + grace_s
-        while any(pid_alive(s.pid) for s in stubs) and time.monotonic() < deadline:
-            time.sleep(0.1)
+            kill(stub.pid)
+        wait_gone(lambda: any(pid_alive(s.pid) for s in stubs), grace_s, poll_s=0.1)
         removed = remove_shm_regions((s.shm_region for s in stubs), self.shm)
         LOGGER.warning("%d orphaned stub process(es) of %d ended with SIGKILL; removed %d shared-memory "
                        "region(s) from %s", len(lingering), len(stubs), len(removed), self.shm)
