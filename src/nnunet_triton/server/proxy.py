@@ -211,7 +211,7 @@ def _prepare_run_dir(config: ProxyConfig) -> tuple[str | None, Path]:
         worker = f"{entry.pw_name} {grp.getgrgid(entry.pw_gid).gr_name}"
         temp = Path(tempfile.mkdtemp(prefix="nnunet-proxy-"))
         os.chown(temp, entry.pw_uid, entry.pw_gid)
-        (config.run_dir / _TEMP_RECORD).write_text(f"{temp}\n")
+        write_text_atomic(config.run_dir / _TEMP_RECORD, f"{temp}\n")
     for name in ("nginx-body", "nginx-proxy", "nginx-fastcgi", "nginx-uwsgi", "nginx-scgi"):
         path = temp / name
         path.mkdir(mode=0o700, exist_ok=True)

@@ -81,7 +81,7 @@ from nnunet_triton.server.proxy_keeper import ProxyKeeper
 from nnunet_triton.server.restart import LaunchSpec, RestartPolicy
 from nnunet_triton.server.server_config import TritonServerConfig
 from nnunet_triton.server.shm_reclaim import ReclaimPolicy, ShmReclaimer
-from nnunet_triton.util.durable import write_json_atomic
+from nnunet_triton.util.durable import write_json_atomic, write_text_atomic
 from nnunet_triton.util.process import kill, wait_gone
 from nnunet_triton.util.retry import RetryPolicy
 
@@ -261,7 +261,7 @@ class Watchdog:
         and the launcher's ``ServerHandle``."""
         assert self.launch is not None
         if self.launch.pid_file:
-            Path(self.launch.pid_file).write_text(f"{self.server_pid}\n")
+            write_text_atomic(self.launch.pid_file, f"{self.server_pid}\n")
         if self.launch.state_file and Path(self.launch.state_file).is_file():
             path = Path(self.launch.state_file)
             state = json.loads(path.read_text()) | {"pid": self.server_pid, "restarts": self.restarts}

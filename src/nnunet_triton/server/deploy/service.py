@@ -43,6 +43,7 @@ from nnunet_triton.server.deploy import container_proxy, docker, k8s
 from nnunet_triton.server.deploy import engine as container_engine
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, triton_release
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
+from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = ["CPU_IMAGE_OUT", "DEFAULT_OUT", "DEPLOYED_FILE", "KUBE_PLAY_OUT", "DeployPlan", "EndpointPlan",
            "Say", "Target", "check_exposure", "deploy", "endpoint_plans", "local_torch_fits", "undeploy"]
@@ -329,7 +330,7 @@ def _deploy_embedded(plan: DeployPlan, say: Say) -> None:
         ready_timeout_s=plan.ready_timeout, detach=True,
         backend_dirs=tuple(plan.backend_directory) if plan.backend_directory is not None else None,
         tls=plan.tls, proxy_port=plan.proxy_port, allow_statistics=plan.proxy_allow_statistics))
-    (Path(handle.state_file).parent / DEPLOYED_FILE).write_text(f"{handle.pid} {info.input_hash}\n")
+    write_text_atomic(Path(handle.state_file).parent / DEPLOYED_FILE, f"{handle.pid} {info.input_hash}\n")
     say(f"tritonserver ready (pid {handle.pid}, {len(info.models)} models of the endpoint(s) "
         f"{', '.join(info.endpoints)}; log {handle.log_file})")
     _usage(plan, info, handle.http_url, handle.grpc_url, _metrics_address(handle), "nnunet-triton undeploy",
@@ -578,7 +579,7 @@ def _kube_play(plan: DeployPlan, say: Say) -> None:
                         startup_timeout_s=spec.startup_timeout_s)
     manifests_dir.mkdir(parents=True, exist_ok=True)
     for name, text in k8s.manifest_files(kspec).items():
-        (manifests_dir / name).write_text(text)
+        write_text_atomic(manifests_dir / name, text)
     deployment = manifests_dir / "deployment.yaml"
     say(f"wrote the manifests to {manifests_dir}; podman kube play runs the Deployment (it ignores the "
         "Service, HPA and readiness/startup probes; the liveness probe is its healthcheck):")
@@ -629,7 +630,7 @@ def _deploy_k8s(plan: DeployPlan, say: Say) -> None:
     plan.out.mkdir(parents=True, exist_ok=True)
     files = k8s.manifest_files(spec)
     for name, text in files.items():
-        (plan.out / name).write_text(text)
+        write_text_atomic(plan.out / name, text)
     kind = "InferenceService" if spec.kserve else "Deployment"
     say(f"wrote {', '.join(files)} to {plan.out}: one {kind} {spec.name} serving the endpoint(s) "
         f"{', '.join(info.endpoints)} ({len(info.models)} models; per pod /dev/shm {dspec.plan.shm_mib} "
