@@ -38,6 +38,7 @@ from nnunet_triton.server.triton_install import (
     HOME_ENV,
     resolve_home,
 )
+from nnunet_triton.util.defaults import field_default
 
 __all__ = ["add_embedded_arguments", "add_parsers", "add_proxy_limit_arguments", "add_server_arguments",
            "add_tls_arguments", "main", "proxy_limits", "tls_settings"]
@@ -86,7 +87,9 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
                             "triton-backends`)")
     serve.add_argument("--server-arg", action="append", default=[],
                        help="extra tritonserver flag, e.g. --server-arg=--log-verbose=1")
-    serve.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default 300)")
+    ready_timeout = field_default(LaunchOptions, "ready_timeout_s")
+    serve.add_argument("--ready-timeout", type=float, default=ready_timeout,
+                       help=f"seconds (default {ready_timeout:.0f})")
     serve.add_argument("--exit-timeout", type=int, default=EXIT_TIMEOUT_S,
                        help=f"--exit-timeout-secs (default {EXIT_TIMEOUT_S})")
     serve.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the server")

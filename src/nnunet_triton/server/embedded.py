@@ -98,7 +98,7 @@ class LaunchOptions:
     recovery: bool = True
     backend_config: Mapping[str, Mapping[str, object]] | None = field(default=None, hash=False)
     extra_args: tuple[str, ...] = ()
-    ready_timeout_s: float = 120.0
+    ready_timeout_s: float = readiness.READY_TIMEOUT_S
     exit_timeout_s: int = EXIT_TIMEOUT_S
     detach: bool = False
     volume: VolumeSpec | None = None

@@ -102,7 +102,6 @@ WATCHING = "watching"  # first word of the log line written after the first chec
 MAX_BACKOFF_S = 30.0
 RELOAD_BACKOFF = RetryPolicy(backoff_s=1.0, max_delay_s=MAX_BACKOFF_S)  # 1, 2, 4, ... 30 s between reloads
 RESCAN_S = 10.0  # how often the repository's model folders are listed again
-RESTART_READY_TIMEOUT_S = 300.0
 PRIVATE_UMASK = 0o077
 
 
@@ -251,7 +250,7 @@ class Watchdog:
             return "stopping" if self._stop else None if self.server_alive() else "tritonserver died"
 
         try:
-            readiness.wait_ready(self.url, timeout_s=RESTART_READY_TIMEOUT_S, gone=gone)
+            readiness.wait_ready(self.url, timeout_s=readiness.READY_TIMEOUT_S, gone=gone)
         except readiness.NotReadyError:
             return False
         return True
