@@ -330,3 +330,22 @@ def test_listen_help_states_the_defaults_of_the_node_it_leaves_to_node_config(ca
                   f"longest retry delay (default {defaults['max_retry_delay_s']:g})",
                   f"are refused (default {defaults['max_busy_s']:g})"):
         assert shown in text
+
+
+def test_deploy_and_serve_flags_left_out_give_the_defaults_of_the_dataclasses_that_own_them(tmp_path):
+    from nnunet_triton.cli import deploy, serve
+    from nnunet_triton.server import readiness
+    from nnunet_triton.server.deploy import k8s, service
+    from nnunet_triton.server.deploy.sizing import VolumeSpec
+    from nnunet_triton.server.embedded import LaunchOptions
+
+    plan = deploy._plan(deploy._parser(False).parse_args(["--model-dir", str(tmp_path)]), undeploy=False)
+    assert plan == service.DeployPlan(target=plan.target, out=plan.out, endpoints=plan.endpoints)
+    spec = k8s.K8sSpec.__dataclass_fields__
+    assert (plan.min_replicas, plan.max_replicas, plan.latency_target_us, plan.autoscaler,
+            plan.container_name) == tuple(spec[name].default for name in (
+                "min_replicas", "max_replicas", "latency_target_us", "autoscaler", "name"))
+    assert plan.max_volume == VolumeSpec().shape
+    served = serve._parser().parse_args(["start", "--model-repository", str(tmp_path)])
+    assert served.ready_timeout == LaunchOptions().ready_timeout_s == plan.ready_timeout \
+        == readiness.READY_TIMEOUT_S
