@@ -1,6 +1,7 @@
 """The package's layers and the direction of imports between them (read from the source with ``ast``).
 
-    core       errors io_names options dtypes registry util segment_metadata (and the version in __init__)
+    core       errors exit_codes io_names options dtypes registry util segment_metadata
+               (and the version in __init__)
     numerics   nnU-Net's numerics                        -> core
     parameters config parameters of the models           -> core, numerics
     pipeline   the BLS loop, the fold runner              -> core, numerics, parameters
@@ -23,7 +24,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "nnunet_triton"
-CORE = {"errors", "io_names", "options", "dtypes", "registry", "util", "segment_metadata", "__init__"}
+CORE = {"errors", "exit_codes", "io_names", "options", "dtypes", "registry", "util", "segment_metadata",
+        "__init__"}
 ALLOWED = {
     "core": {"core"},
     "numerics": {"core", "numerics"},
