@@ -446,6 +446,7 @@ def _start_server(args: argparse.Namespace) -> Any:
     from nnunet_triton.builder.repository import build_repository
     from nnunet_triton.parameters import DEFAULT_MAX_INFLIGHT, DEFAULT_TILE_BATCH_SIZE
     from nnunet_triton.server import embedded as embedded_server
+    from nnunet_triton.server import readiness
 
     repository = args.repository
     if repository is None:
@@ -465,7 +466,7 @@ def _start_server(args: argparse.Namespace) -> Any:
         log_file=run / "tritonserver.log",
         pid_file=run / "tritonserver.pid",
         state_file=run / "server.json",
-        ready_timeout_s=600.0,
+        ready_timeout_s=readiness.READY_TIMEOUT_S,
     )
 
 

@@ -132,7 +132,7 @@ class ServerUnavailableError(ClientError):
 
 class ServerNotRunningError(ClientError, ServerError):
     """The server was not reached (connection refused, no such host, no answer in time): nothing runs
-    there, so there is no status; the command line exits 3 for it (``nnunet_triton.cli.exit_codes``). A
+    there, so there is no status; the command line exits 3 for it (``nnunet_triton.exit_codes``). A
     :class:`ServerError` too, for the launcher's model-control calls."""
 
 

@@ -108,7 +108,7 @@ def test_predict_resumes_after_server_crash_without_losing_or_rewriting_outputs(
                 process.communicate()
     survived = {path.name: _stamp(path) for path in out.iterdir()}
     record_property("outputs_before_crash", len(survived))
-    assert process.returncode == 2, stderr  # failed cases: exit 2 (cli.exit_codes)
+    assert process.returncode == 2, stderr  # failed cases: exit 2 (nnunet_triton.exit_codes)
     assert 1 <= len(survived) < len(names), (survived, stderr)  # the crash hit the batch in the middle
     assert f"{len(names) - len(survived)} failed." in stderr, stderr
     assert set(survived) <= {f"{name}.nii.gz" for name in names}  # no partial/temporary file

@@ -1,4 +1,4 @@
-"""One exit-code policy for every command line (``nnunet_triton.cli.exit_codes``): 0 ok, 1 a check failed,
+"""One exit-code policy for every command line (``nnunet_triton.exit_codes``): 0 ok, 1 a check failed,
 2 bad usage or a project error, 3 the server or node is not running; each subcommand's cheapest way to end
 with each code it has, through ``main`` and through the installed console scripts. No server runs: "not
 running" is a port bound without listening (connections to it are refused)."""
@@ -19,7 +19,8 @@ from deploy_support import write_repository
 
 from nnunet_triton import cli
 from nnunet_triton.cli import serve
-from nnunet_triton.cli.exit_codes import EPILOG, ExitCode
+from nnunet_triton.errors import DeployError, ServerNotRunningError
+from nnunet_triton.exit_codes import EPILOG, ExitCode
 
 BIN = Path(sys.executable).parent
 
@@ -130,3 +131,31 @@ def test_every_help_shows_the_exit_code_policy(make) -> None:
     assert len(parsers) > 3
     for parser in parsers:
         assert EPILOG in " ".join(parser.format_help().split()), parser.prog
+
+
+@pytest.mark.parametrize(("error", "code"), [
+    (lambda: ServerNotRunningError("the server is not reachable"), ExitCode.NOT_RUNNING),
+    (lambda: DeployError("--max-volume must be positive"), ExitCode.USAGE),
+    (lambda: subprocess.CalledProcessError(1, ["docker", "build"]), ExitCode.USAGE),
+], ids=["not-running", "deploy-error", "tool-failed"])
+def test_deploy_maps_its_errors_through_the_one_policy(error, code, work, monkeypatch, caplog) -> None:
+    # the service raised while deploying (e.g. the server it started is no longer reached): deploy exits
+    # with the policy's code for that error, as every other command does, and logs the error in one line
+    from nnunet_triton.server.deploy import service
+
+    def deploy(plan, say):
+        raise error()
+
+    monkeypatch.setattr(service, "deploy", deploy)
+    argv = ["deploy", "--model-dir", str(work / "empty"), "--out", str(work / "repo")]
+    assert cli.main(argv) == code
+    assert str(error()) in caplog.text
+
+
+def test_the_exit_codes_live_below_the_command_line_for_every_layer() -> None:
+    # the health probe, the watchdog, the thread budget and the container entry point read them too
+    from nnunet_triton.cli import exit_codes as old_path
+    from nnunet_triton.server.deploy import docker, entrypoint
+
+    assert old_path.ExitCode is ExitCode
+    assert entrypoint.EXIT_BAD_REPOSITORY is docker.EXIT_BAD_REPOSITORY is ExitCode.CONFIG == 78

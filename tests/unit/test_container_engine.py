@@ -11,8 +11,8 @@ import pytest
 from deploy_support import REPO_ROOT
 
 from nnunet_triton.cli import deploy as tool
-from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import DeployError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.server.deploy import engine
 from tools import container_host
 

@@ -16,7 +16,7 @@ from test_makefile_variables import _make, _value
 from nnunet_triton import io_names
 from nnunet_triton.builder.model_specs import BuildOptions
 from nnunet_triton.cli import deploy as tool
-from nnunet_triton.cli.exit_codes import ExitCode
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.numerics.model_folder import read_model_folder
 from nnunet_triton.server.deploy import docker, k8s, service, sizing
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo

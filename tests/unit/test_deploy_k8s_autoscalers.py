@@ -13,7 +13,7 @@ import yaml
 from deploy_support import k8s_spec, write_repository
 
 from nnunet_triton.cli import deploy as tool
-from nnunet_triton.cli.exit_codes import ExitCode
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.server.deploy import docker, k8s, monitoring
 
 

@@ -1,6 +1,6 @@
 """The package's layers and the direction of imports between them (read from the source with ``ast``).
 
-    core       errors io_names options dtypes util segment_metadata (and the version in __init__)
+    core       errors exit_codes io_names options dtypes util segment_metadata (and the version in __init__)
     numerics   nnU-Net's numerics                        -> core
     repository ModelRepository, registry, config.pbtxt I/O -> core, numerics (``registry``: deprecated path)
     parameters config parameters of the models           -> core, numerics
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "nnunet_triton"
-CORE = {"errors", "io_names", "options", "dtypes", "util", "segment_metadata", "__init__"}
+CORE = {"errors", "exit_codes", "io_names", "options", "dtypes", "util", "segment_metadata", "__init__"}
 RENAMED = {"registry": "repository"}  # deprecated module paths: the layer of the module they re-export
 ALLOWED = {
     "core": {"core"},

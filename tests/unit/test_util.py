@@ -21,7 +21,7 @@ from nnunet_triton.util.durable import (
     write_text_atomic,
 )
 from nnunet_triton.util.hashing import sha256_file
-from nnunet_triton.util.process import pid_alive
+from nnunet_triton.util.process import kill, pid_alive, terminate
 from nnunet_triton.util.retry import RetryPolicy, TritonCode, is_retryable, is_retryable_error, triton_code
 
 
@@ -115,6 +115,51 @@ def test_pid_alive_is_false_for_a_zombie():
 
 
 # hashing
+
+
+IGNORES_SIGTERM = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "child = os.fork() if 'group' in sys.argv else 1; "
+                   "[time.sleep(0.05) for _ in range(1200)]")
+
+
+def _reaper(process: subprocess.Popen) -> object:
+    return lambda: process.poll() is None
+
+
+def test_terminate_returns_true_when_the_process_ends_on_the_signal_within_the_grace():
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = time.monotonic()
+    assert terminate(process.pid, 30.0, alive=_reaper(process)) is True
+    assert process.returncode == -15 and time.monotonic() - started < 30.0
+
+
+def test_terminate_kills_a_process_that_ignores_the_signal_after_the_grace():
+    process = subprocess.Popen([sys.executable, "-c", IGNORES_SIGTERM])
+    time.sleep(1.0)  # its handler is set
+    started = time.monotonic()
+    assert terminate(process.pid, 0.5, alive=_reaper(process), kill_wait_s=10.0) is False
+    assert process.returncode == -9 and 0.5 <= time.monotonic() - started < 10.0
+
+
+def test_terminate_with_group_kills_the_children_the_process_leaves_behind():
+    process = subprocess.Popen([sys.executable, "-c", IGNORES_SIGTERM, "group"], start_new_session=True)
+    time.sleep(1.0)
+    children = [int(pid) for pid in
+                open(f"/proc/{process.pid}/task/{process.pid}/children").read().split()]
+    assert len(children) == 1
+    assert terminate(process.pid, 0.3, group=True, alive=_reaper(process), kill_wait_s=10.0) is False
+    deadline = time.monotonic() + 10.0
+    while pid_alive(children[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(children[0])
+
+
+def test_terminate_and_kill_of_a_process_already_gone_are_no_error():
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    assert terminate(process.pid, 0.1) is True
+    kill(process.pid)
+    kill(process.pid, group=True)
 
 
 def test_sha256_file_equals_the_digest_of_the_whole_content_across_chunks(tmp_path):

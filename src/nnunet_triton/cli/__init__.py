@@ -17,9 +17,11 @@ they are imported when the parser is made, not with this package, so ``python -m
 imports :mod:`.build`) runs where the DICOM packages are not installed (the serving image's export stage).
 The library (``client``, ``validate``, ``builder``, ``server``) imports nothing from here.
 
-Exit codes follow one policy (:mod:`.exit_codes`, shown under every ``--help``): 0 ok, 1 a check failed,
-2 bad usage or a project error, 3 the server or node is not running. :func:`exit_code` maps the errors a
-command ends with to them, here only (``nnunet-triton-server`` uses it too); the error is one line.
+Exit codes follow one policy (:mod:`nnunet_triton.exit_codes`, shown under every ``--help``): 0 ok, 1 a
+check failed, 2 bad usage or a project error, 3 the server or node is not running. :func:`exit_code` maps the
+errors a command ends with to them, here only: subcommands raise, and :func:`run_command` (used by
+``nnunet-triton``, ``nnunet-triton-server`` and the ``python -m`` entry points of build, export and deploy)
+maps and reports them; the error is one line.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ import argparse
 import importlib
 import logging
 import signal
+import subprocess
+from collections.abc import Callable
 from typing import Any
 
 from nnunet_triton import __version__
 from nnunet_triton.cli.common import say
-from nnunet_triton.cli.exit_codes import EPILOG, ExitCode
 from nnunet_triton.errors import ClientError, NnunetTritonError, ServerNotRunningError
+from nnunet_triton.exit_codes import EPILOG, ExitCode
 
-__all__ = ["exit_code", "main", "parser", "with_epilog"]
+__all__ = ["exit_code", "main", "parser", "run_command", "with_epilog"]
 
 _COMMANDS = ("build", "rollout", "export", "serve", "deploy", "predict", "validate", "listen",
              "install_backend")
@@ -64,14 +68,35 @@ def with_epilog(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def exit_code(exc: BaseException) -> ExitCode | None:
-    """The exit code of an error a command ended with: 3 when the server was not reached
-    (:class:`~nnunet_triton.errors.ServerNotRunningError`), 2 for the project's errors (the server's answers
-    included) and bad values; None for anything else (a bug: it propagates with its traceback)."""
+    """The exit code of an error a command ended with, the one mapping of every command: 3 when the server
+    was not reached (:class:`~nnunet_triton.errors.ServerNotRunningError`), 2 for the project's errors (the
+    server's answers included), bad values and a tool the command ran that failed
+    (``subprocess.CalledProcessError``: its own output says why); None for anything else (a bug: it
+    propagates with its traceback)."""
     if isinstance(exc, ServerNotRunningError):
         return ExitCode.NOT_RUNNING
-    if isinstance(exc, (NnunetTritonError, ValueError)):
+    if isinstance(exc, (NnunetTritonError, ValueError, subprocess.CalledProcessError)):
         return ExitCode.USAGE
     return None
+
+
+def run_command(run: Callable[[argparse.Namespace], int], args: argparse.Namespace, *,
+                logger: logging.Logger | None = None) -> int:
+    """``run(args)``'s exit code; an error it ends with becomes :func:`exit_code`'s, reported in one line:
+    through ``logger`` (``ERROR <logger>: <message>``) where the command logs its progress, else as
+    ``nnunet-triton: <message>`` on stderr. Errors :func:`exit_code` does not know propagate."""
+    try:
+        return int(run(args))
+    except Exception as exc:
+        code = exit_code(exc)
+        if code is None:
+            raise
+        if logger is not None:
+            logger.error("%s", exc)
+        else:
+            answered = isinstance(exc, ClientError) and code != ExitCode.NOT_RUNNING
+            say(f"nnunet-triton: {'server error: ' if answered else ''}{exc}")
+        return code
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -90,13 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return int(args.run(args))
-    except Exception as exc:
-        code = exit_code(exc)
-        if code is None:
-            raise
-        answered = isinstance(exc, ClientError) and code != ExitCode.NOT_RUNNING
-        say(f"nnunet-triton: {'server error: ' if answered else ''}{exc}")
-        return code
+        return run_command(args.run, args)
     finally:
         signal.signal(signal.SIGTERM, previous)

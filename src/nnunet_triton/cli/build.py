@@ -13,6 +13,7 @@ from typing import Any
 from nnunet_triton.builder import torchscript as export
 from nnunet_triton.builder.model_specs import BuildOptions, FoldRunner, Target
 from nnunet_triton.builder.repository import VersionChoice, build_ensemble_repository, build_repository
+from nnunet_triton.cli import run_command
 from nnunet_triton.cli.common import (
     DeprecatedAlias,
     add_model_dir_argument,
@@ -20,8 +21,8 @@ from nnunet_triton.cli.common import (
     endpoint_name,
     endpoint_version,
 )
-from nnunet_triton.cli.exit_codes import ExitCode
-from nnunet_triton.errors import NnunetTritonError, PlansError
+from nnunet_triton.errors import PlansError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.io_names import ENDPOINT_MODEL
 from nnunet_triton.numerics.model_folder import parse_fold, read_model_folder
 
@@ -160,36 +161,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build what ``args`` ask for; 0 on success (built or up to date), 2 on a reported error."""
-    try:
-        options = BuildOptions(
-            target=Target(args.target), tile_batch_size=args.tile_batch_size, fold_runner=args.fold_runner,
-            fold_precision=args.precision, torch_threads=args.torch_threads,
-            per_sample_forward=None if args.per_sample_forward is None else args.per_sample_forward == "true",
-            fold_instances=args.fold_instances,
-            orchestrator_instances=args.orchestrator_instances, max_inflight=args.max_inflight,
-            max_voxels=args.max_voxels, max_request_bytes=args.max_request_bytes, metrics=not args.no_metrics,
-            serving_torch=args.serving_torch,
-        )
-        configurations = _configurations(args.model, args.configuration)
-        endpoint = endpoint_choice(args)
-        if len(args.model) > 1:
-            pp = None if args.postprocessing == "auto" else args.postprocessing
-            result = build_ensemble_repository(args.model, args.model_repository, options=options,
-                                               folds=args.folds, force=args.force,
-                                               export_device=args.export_device,
-                                               postprocessing=pp, endpoint=endpoint,
-                                               seg_metadata=args.seg_metadata)
-        else:
-            result = build_repository(args.model[0], args.model_repository, options=options, folds=args.folds,
-                                      configuration=configurations[0], force=args.force,
-                                      folds_only=args.folds_only, export_device=args.export_device,
-                                      postprocessing=args.postprocessing,
-                                      previous_stage_model=args.previous_stage_model, endpoint=endpoint,
-                                      seg_metadata=args.seg_metadata)
-    except (NnunetTritonError, ValueError) as exc:
-        LOGGER.error("%s", exc)
-        return ExitCode.USAGE
+    """Build what ``args`` ask for; 0 on success (built or up to date), else the exit code of the error
+    (``cli.exit_code``), logged in one line."""
+    return run_command(_build, args, logger=LOGGER)
+
+
+def _build(args: argparse.Namespace) -> int:
+    options = BuildOptions(
+        target=Target(args.target), tile_batch_size=args.tile_batch_size, fold_runner=args.fold_runner,
+        fold_precision=args.precision, torch_threads=args.torch_threads,
+        per_sample_forward=None if args.per_sample_forward is None else args.per_sample_forward == "true",
+        fold_instances=args.fold_instances,
+        orchestrator_instances=args.orchestrator_instances, max_inflight=args.max_inflight,
+        max_voxels=args.max_voxels, max_request_bytes=args.max_request_bytes, metrics=not args.no_metrics,
+        serving_torch=args.serving_torch,
+    )
+    configurations = _configurations(args.model, args.configuration)
+    endpoint = endpoint_choice(args)
+    if len(args.model) > 1:
+        pp = None if args.postprocessing == "auto" else args.postprocessing
+        result = build_ensemble_repository(args.model, args.model_repository, options=options,
+                                           folds=args.folds, force=args.force,
+                                           export_device=args.export_device,
+                                           postprocessing=pp, endpoint=endpoint,
+                                           seg_metadata=args.seg_metadata)
+    else:
+        result = build_repository(args.model[0], args.model_repository, options=options, folds=args.folds,
+                                  configuration=configurations[0], force=args.force,
+                                  folds_only=args.folds_only, export_device=args.export_device,
+                                  postprocessing=args.postprocessing,
+                                  previous_stage_model=args.previous_stage_model, endpoint=endpoint,
+                                  seg_metadata=args.seg_metadata)
     sys.stdout.write(result.summary() + "\n")
     return ExitCode.OK
 

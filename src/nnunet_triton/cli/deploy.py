@@ -27,21 +27,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from nnunet_triton import io_names
-from nnunet_triton.cli import common, serve
+from nnunet_triton.cli import common, run_command, serve
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, endpoint_name
-from nnunet_triton.cli.exit_codes import EPILOG, ExitCode
 from nnunet_triton.cli.serve import add_server_arguments, tls_settings
-from nnunet_triton.errors import NnunetTritonError
-from nnunet_triton.parameters import DEFAULT_TILE_BATCH_SIZE
+from nnunet_triton.exit_codes import EPILOG, ExitCode
 from nnunet_triton.server.deploy import docker, service
 from nnunet_triton.server.deploy import engine as container_engine
 from nnunet_triton.server.deploy.service import DEFAULT_OUT, EndpointPlan, endpoint_plans
+from nnunet_triton.util.defaults import field_default
 
 __all__ = ["EndpointPlan", "add_parsers", "endpoint_plans", "main"]
 
@@ -59,6 +57,11 @@ def add_parsers(sub: Any) -> None:
     _arguments(undeploy_parser, undeploy=True)
 
 
+def _default(name: str) -> Any:
+    """A flag's default: the :class:`~nnunet_triton.server.deploy.service.DeployPlan` field's it becomes."""
+    return field_default(service.DeployPlan, name)
+
+
 def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     p.add_argument("--target", choices=tuple(DEFAULT_OUT), default="embedded")
     p.add_argument("--out", type=Path, default=None,
@@ -66,9 +69,9 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
     p.add_argument("--execute", action="store_true",
                    help="docker: fail unless an engine runs the commands; k8s: kubectl apply")
     p.add_argument("--dry-run", action="store_true", help="docker: only print the commands")
-    p.add_argument("--engine", choices=("auto", "docker", "podman"), default="auto",
+    p.add_argument("--engine", choices=("auto", "docker", "podman"), default=_default("engine"),
                    help="docker: the container engine (auto: docker if its daemon answers, else podman)")
-    p.add_argument("--container-name", default="nnunet-triton")
+    p.add_argument("--container-name", default=_default("container_name"))
     p.add_argument("--kube-play", action="store_true",
                    help="k8s: run the cpu Deployment here with podman kube play (undeploy: kube down)")
     if undeploy:
@@ -87,35 +90,38 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
                    help="check the checkpoints' configuration: one for every --model-dir folder or one per "
                         "folder")
     p.add_argument("--folds", nargs="+", type=lambda s: s if s == "all" else int(s), default=None)
-    p.add_argument("--tile-batch-size", type=int, default=DEFAULT_TILE_BATCH_SIZE)
-    p.add_argument("--fold-instances", type=int, default=1)
+    p.add_argument("--tile-batch-size", type=int, default=_default("tile_batch_size"))
+    p.add_argument("--fold-instances", type=int, default=_default("fold_instances"))
     p.add_argument("--orchestrator-instances", type=int, default=None,
                    help="requests worked on at once (default: 1 on cpu, 2 on gpu targets)")
-    p.add_argument("--host", default="127.0.0.1",
+    p.add_argument("--host", default=_default("host"),
                    help="embedded: bind address; docker: host address the ports are published on "
                         "(0.0.0.0 for the network)")
     for name in ("http", "grpc", "metrics"):
         p.add_argument(f"--{name}-port", type=int, default=None, help="embedded: default a free port "
                        "(metrics: closed unless --metrics or a port); docker: host port (8000/8001/8002)")
-    p.add_argument("--ready-timeout", type=float, default=service.READY_TIMEOUT_S)
+    p.add_argument("--ready-timeout", type=float, default=_default("ready_timeout"),
+                   help=f"seconds the server has to answer ready (default {_default('ready_timeout'):.0f})")
     p.add_argument("--backend-directory", action="append", type=Path, default=None,
                    help="embedded, repeatable: a folder of further Triton backends merged with the Python "
                         "backend (default: build/triton-backends when `nnunet-triton install-backend "
                         "pytorch` made it; a checkout: `make triton-backends`)")
     add_server_arguments(p)
     gpu = p.add_argument_group("docker and k8s")
-    gpu.add_argument("--variant", choices=("auto", *docker.VARIANTS), default="auto",
+    gpu.add_argument("--variant", choices=("auto", *docker.VARIANTS), default=_default("variant"),
                      help="the image: gpu (NGC base) or cpu (Debian base); auto: gpu where a GPU is visible")
     gpu.add_argument("--base-image", default=None,
                      help="the Dockerfile's BASE_IMAGE (cpu default with podman: the local debootstrapped "
                           f"{container_engine.LOCAL_BASE_IMAGE}; `python -m tools.container_host` in a "
                           "checkout makes it)")
-    gpu.add_argument("--triton-release", default=docker.GPU_TRITON_RELEASE,
+    gpu.add_argument("--triton-release", default=_default("triton_release"),
                      help="the gpu image's NGC release (the cpu image is always the wheel's 24.10)")
     gpu.add_argument("--image-torch-version", default=None, help="libtorch X.Y of a release not known here")
-    gpu.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
-    gpu.add_argument("--gpus", type=int, nargs="+", default=[0], help="host GPU ids for the container")
-    gpu.add_argument("--max-volume", type=int, nargs=3, default=[600, 512, 512], metavar=("Z", "Y", "X"))
+    gpu.add_argument("--precision", choices=("fp16", "fp32"), default=_default("precision"))
+    gpu.add_argument("--gpus", type=int, nargs="+", default=list(_default("gpus")),
+                     help="host GPU ids for the container")
+    gpu.add_argument("--max-volume", type=int, nargs=3, default=list(_default("max_volume")),
+                     metavar=("Z", "Y", "X"))
     gpu.add_argument("--max-spacing", type=float, nargs=3, default=None, metavar=("Z", "Y", "X"))
     gpu.add_argument("--probabilities", action="store_true", help="size for PROBABILITIES outputs")
     kube = p.add_argument_group("k8s")
@@ -125,15 +131,19 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
         ("--image", str, None, "serving image in a registry"), ("--namespace", str, None, "namespace"),
         ("--model-image", str, None, "image holding /models (init container)"),
         ("--model-pvc", str, None, "PVC holding the repository instead"),
-        ("--min-replicas", int, 1, "HPA minimum"), ("--max-replicas", int, 4, "HPA maximum"),
-        ("--latency-target-us", int, 4_000_000, "HPA target: time per request at the orchestrator"),
+        ("--min-replicas", int, _default("min_replicas"), "HPA minimum"),
+        ("--max-replicas", int, _default("max_replicas"), "HPA maximum"),
+        ("--latency-target-us", int, _default("latency_target_us"),
+         "HPA target: time per request at the orchestrator"),
     ):
         kube.add_argument(flag, type=kind, default=default, help=text)
     kube.add_argument("--service-monitor", action="store_true", help="add a ServiceMonitor")
     kube.add_argument("--tls-secret", default=None, help="Secret with tls.crt, tls.key and ca.crt: an nginx "
                       "sidecar (client certificates), a NetworkPolicy admitting only it (docs/security.md)")
-    kube.add_argument("--cpu", type=int, default=2, help="--kube-play: the pod's CPUs (requests = limits)")
-    kube.add_argument("--autoscaler", choices=("hpa", "keda"), default="hpa", help="HPA + adapter, or KEDA")
+    kube.add_argument("--cpu", type=int, default=_default("cpu"),
+                      help="--kube-play: the pod's CPUs (requests = limits)")
+    kube.add_argument("--autoscaler", choices=("hpa", "keda"), default=_default("autoscaler"),
+                      help="HPA + adapter, or KEDA")
     kube.add_argument("--kserve", action="store_true", help="a KServe InferenceService (--autoscaler keda)")
     kube.add_argument("--prometheus-url", default=None, help="the Prometheus KEDA queries")
 
@@ -167,19 +177,20 @@ def _plan(args: argparse.Namespace, *, undeploy: bool) -> service.DeployPlan:
 
 
 def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:
-    """Deploy or undeploy as ``args`` say; the exit code (``cli.exit_codes``: 2 on a reported error)."""
-    try:
-        plan = _plan(args, undeploy=undeploy)
-        if not undeploy:
-            service.deploy(plan, print)
-            return ExitCode.OK
-        service.undeploy(plan, print)
-        if plan.target == "embedded":
-            return serve.main(["stop"])
+    """Deploy or undeploy as ``args`` say; the exit code (an error's is ``cli.exit_code``'s, logged in one
+    line)."""
+    return run_command(lambda parsed: _deploy(parsed, undeploy=undeploy), args, logger=LOGGER)
+
+
+def _deploy(args: argparse.Namespace, *, undeploy: bool) -> int:
+    plan = _plan(args, undeploy=undeploy)
+    if not undeploy:
+        service.deploy(plan, print)
         return ExitCode.OK
-    except (NnunetTritonError, ValueError, subprocess.CalledProcessError) as exc:
-        LOGGER.error("%s", exc)
-        return ExitCode.USAGE  # a deployment that cannot work as asked: fix the command or the project
+    service.undeploy(plan, print)
+    if plan.target == "embedded":
+        return serve.main(["stop"])
+    return ExitCode.OK
 
 
 def _parser(undeploy: bool) -> argparse.ArgumentParser:
@@ -191,7 +202,7 @@ def _parser(undeploy: bool) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``deploy ARGS`` (the default) or ``undeploy ARGS``; the exit code (2 on a reported error)."""
+    """``deploy ARGS`` (the default) or ``undeploy ARGS``; the exit code (``cli.exit_code`` of an error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     undeploy = argv[:1] == ["undeploy"]
     rest = argv[1:] if argv[:1] in (["deploy"], ["undeploy"]) else argv

@@ -23,7 +23,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.client.dicom.uids import require_uid
 from nnunet_triton.client.dicom.web import (
     DicomWebAuth,
@@ -33,6 +32,7 @@ from nnunet_triton.client.dicom.web import (
     store_files,
 )
 from nnunet_triton.errors import InputValidationError, PacsError
+from nnunet_triton.exit_codes import ExitCode
 
 __all__ = ["add_dicomweb_arguments", "add_auth_arguments", "auth_from_args", "predict_over_dicomweb"]
 

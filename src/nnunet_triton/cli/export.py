@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.builder.torchscript import PRECISIONS, ExportOptions, export_folds
+from nnunet_triton.cli import run_command
 from nnunet_triton.cli.common import add_model_dir_argument
-from nnunet_triton.cli.exit_codes import ExitCode
-from nnunet_triton.errors import ExportError, PlansError
+from nnunet_triton.errors import ExportError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME, detect_folds, parse_fold
+from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = ["add_parsers", "add_arguments", "run", "main"]
 
@@ -52,25 +54,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Export what ``args`` ask for; 0 on success, 2 on a reported error."""
+    """Export what ``args`` ask for; 0 on success, else the exit code of the error (``cli.exit_code``),
+    logged in one line."""
+    return run_command(_export, args, logger=LOGGER)
+
+
+def _export(args: argparse.Namespace) -> int:
     options = ExportOptions(precision=args.precision, device=args.device, tolerance=args.tolerance,
                             checkpoint_name=args.checkpoint_name)
     for model in args.model:
         out = args.out / model.name if len(args.model) > 1 else args.out
-        try:
-            folds = args.folds or detect_folds(model, args.checkpoint_name)
-            if not folds:
-                raise ExportError(f"{model} has no fold_<N>/{args.checkpoint_name}: not a trained nnU-Net "
-                                  "results folder.")
-            results = export_folds(model, folds, out, options=options)
-        except (ExportError, PlansError) as exc:
-            LOGGER.error("%s", exc)
-            return ExitCode.USAGE
-        (out / "export_metadata.json").write_text(
-            json.dumps([r.to_dict() for r in results], indent=2, sort_keys=True)
-        )
+        folds = args.folds or detect_folds(model, args.checkpoint_name)
+        if not folds:
+            raise ExportError(f"{model} has no fold_<N>/{args.checkpoint_name}: not a trained nnU-Net "
+                              "results folder.")
+        results = export_folds(model, folds, out, options=options)
+        write_text_atomic(out / "export_metadata.json",
+                          json.dumps([r.to_dict() for r in results], indent=2, sort_keys=True))
     return ExitCode.OK
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.cli.common import say
-from nnunet_triton.cli.exit_codes import ExitCode
+from nnunet_triton.exit_codes import ExitCode
 
 __all__ = ["add_parsers"]
 

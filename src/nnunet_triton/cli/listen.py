@@ -56,9 +56,10 @@ from nnunet_triton.cli.common import (
     url,
 )
 from nnunet_triton.cli.dicomweb import add_auth_arguments, add_modality_argument, auth_from_args
-from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import ClientError, InputValidationError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.options import RequestOptions
+from nnunet_triton.util.defaults import field_default
 
 __all__ = ["add_parsers", "listen", "run_spool_command", "parse_bytes", "parse_duration"]
 
@@ -86,6 +87,15 @@ def parse_duration(text: str) -> float:
 
 def add_parsers(sub: Any) -> None:
     """Mount ``listen``, ``requeue`` and ``node-status`` on the ``nnunet-triton`` subparsers ``sub``."""
+    from nnunet_triton.client.dicom.access import AccessPolicy
+    from nnunet_triton.client.dicom.spool import SpoolLimits
+
+    def access_default(name: str) -> Any:
+        return field_default(AccessPolicy, name)
+
+    def spool_default(name: str) -> Any:
+        return field_default(SpoolLimits, name)
+
     p = sub.add_parser("listen", help="a DICOM node: receive series (C-STORE), segment them, send the SEG on")
     p.set_defaults(run=lambda args: listen(args, url(args)))
     p.add_argument("--ae-title", default="NNUNET", help="this node's AE title (default NNUNET)")
@@ -100,14 +110,20 @@ def add_parsers(sub: Any) -> None:
                      help="a sender: its AE title, optionally the hosts/networks it calls from (repeatable)")
     who.add_argument("--accept-unknown-callers", action="store_true",
                      help="accept calling AE titles not given with --allow (the default on loopback only)")
-    who.add_argument("--max-associations", type=int, default=10, help="associations at once (10)")
-    who.add_argument("--max-associations-per-host", type=int, default=4,
-                     help="connections from one host, counted from accept (4)")
-    who.add_argument("--max-busy", type=parse_duration, default=900.0,
+    associations = access_default("max_associations")
+    who.add_argument("--max-associations", type=int, default=associations,
+                     help=f"associations at once ({associations})")
+    per_host = access_default("max_associations_per_host")
+    who.add_argument("--max-associations-per-host", type=int, default=per_host,
+                     help=f"connections from one host, counted from accept ({per_host})")
+    who.add_argument("--max-busy", type=parse_duration, default=None,
                      help="seconds one series may be in progress (inference and sending) before the node "
-                          "reports itself degraded, node-status exits 1 and new series are refused (900)")
-    who.add_argument("--association-request-timeout", type=parse_duration, default=10.0,
-                     help="seconds from accept to a complete A-ASSOCIATE-RQ, TLS handshake included (10)")
+                          "reports itself degraded, node-status exits 1 and new series are refused "
+                          "(default 900)")
+    request_timeout = access_default("association_request_timeout_s")
+    who.add_argument("--association-request-timeout", type=parse_duration, default=request_timeout,
+                     help=f"seconds from accept to a complete A-ASSOCIATE-RQ, TLS handshake included "
+                          f"({request_timeout:g})")
     who.add_argument("--accept-all-storage", action="store_true",
                      help="accept every storage SOP class (default: image storage only)")
     who.add_argument("--accept-deflate", action="store_true",
@@ -118,21 +134,30 @@ def add_parsers(sub: Any) -> None:
     who.add_argument("--tls-require-client-cert", action="store_true",
                      help="DICOM TLS: refuse clients without a certificate signed by --tls-ca")
     limits = p.add_argument_group("limits and retention")
-    limits.add_argument("--max-spool-bytes", type=parse_bytes, default=parse_bytes("50G"))
-    limits.add_argument("--max-instance-bytes", type=parse_bytes, default=parse_bytes("1G"))
-    limits.add_argument("--max-instances-per-series", type=int, default=5000)
-    limits.add_argument("--done-retention", type=parse_duration, default=parse_duration("24h"),
-                        help="keep a sent series' instances this long, for late instances (24h)")
-    limits.add_argument("--failed-retention", type=parse_duration, default=parse_duration("7d"),
-                        help="keep failed series this long, then delete them (7d)")
+    limits.add_argument("--max-spool-bytes", type=parse_bytes, default=spool_default("max_spool_bytes"))
+    limits.add_argument("--max-instance-bytes", type=parse_bytes, default=spool_default("max_instance_bytes"))
+    limits.add_argument("--max-instances-per-series", type=int,
+                        default=spool_default("max_instances_per_series"))
+    done = spool_default("done_retention_s")
+    limits.add_argument("--done-retention", type=parse_duration, default=done,
+                        help=f"keep a sent series' instances this long, for late instances "
+                             f"({done / 3600:g}h)")
+    failed = spool_default("failed_retention_s")
+    limits.add_argument("--failed-retention", type=parse_duration, default=failed,
+                        help=f"keep failed series this long, then delete them ({failed / 86400:g}d)")
     timing = p.add_argument_group("completeness and retries")
-    timing.add_argument("--idle-timeout", type=parse_duration, default=10.0,
-                        help="seconds without a new instance of the study after which a series is complete")
-    timing.add_argument("--retry-window", type=parse_duration, default=3600.0,
-                        help="keep retrying a series this long after its first failure (1h)")
+    # the node's timings are NodeConfig's (client.dicom.node, not imported here: it loads pydicom); a flag
+    # left out keeps the node's default
+    timing.add_argument("--idle-timeout", type=parse_duration, default=None,
+                        help="seconds without a new instance of the study after which a series is complete "
+                             "(default 10)")
+    timing.add_argument("--retry-window", type=parse_duration, default=None,
+                        help="keep retrying a series this long after its first failure (default 1h)")
     timing.add_argument("--retries", type=int, default=None, help="at most this many retries (default: none)")
-    timing.add_argument("--retry-delay", type=float, default=5.0, help="first retry delay (doubles)")
-    timing.add_argument("--max-retry-delay", type=float, default=300.0, help="longest retry delay (300)")
+    timing.add_argument("--retry-delay", type=float, default=None,
+                        help="first retry delay, doubling (default 5)")
+    timing.add_argument("--max-retry-delay", type=float, default=None,
+                        help="longest retry delay (default 300)")
     p.add_argument("--no-mirroring", "--disable-tta", action="store_false", dest="mirroring",
                    help="no test-time mirroring")
     p.add_argument("--output", choices=("seg", "rtstruct", "both"), default="seg",
@@ -331,11 +356,13 @@ def listen(args: argparse.Namespace, server_url: str) -> int:
     # as the node runs (restored after, for a caller that runs the node inside a longer process)
     previous_umask = os.umask(0o077)
     try:
+        timings = {name: value for name, value in (
+            ("idle_timeout_s", args.idle_timeout), ("retry_delay_s", args.retry_delay),
+            ("max_retry_delay_s", args.max_retry_delay), ("retry_window_s", args.retry_window),
+            ("max_busy_s", args.max_busy)) if value is not None}  # left out: NodeConfig's default
         node = DicomNode(NodeConfig(
             ae_title=args.ae_title, port=args.port, host=args.host, spool=args.spool, destination=destination,
-            routes=routes, models=models, idle_timeout_s=args.idle_timeout, retries=args.retries,
-            retry_delay_s=args.retry_delay, max_retry_delay_s=args.max_retry_delay,
-            retry_window_s=args.retry_window, access=access, limits=limits, max_busy_s=args.max_busy))
+            routes=routes, models=models, retries=args.retries, access=access, limits=limits, **timings))
     except BaseException:
         os.umask(previous_umask)
         for client in clients:

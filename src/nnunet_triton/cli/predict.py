@@ -15,7 +15,7 @@ recursively; one case per SeriesInstanceUID: ``nnunet_triton.client.jobs``). Fla
 deployed orchestrator instances + 1): worker threads read and send cases while the main thread writes
 finished ones, so reading, sending and writing overlap with inference; the files are identical to a
 sequential run. Outputs are written atomically; a failed case is reported at the end and the exit code is 2
-(:mod:`nnunet_triton.cli.exit_codes`; 3: no server at ``--url``).
+(:mod:`nnunet_triton.exit_codes`; 3: no server at ``--url``).
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ from nnunet_triton.cli.common import (
     url,
 )
 from nnunet_triton.cli.dicomweb import add_dicomweb_arguments, predict_over_dicomweb
-from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.client import imageio
 from nnunet_triton.client.dicom import volume as dicom
 from nnunet_triton.client.dicom.uids import child_path
 from nnunet_triton.client.dicom.web import is_dicomweb
 from nnunet_triton.client.jobs import CASE_ERRORS, Job, collect_jobs
 from nnunet_triton.errors import InputValidationError
+from nnunet_triton.exit_codes import ExitCode
 
 __all__ = ["add_parsers", "predict", "info", "default_concurrency"]
 

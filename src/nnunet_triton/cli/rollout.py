@@ -32,8 +32,8 @@ from nnunet_triton.cli.common import (
     endpoint_version,
     say,
 )
-from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import ServerNotRunningError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.server import rollout
 from nnunet_triton.server.handle import recorded_server
 from nnunet_triton.server.model_control import ModelControl

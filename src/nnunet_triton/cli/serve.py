@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nnunet_triton.cli import build, exit_code, with_epilog
+from nnunet_triton.cli import build, run_command, with_epilog
 from nnunet_triton.cli.common import DeprecatedAlias, add_model_dir_argument, add_model_repository_argument
-from nnunet_triton.cli.exit_codes import ExitCode
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 from nnunet_triton.server.embedded import ALLOW_DEGRADED_FLAG, DEFAULT_HOST, LaunchOptions, start
 from nnunet_triton.server.handle import EXIT_TIMEOUT_S, ServerHandle, recorded_server
@@ -38,6 +38,7 @@ from nnunet_triton.server.triton_install import (
     HOME_ENV,
     resolve_home,
 )
+from nnunet_triton.util.defaults import field_default
 
 __all__ = ["add_embedded_arguments", "add_parsers", "add_proxy_limit_arguments", "add_server_arguments",
            "add_tls_arguments", "main", "proxy_limits", "tls_settings"]
@@ -86,7 +87,9 @@ def _serve_arguments(serve: argparse.ArgumentParser, *, build_first: bool, home:
                             "triton-backends`)")
     serve.add_argument("--server-arg", action="append", default=[],
                        help="extra tritonserver flag, e.g. --server-arg=--log-verbose=1")
-    serve.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default 300)")
+    ready_timeout = field_default(LaunchOptions, "ready_timeout_s")
+    serve.add_argument("--ready-timeout", type=float, default=ready_timeout,
+                       help=f"seconds (default {ready_timeout:.0f})")
     serve.add_argument("--exit-timeout", type=int, default=EXIT_TIMEOUT_S,
                        help=f"--exit-timeout-secs (default {EXIT_TIMEOUT_S})")
     serve.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the server")
@@ -315,14 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s"
     )
-    try:
-        return args.run(args)
-    except Exception as exc:
-        code = exit_code(exc)
-        if code is None:
-            raise
-        LOGGER.error("%s", exc)
-        return code
+    return run_command(args.run, args, logger=LOGGER)
 
 
 if __name__ == "__main__":

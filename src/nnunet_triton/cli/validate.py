@@ -34,8 +34,8 @@ from nnunet_triton.cli.common import (
     request_options,
     url,
 )
-from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import InputValidationError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.validate.compare import segmentation_labels
 from nnunet_triton.validate.references import IDENTITY_KEYS, RecordedReference, ReferenceWriter
 from nnunet_triton.validate.report import write_report

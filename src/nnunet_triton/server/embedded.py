@@ -48,6 +48,7 @@ from nnunet_triton.server.triton_install import (
     server_env,
 )
 from nnunet_triton.util.durable import write_text_atomic
+from nnunet_triton.util.process import kill
 
 __all__ = [
     "ALLOW_DEGRADED_FLAG",
@@ -97,7 +98,7 @@ class LaunchOptions:
     recovery: bool = True
     backend_config: Mapping[str, Mapping[str, object]] | None = field(default=None, hash=False)
     extra_args: tuple[str, ...] = ()
-    ready_timeout_s: float = 120.0
+    ready_timeout_s: float = readiness.READY_TIMEOUT_S
     exit_timeout_s: int = EXIT_TIMEOUT_S
     detach: bool = False
     volume: VolumeSpec | None = None
@@ -254,10 +255,10 @@ def _spawn(launch: _Launch) -> ServerHandle:
             degraded=list(launch.degraded),
             _process=process,
         )
-        launch.pid_file.write_text(f"{process.pid}\n")
+        write_text_atomic(launch.pid_file, f"{process.pid}\n")
         _write_state(launch.state_file, handle)
     except BaseException:
-        os.killpg(process.pid, signal.SIGKILL)  # never leave an unrecorded server (or its stubs) behind
+        kill(process.pid, group=True)  # never leave an unrecorded server (or its stubs) behind
         process.wait()
         raise
     return handle

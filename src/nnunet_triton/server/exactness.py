@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.options import parse_int
 from nnunet_triton.pipeline.threads import NNUNET_PROCESSES_ENV, nnunet_threads
 from nnunet_triton.util.durable import write_json_atomic
@@ -298,7 +299,7 @@ def _run(spec: Path, threads: str, out: Path) -> int:
         digests[network.model] = hashlib.sha256(output.tobytes()).hexdigest()
     (out / "result.json").write_text(json.dumps({"torch_default": default, "threads": count,
                                                  "digests": digests}))
-    return 0
+    return ExitCode.OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, fields
@@ -24,7 +22,7 @@ from nnunet_triton.server.health import (
 )
 from nnunet_triton.server.proxy import running_pid, stop_proxy
 from nnunet_triton.server.server_config import EMBEDDED
-from nnunet_triton.util.process import pid_alive
+from nnunet_triton.util.process import pid_alive, terminate
 
 __all__ = [
     "ServerHandle",
@@ -179,13 +177,9 @@ class ServerHandle:
         regions = [s.shm_region for s in stub_processes(self.pid)] if ours else []
         if ours:
             LOGGER.info("stopping tritonserver pid %d", self.pid)
-            os.kill(self.pid, signal.SIGTERM)
-            if not self._wait_exit(timeout_s):
-                LOGGER.warning(
-                    "tritonserver pid %d ignored SIGTERM for %.0f s; sending SIGKILL", self.pid, timeout_s
-                )
-                os.killpg(self.pid, signal.SIGKILL)
-                self._wait_exit(10.0)
+            if not terminate(self.pid, timeout_s, group=True, alive=self._server_alive, kill_wait_s=10.0):
+                LOGGER.warning("tritonserver pid %d ignored SIGTERM for %.0f s; sent SIGKILL", self.pid,
+                               timeout_s)
         if ours or self._process is not None:  # never signal a group we cannot prove is ours
             self._reap_group()
         # Triton 2.51 leaves the regions of some reloaded instances behind even on a clean exit
@@ -198,35 +192,16 @@ class ServerHandle:
         if not self.watchdog_running():
             return
         assert self.watchdog_pid is not None
-        os.kill(self.watchdog_pid, signal.SIGTERM)
-        deadline = time.monotonic() + 5.0
-        while self.watchdog_running() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self.watchdog_running():
-            os.kill(self.watchdog_pid, signal.SIGKILL)
+        terminate(self.watchdog_pid, 5.0, alive=self.watchdog_running)
 
-    def _wait_exit(self, timeout_s: float) -> bool:
-        if self._process is not None:
-            try:
-                self._process.wait(timeout=timeout_s)
-                return True
-            except subprocess.TimeoutExpired:
-                return False
-        deadline = time.monotonic() + timeout_s
-        while pid_alive(self.pid):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-        return True
+    def _server_alive(self) -> bool:
+        # a child of this process is reaped by poll(); another's is gone when it is a zombie or gone
+        return self._process.poll() is None if self._process is not None else pid_alive(self.pid)
 
     def _reap_group(self) -> None:
         # The server runs in its own session (pgid == pid); stubs left behind exit on their own when
         # they notice the server is gone, but never wait on that.
-        deadline = time.monotonic() + 5.0
-        while _group_alive(self.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _group_alive(self.pid):
-            os.killpg(self.pid, signal.SIGKILL)
+        terminate(self.pid, 5.0, sig=None, group=True, alive=lambda: _group_alive(self.pid), poll_s=0.1)
 
     def _remove_run_files(self) -> None:
         if self.state_file:  # the watchdog's restart spec (embedded._start_watchdog)

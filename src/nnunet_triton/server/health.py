@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.parameters import DEFAULT_HTTP_PORT
 from nnunet_triton.repository import ModelRepository
 from nnunet_triton.util.process import pid_alive  # re-exported for the watchdog and the handle
@@ -322,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         models, optional = repository_expectations(args.model_repository)
     except OSError as exc:
         sys.stderr.write(f"health: cannot list --model-repository {str(args.model_repository)!r}: {exc}\n")
-        return 2
+        return ExitCode.USAGE
     server_pid = args.server_pid if args.server_pid is not None else find_server_pid()
     report = check_health(args.url, models, server_pid=server_pid, timeout_s=args.timeout, optional=optional)
     if args.json:
@@ -330,9 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         problems = report.problems()
         sys.stdout.write("healthy\n" if report.healthy else "not healthy: " + "; ".join(problems) + "\n")
-    if not report.server_live:
-        return 2
-    return 0 if report.healthy else 1
+    if not report.server_live:  # 2, as documented for this probe since before the common policy
+        return ExitCode.USAGE
+    return ExitCode.OK if report.healthy else ExitCode.CHECK_FAILED
 
 
 if __name__ == "__main__":

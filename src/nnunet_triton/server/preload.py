@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from nnunet_triton.errors import PreloadUnavailableError
+from nnunet_triton.exit_codes import ExitCode
 
 __all__ = ["CONSEQUENCE", "PLACEHOLDER", "PROGRAM_ENV", "SOURCE", "TOKEN_ENV", "build", "environment",
            "library"]
@@ -209,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"{build(args.out, compiler=args.compiler)}\n")
     except PreloadUnavailableError as exc:
         sys.stderr.write(f"error: {exc}\n")
-        return 2
-    return 0
+        return ExitCode.USAGE
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from nnunet_triton.server.proxy_config import (
     render_config,
 )
 from nnunet_triton.util.durable import write_text_atomic
+from nnunet_triton.util.process import kill, terminate
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -152,8 +153,7 @@ def kill_orphaned_workers(master_pid: int) -> None:
     """SIGKILL what is left of a dead nginx master's process group: its workers outlive a master killed by
     SIGKILL and keep serving (and holding the port)."""
     if _group_members(master_pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(master_pid, signal.SIGKILL)
+        kill(master_pid, group=True)
 
 
 def stop_proxy(pid: int, config_file: str, *, timeout_s: float = 10.0,
@@ -162,12 +162,7 @@ def stop_proxy(pid: int, config_file: str, *, timeout_s: float = 10.0,
     alive = (lambda: process.poll() is None) if process is not None else (
         lambda: proxy_alive(pid, config_file))
     if alive():
-        os.kill(pid, signal.SIGQUIT)
-        deadline = time.monotonic() + timeout_s
-        while alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if alive():
-            os.killpg(pid, signal.SIGKILL)
+        terminate(pid, timeout_s, sig=signal.SIGQUIT, group=True, alive=alive)
         if process is not None:
             process.wait()
     kill_orphaned_workers(pid)
@@ -216,7 +211,7 @@ def _prepare_run_dir(config: ProxyConfig) -> tuple[str | None, Path]:
         worker = f"{entry.pw_name} {grp.getgrgid(entry.pw_gid).gr_name}"
         temp = Path(tempfile.mkdtemp(prefix="nnunet-proxy-"))
         os.chown(temp, entry.pw_uid, entry.pw_gid)
-        (config.run_dir / _TEMP_RECORD).write_text(f"{temp}\n")
+        write_text_atomic(config.run_dir / _TEMP_RECORD, f"{temp}\n")
     for name in ("nginx-body", "nginx-proxy", "nginx-fastcgi", "nginx-uwsgi", "nginx-scgi"):
         path = temp / name
         path.mkdir(mode=0o700, exist_ok=True)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from nnunet_triton.server.proxy import kill_orphaned_workers, launch, nginx_command, running_pid
+from nnunet_triton.util.process import kill
 from nnunet_triton.util.retry import RetryPolicy
 
 __all__ = ["ProxyKeeper"]
@@ -60,7 +61,7 @@ class ProxyKeeper:
             LOGGER.warning("the TLS proxy runs again (nginx pid %d)", started)
         else:
             if self._process.poll() is None:  # neither up nor gone: do not leave it behind
-                self._process.kill()
+                kill(self._process.pid)
                 self._process.wait()
             self._failures += 1
             delay = RESTART_BACKOFF.delay(self._failures - 1)

@@ -17,10 +17,15 @@ from collections.abc import Callable
 
 from nnunet_triton.errors import ServerError
 
-__all__ = ["READY_PATH", "NotReadyError", "probe_ready", "ready_url", "wait_ready"]
+__all__ = ["READY_PATH", "READY_TIMEOUT_S", "NotReadyError", "probe_ready", "ready_url", "wait_ready"]
 
 LOGGER = logging.getLogger(__name__)
 READY_PATH = "/v2/health/ready"
+# The one ready deadline: how long a starting server (model loading included) has to answer ready before the
+# start counts as failed. The default of `serve --ready-timeout`, `deploy --ready-timeout`, the embedded
+# launcher (LaunchOptions.ready_timeout_s, DeployPlan.ready_timeout) and the watchdog's restart. A server
+# that exits is noticed at once (``gone``), so the deadline only bounds a server that hangs while loading.
+READY_TIMEOUT_S = 600.0
 _NOT_ASKED = "no answer yet"
 
 

@@ -81,6 +81,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nnunet_triton.errors import ThreadBudgetError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.io_names import FOLD_SLOT_RESOURCE, VERSION_DIR
 from nnunet_triton.parameters import PARAM_TORCH_NUM_THREADS, FoldRunnerParameters
 from nnunet_triton.pipeline.threads import (
@@ -466,15 +467,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget = decide_budget(repository_folds(args.model_repository))
     except ThreadBudgetError as exc:
         sys.stderr.write(f"thread budget: {exc}\n")
-        return 2
+        return ExitCode.USAGE
     if args.command == "show":
         sys.stdout.write(json.dumps(budget.to_dict(), indent=2, sort_keys=True) + "\n")
-        return 0
+        return ExitCode.OK
     try:
         server = budget.applied_to(_server(args))
     except ValueError as exc:
         sys.stderr.write(f"thread budget: {exc}\n")
-        return 2
+        return ExitCode.USAGE
     sys.stderr.write(f"thread budget: {json.dumps(budget.to_dict(), sort_keys=True)}\n")
     environment = {**os.environ, **budget.environment()}
     if args.watchdog:
@@ -485,14 +486,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           proxy_config=args.proxy_config)
         except ValueError as exc:
             sys.stderr.write(f"thread budget: {exc}\n")
-            return 2
+            return ExitCode.USAGE
         environment.update(added)
     elif args.proxy_config is not None:
         sys.stderr.write("thread budget: --proxy-config needs --watchdog (it keeps the proxy running)\n")
-        return 2
+        return ExitCode.USAGE
     command = server.to_args()  # rendered once, budget and restricted APIs included
     os.execvpe(command[0], command, environment)
-    return 0  # pragma: no cover - exec does not return
+    return ExitCode.OK  # pragma: no cover - exec does not return
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nnunet_triton.errors import ServerError
+from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = ["DEFAULT_HOME", "HOME_ENV", "TritonInstallation", "resolve_home", "prepare_home", "server_env"]
 
@@ -127,7 +128,7 @@ def _copy_server_tree(dist: Path, stub: Path, server_dir: Path, marker: str) -> 
         if (dist / part).is_dir():
             shutil.copytree(dist / part, staging / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(stub, staging / "backends" / "python" / "triton_python_backend_stub")
-    (staging / ".prepared.json").write_text(marker)
+    write_text_atomic(staging / ".prepared.json", marker)
     shutil.rmtree(server_dir, ignore_errors=True)
     staging.rename(server_dir)
     LOGGER.info("prepared tritonserver home %s from %s", server_dir, dist)

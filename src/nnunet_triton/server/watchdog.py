@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.errors import ServerError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.server import readiness
 from nnunet_triton.server.health import (
     ModelHealth,
@@ -80,7 +81,8 @@ from nnunet_triton.server.proxy_keeper import ProxyKeeper
 from nnunet_triton.server.restart import LaunchSpec, RestartPolicy
 from nnunet_triton.server.server_config import TritonServerConfig
 from nnunet_triton.server.shm_reclaim import ReclaimPolicy, ShmReclaimer
-from nnunet_triton.util.durable import write_json_atomic
+from nnunet_triton.util.durable import write_json_atomic, write_text_atomic
+from nnunet_triton.util.process import kill, wait_gone
 from nnunet_triton.util.retry import RetryPolicy
 
 __all__ = [
@@ -100,7 +102,6 @@ WATCHING = "watching"  # first word of the log line written after the first chec
 MAX_BACKOFF_S = 30.0
 RELOAD_BACKOFF = RetryPolicy(backoff_s=1.0, max_delay_s=MAX_BACKOFF_S)  # 1, 2, 4, ... 30 s between reloads
 RESCAN_S = 10.0  # how often the repository's model folders are listed again
-RESTART_READY_TIMEOUT_S = 300.0
 PRIVATE_UMASK = 0o077
 
 
@@ -201,7 +202,7 @@ class Watchdog:
                 time.sleep(self.interval_s)
             if self._stop:
                 LOGGER.info("watchdog stops (asked to)")
-                return 0
+                return ExitCode.OK
             code = self._server.returncode if self._server is not None else None
             LOGGER.error("tritonserver pid %d exited without being stopped (%s)", self.server_pid,
                          "exit status unknown" if code is None else
@@ -210,9 +211,9 @@ class Watchdog:
             if self.launch is None:
                 LOGGER.error("nothing restarts it here (start it again: `nnunet-triton serve` / "
                              "`nnunet-triton deploy`)")
-                return 0
+                return ExitCode.OK
             if not self.restart():
-                return 0 if self._stop else 1
+                return ExitCode.OK if self._stop else ExitCode.CHECK_FAILED  # the restart gave up
 
     def restart(self) -> bool:
         """Start the server again after the policy's delay and wait until it is ready; False when the policy
@@ -249,7 +250,7 @@ class Watchdog:
             return "stopping" if self._stop else None if self.server_alive() else "tritonserver died"
 
         try:
-            readiness.wait_ready(self.url, timeout_s=RESTART_READY_TIMEOUT_S, gone=gone)
+            readiness.wait_ready(self.url, timeout_s=readiness.READY_TIMEOUT_S, gone=gone)
         except readiness.NotReadyError:
             return False
         return True
@@ -259,7 +260,7 @@ class Watchdog:
         and the launcher's ``ServerHandle``."""
         assert self.launch is not None
         if self.launch.pid_file:
-            Path(self.launch.pid_file).write_text(f"{self.server_pid}\n")
+            write_text_atomic(self.launch.pid_file, f"{self.server_pid}\n")
         if self.launch.state_file and Path(self.launch.state_file).is_file():
             path = Path(self.launch.state_file)
             state = json.loads(path.read_text()) | {"pid": self.server_pid, "restarts": self.restarts}
@@ -269,15 +270,11 @@ class Watchdog:
         """After the server died: end its orphaned stubs (they serve nothing; some linger for minutes) once
         ``grace_s`` has passed, then remove their shm regions. Returns the regions removed."""
         stubs = list(self._stubs.values())
-        deadline = time.monotonic() + grace_s
-        while any(_is_stub(s) for s in stubs) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_gone(lambda: any(_is_stub(s) for s in stubs), grace_s, poll_s=0.2)
         lingering = [s for s in stubs if _is_stub(s)]
         for stub in lingering:
-            os.kill(stub.pid, signal.SIGKILL)
-        deadline = time.monotonic() + grace_s
-        while any(pid_alive(s.pid) for s in stubs) and time.monotonic() < deadline:
-            time.sleep(0.1)
+            kill(stub.pid)
+        wait_gone(lambda: any(pid_alive(s.pid) for s in stubs), grace_s, poll_s=0.1)
         removed = remove_shm_regions((s.shm_region for s in stubs), self.shm)
         LOGGER.warning("%d orphaned stub process(es) of %d ended with SIGKILL; removed %d shared-memory "
                        "region(s) from %s", len(lingering), len(stubs), len(removed), self.shm)
@@ -460,12 +457,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     token = os.environ.get(TOKEN_ENV)
     if not token:
         LOGGER.error("%s is not set: the watchdog cannot use the model-control API", TOKEN_ENV)
-        return 2
+        return ExitCode.USAGE
     try:
         reclaim = ReclaimPolicy.from_env()
     except ValueError as exc:
         LOGGER.error("%s", exc)
-        return 2
+        return ExitCode.USAGE
     watchdog = Watchdog(args.url, args.server_pid, repository_models(args.model_repository), token,
                         events_file=args.events_file, interval_s=args.interval, reclaim=reclaim,
                         model_repository=args.model_repository, proxy_config=args.proxy_config,

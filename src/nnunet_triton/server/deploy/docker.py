@@ -32,6 +32,7 @@ from typing import Any
 from nnunet_triton import __version__, io_names
 from nnunet_triton.builder.torch_compat import DEFAULT_TRITON_RELEASE, GPU_TRITON_RELEASE, TRITON_RELEASES
 from nnunet_triton.errors import DeployError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.parameters import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, DEFAULT_PORTS
 from nnunet_triton.server.deploy import container_proxy
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible, triton_release
@@ -77,7 +78,7 @@ CPU_BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
 # a killed or crashed server is restarted (up to 5 times: docker and podman never reset the count); a
 # repository the entry point refuses exits with EXIT_BAD_REPOSITORY each time and then stays down
 RESTART_POLICY = "on-failure:5"
-EXIT_BAD_REPOSITORY = 78  # EX_CONFIG (sysexits.h)
+EXIT_BAD_REPOSITORY = ExitCode.CONFIG  # EX_CONFIG (sysexits.h), the entry point's refusal
 CONTAINER_REPOSITORY = "/models"
 CONTAINER_PORTS = DEFAULT_PORTS  # the container side: tritonserver's own defaults
 EXPORT_IMAGE = "python:3.11-slim"

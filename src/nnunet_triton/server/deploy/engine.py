@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from nnunet_triton.errors import DeployError
+from nnunet_triton.util.durable import write_text_atomic
 
 SOURCE_ENV = "NNUNET_TRITON_SOURCE"
 LOCAL_BASE_IMAGE = "localhost/debian:bookworm"
@@ -142,6 +143,6 @@ def fill_wheels(directory: Path | None = None) -> Path:
     result = _run(argv, timeout=1800)
     if result.returncode != 0:
         raise DeployError(f"pip wheel of the image's wheels failed: {result.stderr[-2000:]}")
-    (staging / ".requirements.sha256").write_text(key)
+    write_text_atomic(staging / ".requirements.sha256", key)
     staging.rename(directory)
     return directory

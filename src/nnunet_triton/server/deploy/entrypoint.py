@@ -8,9 +8,9 @@ Checks, before anything starts: the repository is readable and built (the regist
 serves them all), and the TorchScript fold models of each endpoint version that uses the Python runner were
 exported by a torch not newer than this image's (:func:`check_torch_compatible`). A refusal is one line on
 stderr, ``nnunet-triton: cannot serve the model repository /models: <reason>``, and exit status
-:data:`~.docker.EXIT_BAD_REPOSITORY` (78); the generated ``docker run`` restarts on failure a bounded number
-of times (:data:`~.docker.RESTART_POLICY`), so such a container ends up exited with that line in its log
-instead of restarting without a word.
+``ExitCode.CONFIG`` (78, :mod:`nnunet_triton.exit_codes`); the generated ``docker run`` restarts on
+failure a bounded number of times (:data:`~.docker.RESTART_POLICY`), so such a container ends up exited with
+that line in its log instead of restarting without a word.
 
 Then the image's preload library (:data:`PRELOAD_LIBRARY`, built by docker/Dockerfile) must be there: without
 it the control token would be on tritonserver's command line and /dev/shm regions 0644, so the entry point
@@ -40,12 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.errors import NnunetTritonError
+from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, check_torch_compatible
 from nnunet_triton.server.server_config import TritonServerConfig, from_args
 
 __all__ = ["PRELOAD_LIBRARY", "repository_problem", "preload_problem", "budget_command", "main"]
 
-EXIT_BAD_REPOSITORY = 78  # = docker.EXIT_BAD_REPOSITORY (not imported: keep this start light)
+EXIT_BAD_REPOSITORY = ExitCode.CONFIG  # EX_CONFIG: a restart policy gives up on it (docker.RESTART_POLICY)
 # where docker/Dockerfile puts server.preload's library (its `preload` stage compiles it)
 PRELOAD_LIBRARY = Path("/opt/nnunet_triton/lib/nnunet_triton_preload.so")
 LOOPBACK = "127.0.0.1"
@@ -142,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = command[1:]
     if not command:
         sys.stderr.write("nnunet-triton: no server command after --\n")
-        return 2
+        return ExitCode.USAGE
     problem = repository_problem(args.model_repository)
     if problem is not None:
         sys.stderr.write(
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv_exec = budget_command(args.model_repository, server, preload=args.preload,
                                proxy_config=proxy_config)
     os.execv(argv_exec[0], argv_exec)
-    return 0  # pragma: no cover - exec does not return
+    return ExitCode.OK  # pragma: no cover - exec does not return
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import importlib
 import importlib.util
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -183,6 +182,7 @@ def preload_failures(server_pid: int, url: str, token: str, shm: Path = Path("/d
 def check_fixture(repository: Path, timeout_s: float = 600.0) -> list[str]:
     """Start the entry point on ``repository`` and wait until every model is healthy; failures."""
     from nnunet_triton.server import health
+    from nnunet_triton.util.process import terminate
 
     models = health.repository_models(repository)
     ports = _free_ports(3)
@@ -209,12 +209,8 @@ def check_fixture(repository: Path, timeout_s: float = 600.0) -> list[str]:
                 time.sleep(1)
         finally:
             if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait(10)
+                terminate(process.pid, 60.0, group=True, alive=lambda: process.poll() is None,
+                          kill_wait_s=10.0)
         tail = log_path.read_text(errors="replace")[-4000:]
     why = "exited" if process.returncode is not None else f"not healthy after {timeout_s:.0f} s"
     problems = "; ".join(report.problems()) if report is not None else "no health report"

@@ -43,6 +43,8 @@ from nnunet_triton.server.deploy import container_proxy, docker, k8s
 from nnunet_triton.server.deploy import engine as container_engine
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, triton_release
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
+from nnunet_triton.util.defaults import field_default
+from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = ["CPU_IMAGE_OUT", "DEFAULT_OUT", "DEPLOYED_FILE", "KUBE_PLAY_OUT", "DeployPlan", "EndpointPlan",
            "Say", "Target", "check_exposure", "deploy", "endpoint_plans", "local_torch_fits", "undeploy"]
@@ -54,7 +56,6 @@ DEFAULT_OUT = {"embedded": "build/model_repository", "docker": "build/model_repo
                "k8s": "build/k8s"}
 CPU_IMAGE_OUT = "build/model_repository_cpu_image"  # docker --variant cpu: exported with the image's torch
 KUBE_PLAY_OUT = "build/k8s_cpu"  # k8s --kube-play
-READY_TIMEOUT_S = 600.0  # --ready-timeout: the embedded server's start, model loading included
 
 
 class Target(enum.StrEnum):
@@ -153,7 +154,7 @@ class DeployPlan:
     metrics: bool = False  # embedded: the metrics endpoint (also opened by metrics_port; closed by default)
     # embedded: start without server.preload's library (embedded.ALLOW_DEGRADED_FLAG)
     allow_token_in_proc_and_readable_shm: bool = False
-    ready_timeout: float = READY_TIMEOUT_S
+    ready_timeout: float = readiness.READY_TIMEOUT_S
     backend_directory: tuple[Path, ...] | None = None
     tls: proxy.TlsSettings | None = None
     proxy_port: int | None = None
@@ -161,12 +162,12 @@ class DeployPlan:
     # docker and k8s
     variant: str = "auto"
     engine: str = "auto"
-    container_name: str = "nnunet-triton"
+    container_name: str = field_default(k8s.K8sSpec, "name")
     base_image: str | None = None
     triton_release: str = docker.GPU_TRITON_RELEASE
     image_torch_version: str | None = None
     gpus: tuple[int, ...] = (0,)
-    max_volume: tuple[int, int, int] = (600, 512, 512)
+    max_volume: tuple[int, int, int] = field_default(VolumeSpec, "shape")
     max_spacing: tuple[float, float, float] | None = None
     probabilities: bool = False
     execute: bool = False
@@ -178,13 +179,13 @@ class DeployPlan:
     namespace: str | None = None
     model_image: str | None = None
     model_pvc: str | None = None
-    min_replicas: int = 1
-    max_replicas: int = 4
-    latency_target_us: int = 4_000_000
+    min_replicas: int = field_default(k8s.K8sSpec, "min_replicas")
+    max_replicas: int = field_default(k8s.K8sSpec, "max_replicas")
+    latency_target_us: int = field_default(k8s.K8sSpec, "latency_target_us")
     service_monitor: bool = False
     tls_secret: str | None = None
-    cpu: int = 2
-    autoscaler: str = "hpa"
+    cpu: int = 2  # --kube-play: the pod's CPUs here (a cluster's pods get K8sSpec.cpu)
+    autoscaler: str = field_default(k8s.K8sSpec, "autoscaler")
     kserve: bool = False
     prometheus_url: str | None = None
 
@@ -329,7 +330,7 @@ def _deploy_embedded(plan: DeployPlan, say: Say) -> None:
         ready_timeout_s=plan.ready_timeout, detach=True,
         backend_dirs=tuple(plan.backend_directory) if plan.backend_directory is not None else None,
         tls=plan.tls, proxy_port=plan.proxy_port, allow_statistics=plan.proxy_allow_statistics))
-    (Path(handle.state_file).parent / DEPLOYED_FILE).write_text(f"{handle.pid} {info.input_hash}\n")
+    write_text_atomic(Path(handle.state_file).parent / DEPLOYED_FILE, f"{handle.pid} {info.input_hash}\n")
     say(f"tritonserver ready (pid {handle.pid}, {len(info.models)} models of the endpoint(s) "
         f"{', '.join(info.endpoints)}; log {handle.log_file})")
     _usage(plan, info, handle.http_url, handle.grpc_url, _metrics_address(handle), "nnunet-triton undeploy",
@@ -578,7 +579,7 @@ def _kube_play(plan: DeployPlan, say: Say) -> None:
                         startup_timeout_s=spec.startup_timeout_s)
     manifests_dir.mkdir(parents=True, exist_ok=True)
     for name, text in k8s.manifest_files(kspec).items():
-        (manifests_dir / name).write_text(text)
+        write_text_atomic(manifests_dir / name, text)
     deployment = manifests_dir / "deployment.yaml"
     say(f"wrote the manifests to {manifests_dir}; podman kube play runs the Deployment (it ignores the "
         "Service, HPA and readiness/startup probes; the liveness probe is its healthcheck):")
@@ -629,7 +630,7 @@ def _deploy_k8s(plan: DeployPlan, say: Say) -> None:
     plan.out.mkdir(parents=True, exist_ok=True)
     files = k8s.manifest_files(spec)
     for name, text in files.items():
-        (plan.out / name).write_text(text)
+        write_text_atomic(plan.out / name, text)
     kind = "InferenceService" if spec.kserve else "Deployment"
     say(f"wrote {', '.join(files)} to {plan.out}: one {kind} {spec.name} serving the endpoint(s) "
         f"{', '.join(info.endpoints)} ({len(info.models)} models; per pod /dev/shm {dspec.plan.shm_mib} "
