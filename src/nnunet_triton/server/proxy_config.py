@@ -21,6 +21,7 @@ from pathlib import Path
 from nnunet_triton.errors import NnunetTritonError
 
 __all__ = [
+    "BALANCER_FAIL_TIMEOUT_S",
     "Balancer",
     "ClientLimits",
     "DEFAULT_CONCURRENT_REQUESTS",
@@ -150,6 +151,9 @@ class ClientLimits:
                                  f"(got {value!r}).")
 
 
+BALANCER_FAIL_TIMEOUT_S = 10  # a replica that failed gets no request for this long, then one tries it again
+
+
 @dataclass(frozen=True)
 class Balancer:
     """The replicas one proxy balances: their loopback Triton HTTP ports, and the passive health check.
@@ -164,7 +168,7 @@ class Balancer:
 
     ports: tuple[int, ...]
     max_fails: int = 1
-    fail_timeout_s: int = 10
+    fail_timeout_s: int = BALANCER_FAIL_TIMEOUT_S
     connect_timeout_s: int = 5
 
     def __post_init__(self) -> None:
