@@ -11,8 +11,8 @@ proxy) and spreads the requests round-robin over the replicas' loopback ports.
 Health checks are passive (nginx open source has no active ones): a replica that refuses or drops a
 connection, or answers 502/503, is skipped for ``fail_timeout`` seconds and the request goes on to the next
 replica (``proxy_next_upstream ... non_idempotent``; an inference POST is idempotent). Each replica keeps its
-own health command and restart policy (``docker.docker_run_command``), so a killed server comes back and is
-used again after ``fail_timeout``.
+own health command and restart policy (``docker.docker_run_command``), so a crashed or OOM-killed server comes
+back and is used again after ``fail_timeout`` (one stopped through the engine stays down until started).
 
 State: :func:`write_state` records the replicas (names and ports) and the balancer in
 ``<run>/<name>-replicas/replicas.json`` next to the balancer's nginx.conf and logs (access log: which
