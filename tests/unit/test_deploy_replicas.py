@@ -17,7 +17,7 @@ from deploy_support import REPO_ROOT, docker_spec
 from nnunet_triton.cli import deploy as tool
 from nnunet_triton.cli.exit_codes import ExitCode
 from nnunet_triton.errors import DeployError
-from nnunet_triton.server.deploy import container_proxy, replicas, service
+from nnunet_triton.server.deploy import replicas, service
 from nnunet_triton.server.proxy_config import (
     Balancer,
     ExposureError,
@@ -73,13 +73,19 @@ def test_a_proxy_without_a_balancer_renders_as_before() -> None:
 
 def test_balancer_with_tls_keeps_client_authentication_and_mounts_the_files_read_only(tmp_path: Path) -> None:
     certs = make_certificates(tmp_path / "certs")
-    tls = TlsSettings(cert=certs.server_cert, key=certs.server_key, client_ca=certs.ca)
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-the-balancer\n")
+    tls = TlsSettings(cert=certs.server_cert, key=certs.server_key, client_ca=certs.ca, token_file=token)
     group = _group(listen_host="0.0.0.0", listen_port=8443, tls=tls)
     lines = {line.strip() for line in render_config(replicas.balancer_config(group, ("liver",))).splitlines()}
     assert "listen 0.0.0.0:8443 ssl;" in lines and "ssl_verify_client on;" in lines
-    assert f"ssl_client_certificate {container_proxy.TLS_DIR / 'ca.crt'};" in lines
+    assert f"ssl_client_certificate {certs.ca.absolute()};" in lines
+    assert 'if ($http_authorization != "Bearer s3cret-token-of-the-balancer") { return 401; }' in lines
     run = replicas.balancer_run_command(group, image="img:1", run_dir=tmp_path, engine="podman")
-    assert f"{certs.ca.absolute()}:{container_proxy.TLS_DIR / 'ca.crt'}:ro" in run
+    mounts = {run[i + 1] for i, part in enumerate(run) if part == "--volume"}
+    assert mounts == {f"{tmp_path}:{replicas.BALANCER_RUN_DIR}",
+                      *(f"{path.absolute()}:{path.absolute()}:ro"
+                        for path in (certs.server_cert, certs.server_key, certs.ca, token))}
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])

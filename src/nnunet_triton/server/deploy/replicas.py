@@ -4,7 +4,8 @@ N containers of the serving image, each publishing Triton's HTTP, gRPC and metri
 (host ports of their own), and one more container of the same image running nginx on the host's network
 (``--network host``) from the project's one proxy configuration (``server.proxy_config.render_config`` with
 a :class:`~nnunet_triton.server.proxy_config.Balancer`): the balancer listens on ``--host``:``--http-port``
-(with ``--tls-*``, HTTPS on ``--proxy-port`` with client authentication; without TLS on loopback only), lets
+(with ``--tls-*``, HTTPS on ``--proxy-port`` with client authentication, the files mounted read-only at
+their host paths; without TLS on loopback only), lets
 through the public endpoints only (the same allow-list, body and path guards and client limits as the TLS
 proxy) and spreads the requests round-robin over the replicas' loopback ports.
 
@@ -29,7 +30,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from nnunet_triton.server.deploy import container_proxy, docker
+from nnunet_triton.server.deploy import docker
 from nnunet_triton.server.proxy_config import Balancer, ProxyConfig, TlsSettings, public_model_pattern
 
 __all__ = ["BALANCER_RUN_DIR", "STATE_FILE", "ReplicaSet", "balancer_config", "balancer_run_command",
@@ -92,11 +93,17 @@ def replica_specs(spec: docker.DeploySpec, replicas: ReplicaSet) -> tuple[docker
                                                                   strict=True)))
 
 
+def _absolute_tls(tls: TlsSettings) -> TlsSettings:
+    return TlsSettings(**{field: Path(path).absolute() if path is not None else None
+                          for field, path in vars(tls).items()})
+
+
 def balancer_config(replicas: ReplicaSet, endpoints: tuple[str, ...], *, models: tuple[str, ...] = (),
                     allow_statistics: bool = False) -> ProxyConfig:
-    """The balancer's proxy as the container sees it: TLS files under ``container_proxy.TLS_DIR``, run
-    folder :data:`BALANCER_RUN_DIR`, one upstream server per replica's loopback HTTP port."""
-    tls = container_proxy.container_tls(replicas.tls) if replicas.tls is not None else None
+    """The balancer's proxy as the container sees it: run folder :data:`BALANCER_RUN_DIR`, one upstream
+    server per replica's loopback HTTP port, TLS files at their absolute host paths (mounted there read-only;
+    the bearer token is read here, into the 0600 config, as for the embedded proxy)."""
+    tls = _absolute_tls(replicas.tls) if replicas.tls is not None else None
     return ProxyConfig(listen_host=replicas.listen_host, listen_port=replicas.listen_port,
                        upstream_port=replicas.ports[0][0], tls=tls,
                        model_pattern=public_model_pattern(endpoints, models), run_dir=BALANCER_RUN_DIR,
@@ -110,7 +117,9 @@ def balancer_run_command(replicas: ReplicaSet, *, image: str, run_dir: Path, eng
     the host folder ``run_dir`` (nginx.conf, pid, logs) at :data:`BALANCER_RUN_DIR`, TLS files read-only.
     ``check_only``: ``nginx -t`` in a throwaway container instead."""
     config = str(BALANCER_RUN_DIR / "nginx.conf")
-    tls = container_proxy.volumes(replicas.tls) if replicas.tls is not None else ()
+    files = [path for path in vars(_absolute_tls(replicas.tls)).values() if path is not None] if (
+        replicas.tls is not None) else []
+    tls = tuple(part for path in files for part in ("--volume", f"{path}:{path}:ro"))
     how = ("--rm",) if check_only else ("--detach", "--name", replicas.balancer, "--restart",
                                          docker.RESTART_POLICY)
     return (engine, "run", *how, "--network", "host",
