@@ -188,3 +188,16 @@ def test_deploy_tool_dry_run_prints_one_run_per_replica_and_the_balancer(tmp_pat
     assert "--network host" in runs[2]
     assert "gRPC and metrics are not balanced" in printed
     assert not (tmp_path / "home").exists()  # nothing ran, nothing recorded
+
+
+def test_undeploy_dry_run_says_the_recorded_replicas_and_keeps_the_record(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NNUNET_TRITON_HOME", str(tmp_path))
+    folder = replicas.state_dir(tmp_path / "run", "seg")
+    folder.mkdir(parents=True)
+    replicas.write_state(folder, _group(), "docker")
+    assert tool.main(["undeploy", "--target", "docker", "--engine", "docker", "--container-name", "seg",
+                      "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"  docker {verb} {name}" for name in ("seg-balancer", "seg-0", "seg-1")
+        for verb in ("stop --time 40", "rm")]
+    assert replicas.read_state(folder) is not None  # nothing ran: still recorded

@@ -587,8 +587,9 @@ def _wait_balancer(group: replicas.ReplicaSet, spec: docker.DeploySpec) -> float
             time.sleep(0.5)
 
 
-def _remove_replicas(plan: DeployPlan, engine: str, say: Say | None) -> bool:
-    """Stop and remove the recorded replicas and balancer (and the state file); False when none recorded."""
+def _remove_replicas(plan: DeployPlan, engine: str, say: Say | None, execute: bool = True) -> bool:
+    """Stop and remove the recorded replicas and balancer, then forget them (``execute`` False: only say the
+    commands); False when none are recorded."""
     folder = _replica_state_dir(plan)
     state = replicas.read_state(folder)
     if state is None:
@@ -598,8 +599,10 @@ def _remove_replicas(plan: DeployPlan, engine: str, say: Say | None) -> bool:
     for argv in commands:
         if say is not None:
             say(f"  {docker.shell_line(argv)}")
-        subprocess.run(argv, check=False, capture_output=True, timeout=300)
-    (folder / replicas.STATE_FILE).unlink(missing_ok=True)
+        if execute:  # a container already gone is no failure: the state file still goes
+            subprocess.run(argv, check=False, capture_output=True, timeout=300)
+    if execute:
+        (folder / replicas.STATE_FILE).unlink(missing_ok=True)
     return True
 
 
@@ -798,7 +801,7 @@ def undeploy(plan: DeployPlan, say: Say) -> None:
     elif plan.target == "docker":
         engine = container_engine.find_engine(plan.engine)
         execute = plan.execute or (engine is not None and not plan.dry_run)
-        if execute and _remove_replicas(plan, engine or "docker", say):
+        if _remove_replicas(plan, engine or "docker", say, execute):
             return
         _run(list(docker.docker_stop_commands(plan.container_name, engine=engine or "docker")), execute, say,
              tool=engine or "docker")
