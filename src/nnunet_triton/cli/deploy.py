@@ -124,6 +124,7 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
                      metavar=("Z", "Y", "X"))
     gpu.add_argument("--max-spacing", type=float, nargs=3, default=None, metavar=("Z", "Y", "X"))
     gpu.add_argument("--probabilities", action="store_true", help="size for PROBABILITIES outputs")
+    gpu.add_argument("--replicas", type=int, default=1, help="docker: N containers behind an nginx balancer")
     kube = p.add_argument_group("k8s")
     common.add_model_repository_argument(kube, dest="repository", old="--repository", default=None,
                                          help="built GPU repository (default build/model_repository_gpu)")
@@ -170,10 +171,9 @@ def _plan(args: argparse.Namespace, *, undeploy: bool) -> service.DeployPlan:
         ready_timeout=args.ready_timeout, backend_directory=backends, tls=tls_settings(args),
         proxy_port=args.proxy_port, proxy_allow_statistics=args.proxy_allow_statistics,
         variant=args.variant, base_image=args.base_image, triton_release=args.triton_release,
-        image_torch_version=args.image_torch_version, gpus=tuple(args.gpus),
-        max_volume=tuple(args.max_volume),
+        image_torch_version=args.image_torch_version, max_volume=tuple(args.max_volume),
         max_spacing=tuple(args.max_spacing) if args.max_spacing else None, probabilities=args.probabilities,
-        **{name: getattr(args, name) for name in k8s_flags})
+        replicas=args.replicas, gpus=tuple(args.gpus), **{name: getattr(args, name) for name in k8s_flags})
 
 
 def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:

@@ -1,6 +1,12 @@
 """The nginx configuration of the TLS proxy (``server.proxy`` runs it) and the refusal to expose a server
 without TLS: what is let through to Triton, how bodies are forwarded, who must authenticate.
 
+The same configuration balances replicas (``deploy --target docker --replicas N``,
+``server.deploy.replicas``): with a :class:`Balancer` the requests go to an ``upstream`` of N loopback
+Triton HTTP ports instead of one, with passive health checks (``max_fails``/``fail_timeout``) and retries on
+the next replica (``proxy_next_upstream ... non_idempotent``: an inference POST is idempotent, it holds no
+server-side state). Without TLS (``tls=None``) it listens on loopback only.
+
 Pure text and checks: nothing is started here, so the rules are unit-tested without nginx.
 """
 
@@ -15,6 +21,8 @@ from pathlib import Path
 from nnunet_triton.errors import NnunetTritonError
 
 __all__ = [
+    "BALANCER_FAIL_TIMEOUT_S",
+    "Balancer",
     "ClientLimits",
     "DEFAULT_CONCURRENT_REQUESTS",
     "DEFAULT_MAX_BODY_BYTES",
@@ -143,19 +151,78 @@ class ClientLimits:
                                  f"(got {value!r}).")
 
 
+BALANCER_FAIL_TIMEOUT_S = 10  # a replica that failed gets no request for this long, then one tries it again
+
+
+@dataclass(frozen=True)
+class Balancer:
+    """The replicas one proxy balances: their loopback Triton HTTP ports, and the passive health check.
+
+    nginx open source has no active health check (``health_check`` is NGINX Plus): a replica is marked
+    down by the requests themselves. After ``max_fails`` failed attempts (connection refused or reset, no
+    answer within ``connect_timeout_s``, a 502 or 503) within ``fail_timeout_s`` it gets no request for
+    ``fail_timeout_s``; then one request tries it again. A request that failed on one replica goes on to the
+    next (each replica at most once): the client sees no failure while one replica lives, unless the
+    replica died after its answer's header was sent.
+    """
+
+    ports: tuple[int, ...]
+    max_fails: int = 1
+    fail_timeout_s: int = BALANCER_FAIL_TIMEOUT_S
+    connect_timeout_s: int = 5
+
+    def __post_init__(self) -> None:
+        if not self.ports or len(set(self.ports)) != len(self.ports) or not all(
+                isinstance(p, int) and 0 < p < 65536 for p in self.ports):
+            raise ProxyError(f"the balancer needs one or more distinct replica ports (1-65535), got "
+                             f"{list(self.ports)}.")
+        for name in ("max_fails", "fail_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) < 1:
+                raise ProxyError(f"the balancer's {name} must be at least 1, got {getattr(self, name)}.")
+
+    def upstream_lines(self) -> list[str]:
+        """The ``upstream`` block (http context): one loopback server per replica."""
+        check = f"max_fails={self.max_fails} fail_timeout={self.fail_timeout_s}s"
+        servers = [f"    server 127.0.0.1:{port} {check};" for port in self.ports]
+        return [f"upstream {BALANCER_UPSTREAM} {{", *servers, "}"]
+
+    def retry_lines(self) -> list[str]:
+        """The retries (http context): a request that failed on one replica goes on to the next; inference
+        is idempotent (no sequence batching, no state kept between requests), so POSTs are retried too."""
+        return [
+            "proxy_next_upstream error timeout http_502 http_503 non_idempotent;",
+            f"proxy_next_upstream_tries {len(self.ports)};",
+            f"proxy_connect_timeout {self.connect_timeout_s}s;",
+            # one line per request: which replica(s) it went to and what each answered
+            "log_format nnunet_balancer '$msec $status $upstream_addr $upstream_status $request_time "
+            "\"$request\"';",
+        ]
+
+
+BALANCER_UPSTREAM = "nnunet_replicas"
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
-    """One proxy: where it listens, the loopback Triton HTTP port it forwards to and what it lets through."""
+    """One proxy: where it listens, the loopback Triton HTTP port it forwards to and what it lets through.
+
+    ``balancer``: forward to its replicas instead of ``upstream_port``. ``tls`` None: plain HTTP, on a
+    loopback ``listen_host`` only (ExposureError otherwise)."""
 
     listen_host: str
     listen_port: int
     upstream_port: int
-    tls: TlsSettings
+    tls: TlsSettings | None
     model_pattern: str
     run_dir: Path
     allow_statistics: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: ClientLimits = ClientLimits()
+    balancer: Balancer | None = None
+
+    def __post_init__(self) -> None:
+        if self.tls is None:
+            check_exposure(self.listen_host, None, what="the proxy")
 
     @property
     def config_file(self) -> Path:
@@ -243,7 +310,9 @@ def render_config(config: ProxyConfig, *, worker_user: str | None = None,
     (default: the run folder), workers as ``worker_user`` (nginx's ``user``, when started as root)."""
     run = config.run_dir.absolute()
     temp = (temp_dir or run).absolute()
-    upstream = f"http://127.0.0.1:{config.upstream_port}"
+    balancer = config.balancer
+    upstream = (f"http://{BALANCER_UPSTREAM}" if balancer is not None
+                else f"http://127.0.0.1:{config.upstream_port}")
     versioned = f"{config.model_pattern}(/versions/[1-9][0-9]*)?"
     model = f"/v2/models/{versioned}"
     forward = [f"proxy_pass {upstream}$uri;"]
@@ -265,20 +334,25 @@ def render_config(config: ProxyConfig, *, worker_user: str | None = None,
                  *(f"    {line}" for line in forward), "}"]
     body += ["location / { return 403; }"]
     limits_http, limits_server = _limits(config.limits)
-    server = [
-        f"listen {_listen(config.listen_host, config.listen_port)} ssl;",
+    listen = _listen(config.listen_host, config.listen_port)
+    tls = [] if config.tls is None else [
         f"ssl_certificate {Path(config.tls.cert).absolute()};",
         f"ssl_certificate_key {Path(config.tls.key).absolute()};",
         "ssl_protocols TLSv1.2 TLSv1.3;",
         "ssl_prefer_server_ciphers on;",
         *_auth_lines(config.tls),
+    ]
+    server = [
+        f"listen {listen}{'' if config.tls is None else ' ssl'};",
+        *tls,
         *_guards(),
         *limits_server,
         *body,
     ]
     http = [
         "server_tokens off;",
-        f"access_log {run}/nginx-access.log;",
+        *(balancer.retry_lines() if balancer is not None else []),
+        f"access_log {run}/nginx-access.log{' nnunet_balancer' if balancer is not None else ''};",
         f"client_body_temp_path {temp}/nginx-body;",
         f"proxy_temp_path {temp}/nginx-proxy;",
         f"fastcgi_temp_path {temp}/nginx-fastcgi;",
@@ -300,6 +374,7 @@ def render_config(config: ProxyConfig, *, worker_user: str | None = None,
         "proxy_buffering off;",
         "proxy_read_timeout 3600s;",
         "proxy_send_timeout 3600s;",
+        *(balancer.upstream_lines() if balancer is not None else []),
         "server {", *(f"    {line}" for line in server), "}",
     ]
     main = [

@@ -8,7 +8,8 @@ command line prints them). The steps per target:
   tritonserver detached with every model loaded explicitly, wait until ready (``server.readiness``).
 * docker: build the repository (here, in an export container, or in the cpu image's export stage), build the
   image, run the container sized for the largest volume, wait until ready; without a usable engine (or
-  ``dry_run``) the commands are only said.
+  ``dry_run``) the commands are only said. ``replicas`` > 1: that many containers on loopback ports behind
+  an nginx balancer container (``server.deploy.replicas``), each waited for, then the balancer.
 * k8s: render the manifests (``execute``: ``kubectl apply``); ``kube_play``: run the cpu Deployment here with
   ``podman kube play`` and wait until ready.
 * undeploy: stop what deploy started.
@@ -22,6 +23,7 @@ import enum
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +41,7 @@ from nnunet_triton.parameters import (
     DEFAULT_TILE_BATCH_SIZE,
 )
 from nnunet_triton.server import cves, proxy, readiness
-from nnunet_triton.server.deploy import container_proxy, docker, k8s
+from nnunet_triton.server.deploy import container_proxy, docker, k8s, replicas
 from nnunet_triton.server.deploy import engine as container_engine
 from nnunet_triton.server.deploy.repository_info import RepositoryInfo, triton_release
 from nnunet_triton.server.deploy.sizing import VolumeSpec, plan_memory
@@ -172,6 +174,7 @@ class DeployPlan:
     probabilities: bool = False
     execute: bool = False
     dry_run: bool = False
+    replicas: int = 1  # docker: that many containers behind an nginx balancer (server.deploy.replicas)
     # k8s
     kube_play: bool = False
     repository: Path | None = None
@@ -203,6 +206,14 @@ class DeployPlan:
         for flag, value, holds, rule in rules:
             if not holds:
                 raise DeployError(f"{flag} must be {rule}, got {value}.")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise DeployError(f"--replicas must be an integer of at least 1 (containers behind the "
+                              f"balancer), got {self.replicas!r}.")
+        if self.replicas > 1 and self.target != Target.DOCKER:
+            hint = ("Kubernetes scales the Deployment itself: --min-replicas/--max-replicas"
+                    if self.target == Target.K8S else "the embedded server is one process")
+            raise DeployError(f"--replicas {self.replicas} (more than 1) runs containers behind an nginx "
+                              f"balancer with --target docker only, got --target {self.target} ({hint}).")
 
     @property
     def model(self) -> Path | None:
@@ -456,12 +467,16 @@ def _build_cpu_repository(plan: DeployPlan, engine: str, say: Say) -> tuple[Depl
 
 
 def _start_container(plan: DeployPlan, spec: docker.DeploySpec, say: Say, step: str = "") -> None:
+    if plan.replicas > 1:
+        _start_replicas(plan, spec, say, step)
+        return
     memory = spec.plan
     pools = (f", CUDA pool {memory.cuda_pool_bytes >> 20} MiB/GPU, pinned {memory.pinned_pool_bytes >> 20} "
              "MiB" if spec.variant == "gpu" else "")
     say(f"{step}start it (shm {memory.shm_mib} MiB{pools} for volumes up to {list(plan.max_volume)}):")
     run = docker.docker_run_command(spec)
-    if plan.execute:  # replace the container of an earlier deploy
+    if plan.execute:  # replace the container (or the replicas) of an earlier deploy
+        _remove_replicas(plan, spec.engine, say=None)
         for argv in docker.docker_stop_commands(spec.container_name, spec.exit_timeout_s, engine=spec.engine):
             subprocess.run(argv, check=False, capture_output=True)
     _run([run], plan.execute, say, tool=spec.engine)
@@ -482,6 +497,114 @@ def _start_container(plan: DeployPlan, spec: docker.DeploySpec, say: Say, step: 
         "it); clients give --ca (the CA of the server's certificate) and --cert/--key (a client certificate "
         "of --tls-ca), or the bearer token of --tls-token-file")
     _usage(plan, spec.info, f"{host}:{spec.proxy_port}", None, None, undeploy, say, tls=True)
+
+
+def _replica_state_dir(plan: DeployPlan) -> Path:
+    from nnunet_triton.server.triton_install import resolve_home
+
+    return replicas.state_dir(resolve_home(None) / "run", plan.container_name)
+
+
+def _start_replicas(plan: DeployPlan, spec: docker.DeploySpec, say: Say, step: str = "") -> None:
+    """``plan.replicas`` containers of ``spec``'s image on loopback ports, each waited for until ready, then
+    the nginx balancer in front of them (its config checked with ``nginx -t`` first); the state file."""
+    ports = replicas.free_loopback_ports(3 * plan.replicas)
+    listen = plan.proxy_port if spec.tls is not None else spec.http_port
+    while listen in ports:  # the kernel's choice never collides with a listening port, but a given one may
+        ports = replicas.free_loopback_ports(3 * plan.replicas)
+    group = replicas.ReplicaSet(name=plan.container_name, listen_host=spec.publish_host,
+                                listen_port=listen or container_proxy.PROXY_PORT, tls=spec.tls,
+                                ports=tuple(tuple(ports[i:i + 3]) for i in range(0, len(ports), 3)))
+    specs = replicas.replica_specs(spec, group)
+    folder = _replica_state_dir(plan)
+    if plan.execute:  # replace an earlier deploy's containers, then record the new ones before they start
+        _remove_replicas(plan, spec.engine, say=None)
+        for argv in docker.docker_stop_commands(plan.container_name, spec.exit_timeout_s, engine=spec.engine):
+            subprocess.run(argv, check=False, capture_output=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        replicas.write_state(folder, group, spec.engine)  # from now on undeploy removes what started
+    memory = spec.plan
+    say(f"{step}start {len(specs)} replicas on loopback ports (shm {memory.shm_mib} MiB each, for volumes "
+        f"up to {list(plan.max_volume)}):")
+    _run([docker.docker_run_command(one) for one in specs], plan.execute, say, tool=spec.engine)
+    if plan.execute:
+        for one in specs:
+            took = _wait_container_ready(f"127.0.0.1:{one.http_port}", one.startup_timeout_s, one)
+            say(f"replica {one.container_name} ready in {took:.1f} s (127.0.0.1:{one.http_port})")
+    config = replicas.balancer_config(group, spec.info.endpoints,
+                                      allow_statistics=plan.proxy_allow_statistics)
+    text = proxy_config_text(config)
+    how = "HTTPS, client authentication" if spec.tls else "HTTP, loopback only"
+    say(f"the balancer {group.balancer}: nginx on {group.url} ({how}) over the replicas' HTTP ports, "
+        "passive health checks and retries on the next replica "
+        f"(config {folder / 'nginx.conf'}):")
+    if plan.execute:
+        from nnunet_triton.util.durable import write_text_atomic
+
+        write_text_atomic(folder / "nginx.conf", text, mode=0o600)
+        check = subprocess.run(replicas.balancer_run_command(group, image=spec.image_tag, run_dir=folder,
+                                                             engine=spec.engine, check_only=True),
+                               capture_output=True, text=True, check=False, timeout=120)
+        if check.returncode != 0:
+            raise DeployError(f"nginx rejected the balancer's config {folder / 'nginx.conf'}: "
+                              f"{check.stderr.strip()[-1000:]}")
+    balancer = replicas.balancer_run_command(group, image=spec.image_tag, run_dir=folder, engine=spec.engine)
+    _run([balancer], plan.execute, say, tool=spec.engine)
+    if plan.execute:
+        took = _wait_balancer(group, spec)
+        say(f"balancer {group.balancer} answering in {took:.1f} s; replicas recorded in "
+            f"{folder / replicas.STATE_FILE}")
+    undeploy = "nnunet-triton undeploy --target docker" + (f" --engine {spec.engine}"
+                                                          if spec.engine != "docker" else "") + (
+        f" --container-name {plan.container_name}" if plan.container_name != "nnunet-triton" else "")
+    _usage(plan, spec.info, group.url, None, None, undeploy, say, tls=spec.tls is not None)
+    say("gRPC and metrics are not balanced: each replica's are on its own loopback ports (" + ", ".join(
+        f"{one.container_name}: gRPC {one.grpc_port}, metrics {one.metrics_port}" for one in specs) + ")")
+
+
+def proxy_config_text(config: Any) -> str:
+    """The balancer's nginx.conf (workers as the image's proxy user, bodies under the container's /tmp)."""
+    from nnunet_triton.server.proxy_config import render_config
+
+    user = container_proxy.PROXY_USER
+    return render_config(config, worker_user=f"{user} {user}", temp_dir=replicas.BALANCER_TEMP_DIR)
+
+
+def _wait_balancer(group: replicas.ReplicaSet, spec: docker.DeploySpec) -> float:
+    """Seconds until the balancer answers ready (over TLS: until its port accepts connections)."""
+    balancer = docker.replace_spec(spec, container_name=group.balancer)
+    if group.tls is None:
+        return _wait_container_ready(group.url, 60.0, balancer)
+    start, (host, port) = time.monotonic(), group.url.rsplit(":", 1)
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return time.monotonic() - start
+        except OSError:
+            status, code = _container_state(balancer)
+            if status in ("exited", "stopped", "missing") or time.monotonic() - start > 60:
+                raise DeployError(f"the balancer {group.balancer} does not listen on {group.url} "
+                                  f"({status}, exit {code})") from None
+            time.sleep(0.5)
+
+
+def _remove_replicas(plan: DeployPlan, engine: str, say: Say | None, execute: bool = True) -> bool:
+    """Stop and remove the recorded replicas and balancer, then forget them (``execute`` False: only say the
+    commands); False when none are recorded."""
+    folder = _replica_state_dir(plan)
+    state = replicas.read_state(folder)
+    if state is None:
+        return False
+    names = [state["balancer"], *(one["name"] for one in state["replicas"])]
+    commands = [argv for name in names for argv in docker.docker_stop_commands(name, engine=engine)]
+    for argv in commands:
+        if say is not None:
+            say(f"  {docker.shell_line(argv)}")
+        if execute:  # a container already gone is no failure: the state file still goes
+            subprocess.run(argv, check=False, capture_output=True, timeout=300)
+    if execute:
+        (folder / replicas.STATE_FILE).unlink(missing_ok=True)
+    return True
 
 
 def _wait_container_healthy(spec: docker.DeploySpec) -> float:
@@ -679,6 +802,8 @@ def undeploy(plan: DeployPlan, say: Say) -> None:
     elif plan.target == "docker":
         engine = container_engine.find_engine(plan.engine)
         execute = plan.execute or (engine is not None and not plan.dry_run)
+        if _remove_replicas(plan, engine or "docker", say, execute):
+            return
         _run(list(docker.docker_stop_commands(plan.container_name, engine=engine or "docker")), execute, say,
              tool=engine or "docker")
     elif plan.kube_play:
