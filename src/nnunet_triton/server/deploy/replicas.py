@@ -30,8 +30,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from nnunet_triton.parameters import DEFAULT_HTTP_PORT
 from nnunet_triton.server.deploy import docker
 from nnunet_triton.server.proxy_config import Balancer, ProxyConfig, TlsSettings, public_model_pattern
+from nnunet_triton.util.durable import write_text_atomic
 
 __all__ = ["BALANCER_RUN_DIR", "STATE_FILE", "ReplicaSet", "balancer_config", "balancer_run_command",
            "free_loopback_ports", "read_state", "replica_specs", "state_dir", "write_state"]
@@ -57,7 +59,7 @@ class ReplicaSet:
     name: str
     ports: tuple[tuple[int, int, int], ...]
     listen_host: str = "127.0.0.1"
-    listen_port: int = 8000
+    listen_port: int = DEFAULT_HTTP_PORT
     tls: TlsSettings | None = None
 
     def __post_init__(self) -> None:
@@ -140,7 +142,7 @@ def write_state(folder: Path, replicas: ReplicaSet, engine: str) -> Path:
              "replicas": [{"name": name, "http_port": http, "grpc_port": grpc, "metrics_port": metrics}
                           for name, (http, grpc, metrics) in zip(replicas.replicas, replicas.ports,
                                                                  strict=True)]}
-    path.write_text(json.dumps(state, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(state, indent=2) + "\n", mode=0o600)
     return path
 
 
