@@ -42,7 +42,7 @@ FOLD_SLOT_RESOURCE = "nnunet_fold_slot"
 # --- files of a built repository --------------------------------------------------------------------
 REPOSITORY_METADATA_FILE = "repository_metadata.json"  # at the repository root (Triton ignores it)
 VERSION_DIR = "1"  # every model's only version
-MODEL_CONFIG_FILE = "config.pbtxt"  # each model folder's Triton config (only builder.config_gen opens it)
+MODEL_CONFIG_FILE = "config.pbtxt"  # each model folder's Triton config (only repository.config opens it)
 INFERENCE_CONFIG_FILE = "inference_config.json"  # InferenceConfig.to_json() next to each Python model.py
 TORCHSCRIPT_FILE = "model.pt"  # a fold's TorchScript network
 
