@@ -5,22 +5,12 @@
         [--configuration C] [--folds 0 1] [--target embedded|docker|k8s] [--out DIR] [--execute]
     nnunet-triton undeploy [--target embedded|docker|k8s] [--out DIR] [--execute]
 
-Several models behind one server: ``--model-dir A B --endpoint liver lung`` (one name per folder) builds each
-folder as its own endpoint (with typed copies and pinned versions) into ONE repository, served by one server
-(one container, one Deployment) sized for all of them; without
-``--endpoint``, or with one name, the folders are one endpoint of that name (default ``nnunet``; two or more
-folders: an ensemble of configurations). Every endpoint already in the repository is served too.
-
-embedded: build the CPU repository (a no-op when the builder's input hash matches), start the embedded
-tritonserver detached with every model loaded explicitly, wait until ready, print endpoints and example calls.
-docker: the image of --variant (auto: gpu where an NVIDIA GPU is visible, else cpu) with the engine found (a
-docker whose daemon answers, else podman; --engine picks one): build the repository with a torch the image
-loads, build the image, start the container sized for the largest volume and wait until it is ready; with no
-usable engine (or --dry-run) the commands are printed. k8s: render the manifests into --out (HPA, --autoscaler
-keda or --kserve; --execute: kubectl apply; --kube-play: run the Deployment here with podman kube play, cpu
-variant). docker and k8s build images from the project's source tree (a checkout, or
-``$NNUNET_TRITON_SOURCE``). The flags become a ``server.deploy.service.DeployPlan``; the service runs it and
-this prints what it says.
+Several folders with one ``--endpoint`` name each become endpoints of ONE repository served by one server;
+without ``--endpoint`` (or one name) they are one endpoint (default ``nnunet``). embedded: build, start the
+embedded tritonserver, wait until ready; docker: build the image and start the container(s) (``--replicas N``
+behind an nginx balancer) or print the commands; k8s: render manifests (``--execute``: kubectl apply;
+``--kube-play``: podman kube play). docs/deploy.md has the details. The flags become a
+``server.deploy.service.DeployPlan``; the service runs it and this prints what it says.
 """
 
 from __future__ import annotations
@@ -124,7 +114,8 @@ def _arguments(p: argparse.ArgumentParser, *, undeploy: bool) -> None:
                      metavar=("Z", "Y", "X"))
     gpu.add_argument("--max-spacing", type=float, nargs=3, default=None, metavar=("Z", "Y", "X"))
     gpu.add_argument("--probabilities", action="store_true", help="size for PROBABILITIES outputs")
-    gpu.add_argument("--replicas", type=int, default=1, help="docker: N containers behind an nginx balancer")
+    gpu.add_argument("--replicas", type=int, default=_default("replicas"),
+                     help="docker: N containers behind an nginx balancer")
     kube = p.add_argument_group("k8s")
     common.add_model_repository_argument(kube, dest="repository", old="--repository", default=None,
                                          help="built GPU repository (default build/model_repository_gpu)")
@@ -177,20 +168,14 @@ def _plan(args: argparse.Namespace, *, undeploy: bool) -> service.DeployPlan:
 
 
 def _run_command(args: argparse.Namespace, *, undeploy: bool) -> int:
-    """Deploy or undeploy as ``args`` say; the exit code (an error's is ``cli.exit_code``'s, logged in one
-    line)."""
+    """Deploy or undeploy as ``args`` say; the exit code (errors mapped by ``cli.exit_code``, logged)."""
     return run_command(lambda parsed: _deploy(parsed, undeploy=undeploy), args, logger=LOGGER)
 
 
 def _deploy(args: argparse.Namespace, *, undeploy: bool) -> int:
     plan = _plan(args, undeploy=undeploy)
-    if not undeploy:
-        service.deploy(plan, print)
-        return ExitCode.OK
-    service.undeploy(plan, print)
-    if plan.target == "embedded":
-        return serve.main(["stop"])
-    return ExitCode.OK
+    (service.undeploy if undeploy else service.deploy)(plan, print)
+    return serve.main(["stop"]) if undeploy and plan.target == "embedded" else ExitCode.OK
 
 
 def _parser(undeploy: bool) -> argparse.ArgumentParser:
