@@ -97,4 +97,5 @@ def test_the_watchdogs_state_update_is_0600_and_replaced_atomically(tmp_path, op
     watchdog._record_restart()
     state = json.loads((tmp_path / "server.json").read_text())
     assert (state["pid"], state["restarts"], _mode(tmp_path / "server.json")) == (4242, 1, 0o600)
-    assert renames == [("server.json", 0o600)]
+    # the restarted server's pid file too: private, not the open umask's 0666 a local user could rewrite
+    assert renames == [("server.pid", 0o600), ("server.json", 0o600)]

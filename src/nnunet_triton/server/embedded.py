@@ -255,7 +255,7 @@ def _spawn(launch: _Launch) -> ServerHandle:
             degraded=list(launch.degraded),
             _process=process,
         )
-        write_text_atomic(launch.pid_file, f"{process.pid}\n")
+        write_text_atomic(launch.pid_file, f"{process.pid}\n", mode=0o600)
         _write_state(launch.state_file, handle)
     except BaseException:
         kill(process.pid, group=True)  # never leave an unrecorded server (or its stubs) behind

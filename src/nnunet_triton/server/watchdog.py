@@ -260,7 +260,7 @@ class Watchdog:
         and the launcher's ``ServerHandle``."""
         assert self.launch is not None
         if self.launch.pid_file:
-            write_text_atomic(self.launch.pid_file, f"{self.server_pid}\n")
+            write_text_atomic(self.launch.pid_file, f"{self.server_pid}\n", mode=0o600)
         if self.launch.state_file and Path(self.launch.state_file).is_file():
             path = Path(self.launch.state_file)
             state = json.loads(path.read_text()) | {"pid": self.server_pid, "restarts": self.restarts}

@@ -341,7 +341,8 @@ def _deploy_embedded(plan: DeployPlan, say: Say) -> None:
         ready_timeout_s=plan.ready_timeout, detach=True,
         backend_dirs=tuple(plan.backend_directory) if plan.backend_directory is not None else None,
         tls=plan.tls, proxy_port=plan.proxy_port, allow_statistics=plan.proxy_allow_statistics))
-    write_text_atomic(Path(handle.state_file).parent / DEPLOYED_FILE, f"{handle.pid} {info.input_hash}\n")
+    write_text_atomic(Path(handle.state_file).parent / DEPLOYED_FILE, f"{handle.pid} {info.input_hash}\n",
+                      mode=0o600)
     say(f"tritonserver ready (pid {handle.pid}, {len(info.models)} models of the endpoint(s) "
         f"{', '.join(info.endpoints)}; log {handle.log_file})")
     _usage(plan, info, handle.http_url, handle.grpc_url, _metrics_address(handle), "nnunet-triton undeploy",
