@@ -392,6 +392,68 @@ print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() if n.startswi
     assert check.returncode == 0, check.stdout
 
 
+# The serving image's Python holds requirements/image-cpu.txt and the package only (installed --no-deps): a
+# child that refuses every other top-level module runs the image's build-time import check as the image would.
+_IMAGE_ONLY_CHILD = """
+import importlib.abc, importlib.metadata as md, re, sys
+from pathlib import Path
+lines = Path("requirements/image-cpu.txt").read_text().splitlines()
+dists = {re.split("[=<>]", l)[0].strip().lower().replace("_", "-") for l in lines if l.strip()[:1] not in "#"}
+allowed = set(sys.stdlib_module_names) | {"nnunet_triton", "triton_python_backend_utils"}
+allowed |= {top for top, ds in md.packages_distributions().items()
+            if any(d.lower().replace("_", "-") in dists for d in ds)}
+class NotInTheImage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        top = name.split(".")[0]
+        if top not in allowed and not top.startswith(("adapter_", "_")):
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the image)", name=name)
+sys.meta_path.insert(0, NotInTheImage())
+from nnunet_triton.server.deploy import image_check
+image_check.BACKEND_UTILS_DIR = Path(sys.argv[1])
+sys.exit(image_check.main(sys.argv[2:]))
+"""
+
+
+def _image_check_with_only_the_images_packages(adapters: list[Path]) -> subprocess.CompletedProcess:
+    import importlib.util
+
+    pytriton = importlib.util.find_spec("pytriton")  # as the Dockerfile finds it (importing it needs more)
+    assert pytriton is not None and pytriton.submodule_search_locations
+    utils = Path(pytriton.submodule_search_locations[0]) / "tritonserver" / "backends" / "python"
+    argv = [sys.executable, "-c", _IMAGE_ONLY_CHILD, str(utils), "--variant", "cpu",
+            "--adapters", *map(str, adapters)]
+    return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          check=False, env={"PYTHONPATH": str(REPO_ROOT / "src"), "PATH": ""})
+
+
+def test_the_images_import_check_passes_when_only_the_images_packages_are_importable() -> None:
+    """The cpu image failed to build when a module the adapters load imported protobuf lazily (it has a
+    fallback without it, which the check did not see): the same check, with only the image's packages."""
+    adapters = [REPO_ROOT / a for a in ("preprocess_model/model.py", "stitch_model/model.py",
+                                        "repository/orchestrator/model.py",
+                                        "network_models/python_runner/model.py",
+                                        "repository/ensemble_combine/model.py")]
+    result = _image_check_with_only_the_images_packages(adapters)
+    assert result.returncode == 0, result.stderr
+    assert "5 adapters and everything they import load (cpu" in result.stdout
+
+
+def test_the_images_import_check_reports_a_lazy_import_the_image_lacks_unless_it_has_a_fallback(
+        tmp_path: Path) -> None:
+    lacking = tmp_path / "lacking" / "model.py"
+    guarded = tmp_path / "guarded" / "model.py"
+    for path in (lacking, guarded):
+        path.parent.mkdir()
+    lacking.write_text("def initialize():\n    import tritonclient.http\n")
+    guarded.write_text("def initialize():\n    try:\n        import tritonclient.http\n"
+                       "    except (ImportError, OSError):\n        return None\n")
+    failed = _image_check_with_only_the_images_packages([lacking])
+    assert failed.returncode == 1
+    assert "image check FAILED: import tritonclient.http: No module named 'tritonclient' (not in the image)" \
+        in failed.stderr
+    assert _image_check_with_only_the_images_packages([guarded]).returncode == 0
+
+
 def _published(argv: tuple[str, ...]) -> list[str]:
     return [argv[i + 1] for i, arg in enumerate(argv) if arg == "--publish"]
 

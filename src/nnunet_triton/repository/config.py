@@ -94,7 +94,7 @@ class ModelConfigInfo:
 
 
 def _proto_tree(message: Any) -> ConfigTree:
-    from google.protobuf.descriptor import FieldDescriptor
+    """The tree of a parsed ``ModelConfig`` (protobuf is imported by :func:`config_tree`, with a fallback)."""
 
     def value_of(descriptor: Any, value: Any) -> Any:
         if descriptor.message_type is not None:
@@ -110,7 +110,7 @@ def _proto_tree(message: Any) -> ConfigTree:
             value_field = entry.fields_by_name["value"]
             tree[descriptor.name] = [{"key": [key], "value": [value_of(value_field, value[key])]}
                                      for key in sorted(value)]
-        elif descriptor.label == FieldDescriptor.LABEL_REPEATED:
+        elif descriptor.label == descriptor.LABEL_REPEATED:
             tree[descriptor.name] = [value_of(descriptor, v) for v in value]
         else:
             tree[descriptor.name] = [value_of(descriptor, value)]

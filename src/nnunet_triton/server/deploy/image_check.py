@@ -47,21 +47,38 @@ BACKEND_UTILS_DIR = Path("/opt/tritonserver/backends/python")  # triton_python_b
 
 def imported_modules(path: Path, *, nested_only: bool = False) -> set[str]:
     """Absolute module names imported by ``path`` (``from a.b import c``: ``a.b``); with ``nested_only``
-    only the imports inside function bodies (the lazy ones)."""
+    only the imports inside function bodies (the lazy ones). An import inside ``try:`` whose ``except``
+    catches ImportError has a fallback (``repository.config`` reads config.pbtxt without protobuf, which
+    the images lack), so it is not wanted."""
     tree = ast.parse(Path(path).read_text(), filename=str(path))
     scopes: Iterable[ast.AST] = (
         [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
         if nested_only else [tree]
     )
+    fallbacks = [node for node in ast.walk(tree) if isinstance(node, ast.Try) and _catches_import_error(node)]
+    guarded = {id(node) for try_node in fallbacks for stmt in try_node.body for node in ast.walk(stmt)}
     names: set[str] = set()
     for scope in scopes:
         for node in ast.walk(scope):
+            if id(node) in guarded:
+                continue
             if isinstance(node, ast.Import):
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module)
     names.discard("__future__")
     return names
+
+
+def _catches_import_error(node: ast.Try) -> bool:
+    """``try: import x`` ``except ImportError:`` (or ModuleNotFoundError, alone or in a tuple): a fallback."""
+
+    def names(handler_type: ast.expr | None) -> set[str]:
+        if isinstance(handler_type, ast.Tuple):
+            return {n for element in handler_type.elts for n in names(element)}
+        return {handler_type.id} if isinstance(handler_type, ast.Name) else set()
+
+    return any(names(handler.type) & {"ImportError", "ModuleNotFoundError"} for handler in node.handlers)
 
 
 def _optional(name: str, variant: str) -> bool:
