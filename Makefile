@@ -170,7 +170,7 @@ export: $(SETUP_STAMP) ## Export each fold of MODEL="<results folder> ..." to To
 	$(PY) -m network_models.export --model-dir $(or $(MODEL),$(FIXTURE_MODEL)) --out "$(EXPORT_OUT)" \
 		$(if $(FOLDS),--folds $(FOLDS))
 
-fixtures: $(SETUP_STAMP) ## Regenerate the committed nnU-Net fixture models from their specs in tools/fixtures/specs.py (trains with nnU-Net; slow; FIXTURE=synthct|aniso|multi|cascade for one)
+fixtures: $(SETUP_STAMP) ## Regenerate the committed nnU-Net fixture models from their specs in tools/fixtures/specs.py (trains with nnU-Net; slow; FIXTURE=synthct|aniso|multi|cascade|manyclass for one)
 	$(PY) -m tools.fixtures --out tests/fixtures --which $(or $(FIXTURE),all)
 
 deploy: $(SETUP_STAMP) ## Build MODEL=<results folder> and serve it (MODEL="A B" NAME="liver lung": one endpoint per folder, one server; TARGET=embedded|docker|k8s; docker: runs with docker or podman, cpu image without a GPU; DEPLOY_ARGS=--dry-run prints, --replicas N runs N containers behind an nginx balancer, --kube-play runs k8s here)

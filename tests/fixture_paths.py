@@ -1,6 +1,6 @@
 """Where the nnU-Net-trained fixture models live (made by the one generator, ``python -m tools.fixtures``).
 
-Import as ``from tests.fixture_paths import SYNTH_CT, SYNTH_ANISO`` (needs the repository root on
+Import as ``from tests.fixture_paths import SYNTH_CT, SYNTH_ANISO, MANY_CLASS`` (needs the repository root on
 ``sys.path``, which ``python -m pytest`` provides). See ``tests/fixtures/README.md`` for provenance.
 
 The fixtures are committed: a missing one is a broken checkout, so :func:`require_fixture` fails the test
@@ -17,6 +17,7 @@ import pytest
 __all__ = [
     "ALL_FIXTURE_MODELS",
     "FIXTURES_DIR",
+    "MANY_CLASS",
     "MODEL_FOLDER_NAME",
     "SYNTH_ANISO",
     "SYNTH_CT",
@@ -78,6 +79,8 @@ class FixtureModel:
 SYNTH_CT = FixtureModel("Dataset901_SynthCT")
 SYNTH_ANISO = FixtureModel("Dataset902_SynthAniso")
 ALL_FIXTURE_MODELS = (SYNTH_CT, SYNTH_ANISO)
+# 104 foreground labels at ~1.5 mm, folds 0 and 1 (not in ALL_FIXTURE_MODELS: its own tests)
+MANY_CLASS = FixtureModel("Dataset905_SynthManyClass")
 
 
 def generator_command(path: Path) -> str:
