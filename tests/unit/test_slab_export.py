@@ -12,9 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nnunet_triton.errors import InputValidationError
+from nnunet_triton.errors import InputValidationError, UnsupportedModelError
 from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
-from nnunet_triton.numerics.slab_export import SlabExporter
+from nnunet_triton.numerics.preprocess import CaseProperties
+from nnunet_triton.numerics.resampling import compute_new_shape
+from nnunet_triton.numerics.slab_export import SlabExporter, export_logits, rows_per_step
 
 try:
     from . import parity_support as ps
@@ -121,3 +123,76 @@ def test_tiles_to_labels_streamed_end_to_end_equal_the_whole_volume_path_bit_for
     seg, probs = exporter.finalize()
     assert seg.tobytes() == expected[0].tobytes() and probs.tobytes() == expected[1].tobytes()
     assert all(m.band_rows == 8 for m in mergers) and exporter.peak_input_rows < spatial[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("regions", [False, True], ids=["labels", "regions"])
+@pytest.mark.parametrize(("step_bytes", "workers"), [(1, 1), (1, 2), (10**9, 2)],
+                         ids=["row_by_row", "row_by_row_two_threads", "one_step"])
+def test_the_whole_logits_exported_by_row_steps_are_the_whole_volume_exports_bits(case, regions, step_bytes,
+                                                                                  workers):
+    dataset_json = ps.make_dataset_json(regions=regions)
+    _, config, props, logits = _setup(case, dataset_json, np.random.default_rng(len(case.name) + 3 * regions))
+    whole_seg, whole_probs = convert_logits_to_segmentation(logits, props, config, return_probabilities=True)
+    seg, probs = export_logits(logits, props, config, return_probabilities=True, workers=workers,
+                               step_bytes=step_bytes)
+    assert seg.tobytes() == whole_seg.tobytes() and probs.tobytes() == whole_probs.tobytes()
+    labels_only = export_logits(logits, props, config, workers=workers, step_bytes=step_bytes)
+    assert labels_only.tobytes() == whole_seg.tobytes()
+
+
+def test_a_spline_order_export_falls_back_to_the_whole_volume_and_bad_logits_are_refused():
+    import dataclasses
+
+    dataset_json = ps.make_dataset_json()
+    _, config, props, logits = _setup(CASES[2], dataset_json, np.random.default_rng(1))
+    spline = dataclasses.replace(config, resampling_probabilities=dataclasses.replace(
+        config.resampling_probabilities, order=3))
+    with pytest.raises(UnsupportedModelError):
+        SlabExporter(props, spline, tuple(logits.shape[1:]), logits.shape[0])
+    expected = convert_logits_to_segmentation(logits, props, spline)
+    assert export_logits(logits, props, spline, step_bytes=1).tobytes() == expected.tobytes()
+    with pytest.raises(InputValidationError, match="logits must have shape"):
+        export_logits(logits[:1], props, config)
+
+
+def test_a_step_holds_about_its_bytes_and_at_least_one_row():
+    assert rows_per_step(3, 512 * 512, 32 * 2**20) == 2  # 50 bytes per voxel of a row
+    assert rows_per_step(105, 512 * 512, 32 * 2**20) == 1  # a row is over the step: one row at a time
+    assert rows_per_step(3, 64 * 64, 10 * 2**20) == 10 * 2**20 // (64 * 64 * 50)
+    with pytest.raises(InputValidationError, match="step_bytes must be >= 1, got 0"):
+        rows_per_step(3, 10, 0)
+
+
+def test_the_export_by_rows_never_holds_the_resampled_logits_of_the_volume():
+    """Traced allocations (NumPy reports its buffers to tracemalloc): the whole-volume export holds the
+    resampled ``K x volume`` logits (float16) and a float64 channel at once; the export by rows holds a
+    step, so its peak above the label map and the input is a small fraction of that."""
+    import tracemalloc
+
+    dataset_json = ps.make_dataset_json(n_labels=12)
+    case = next(c for c in CASES if c.name == "resampled_transposed_cropped")
+    _, config, props, _ = _setup(case, dataset_json, np.random.default_rng(2))
+    cropped = (36, 40, 44)  # transposed order; the case's spacing, so the logits are resampled
+    whole_box = tuple((0, s) for s in cropped)
+    big = CaseProperties(spacing=props.spacing, shape_before_cropping=cropped, bbox=whole_box,
+                         shape_after_cropping_and_before_resampling=cropped)
+    spacing_t = [props.spacing[i] for i in config.transpose_forward]
+    shape = compute_new_shape(cropped, spacing_t, config.spacing)
+    heads = config.labels.num_segmentation_heads
+    logits = (np.random.default_rng(3).standard_normal((heads, *shape)) * 3).astype(np.float16)
+    out_voxels = int(np.prod(cropped))
+
+    def peak(function):
+        tracemalloc.start()
+        try:
+            result = function()
+            return tracemalloc.get_traced_memory()[1], result
+        finally:
+            tracemalloc.stop()
+
+    whole_peak, whole = peak(lambda: convert_logits_to_segmentation(logits, big, config))
+    rows_peak, rows = peak(lambda: export_logits(logits, big, config, workers=2, step_bytes=2**17))
+    assert rows.tobytes() == whole.tobytes()
+    assert whole_peak > heads * out_voxels * 2  # the resampled logits of the volume, float16
+    assert rows_peak < whole_peak / 4, (rows_peak, whole_peak)

@@ -142,6 +142,44 @@ def test_the_stitch_steps_run_is_nnunets_export_of_the_logits(tmp_path: Path, co
     assert io_names.PROBABILITIES not in without
 
 
+def test_the_stitch_step_exports_by_rows_with_its_export_threads_and_the_same_bits(
+        tmp_path: Path, config, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nnunet_triton.errors import ThreadBudgetError
+    from nnunet_triton.numerics import slab_export
+    from nnunet_triton.pipeline import threads
+    from nnunet_triton.pipeline.threads import EXPORT_THREADS_ENV, CpuQuota
+    from nnunet_triton.serving.steps import stitch
+
+    monkeypatch.setenv(EXPORT_THREADS_ENV, "2")
+    monkeypatch.setattr(threads, "available_cpus", lambda: CpuQuota(2, 2, None, "two CPUs (test)"))
+    model_config = {"output": [{"name": io_names.SEGMENTATION, "data_type": "TYPE_UINT8",
+                                "dims": [-1, -1, -1]}]}
+    step = StitchStep(_args(tmp_path, io_names.STITCH_MODEL, config, model_config))
+    assert step.export_threads == 2
+    calls: list[dict] = []
+    real = slab_export.export_logits
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **{**kwargs, "step_bytes": 1})  # one output row per step: many ranges
+    monkeypatch.setattr(stitch, "export_logits", recording)
+    image, spacing = _case(config)
+    data, props = preprocess_case(image, spacing, config)
+    logits = np.random.default_rng(5).normal(
+        size=(config.labels.num_segmentation_heads, *data.shape[1:])).astype(np.float16)
+    arrays = {io_names.LOGITS: logits, io_names.CASE_PROPERTIES: CaseProperties.from_array(props.to_array())}
+    options = RequestOptions.from_parameters({"probabilities": True}, config)
+    result = step.run(arrays, options, RequestRecord())
+    segmentation, probabilities = convert_logits_to_segmentation(logits, props, config,
+                                                                 return_probabilities=True)
+    assert [c["workers"] for c in calls] == [2]
+    assert result[io_names.SEGMENTATION].tobytes() == segmentation.astype(np.uint8).tobytes()
+    assert result[io_names.PROBABILITIES].tobytes() == probabilities.tobytes()
+    monkeypatch.setenv(EXPORT_THREADS_ENV, "0")
+    with pytest.raises(ThreadBudgetError, match=f"{EXPORT_THREADS_ENV}.*positive integer"):
+        StitchStep(_args(tmp_path / "again", io_names.STITCH_MODEL, config, model_config))
+
+
 @pytest.mark.parametrize("step", sorted(SOURCE_ADAPTERS))
 def test_the_source_trees_model_py_is_what_the_builder_writes_and_imports_its_step(step: str) -> None:
     assert (REPO_ROOT / SOURCE_ADAPTERS[step]).read_text() == adapter_source(step)

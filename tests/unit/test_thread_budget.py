@@ -233,3 +233,12 @@ def test_libtorch_cpu_folds_are_in_the_budget_with_slots_threads_and_the_check(t
     assert "rate_limiter" not in gpu
     assert 'rate_limiter {\n    resources {\n      name: "nnunet_fold_slot"\n      count: 1' in render_config(
         libtorch_fold_spec(_config(), 0, options))
+
+
+def test_the_export_takes_every_cpu_unless_told_and_never_more_than_there_are() -> None:
+    assert threads.export_threads({}, _quota(2)) == 2
+    assert threads.export_threads({threads.EXPORT_THREADS_ENV: "1"}, _quota(2)) == 1
+    with pytest.raises(ThreadBudgetError, match="EXPORT_THREADS=3 asks for more threads than the 2"):
+        threads.export_threads({threads.EXPORT_THREADS_ENV: "3"}, _quota(2))
+    with pytest.raises(ThreadBudgetError, match="NNUNET_TRITON_EXPORT_THREADS.*positive integer.*'two'"):
+        threads.export_threads({threads.EXPORT_THREADS_ENV: "two"}, _quota(2))

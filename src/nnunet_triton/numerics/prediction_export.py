@@ -37,6 +37,7 @@ __all__ = [
     "segmentation_dtype",
     "apply_inference_nonlin",
     "segmentation_from_logits",
+    "check_logits_fit",
     "convert_logits_to_segmentation",
 ]
 
@@ -98,7 +99,9 @@ def _current_spacing(props: CaseProperties, config: InferenceConfig) -> tuple[li
     return [spacing_transposed[0], *(float(s) for s in config.spacing)], spacing_transposed
 
 
-def _validate(logits: Any, props: CaseProperties, config: InferenceConfig) -> None:
+def check_logits_fit(logits: Any, props: CaseProperties, config: InferenceConfig) -> None:
+    """Refuse logits whose channels or rank do not fit the configuration, or case properties whose crop
+    box does not match their cropped shape."""
     heads = config.labels.num_segmentation_heads
     ndim = len(props.shape_after_cropping_and_before_resampling)
     if logits.ndim != ndim + 1 or logits.shape[0] != heads:
@@ -124,7 +127,7 @@ def convert_logits_to_segmentation(
 
     ``logits``: float16 ``(K, *preprocessed shape)`` (fold-averaged) on NumPy or CuPy.
     """
-    _validate(logits, props, config)
+    check_logits_fit(logits, props, config)
     xp = get_array_module(logits)
     current_spacing, original_spacing = _current_spacing(props, config)
     logits = resample_with_settings(

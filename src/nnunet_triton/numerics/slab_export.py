@@ -21,6 +21,8 @@ from nnunet_triton.numerics.cropping import insert_crop
 from nnunet_triton.numerics.prediction_export import (
     _current_spacing,
     apply_inference_nonlin,
+    check_logits_fit,
+    convert_logits_to_segmentation,
     segmentation_dtype,
     segmentation_from_logits,
 )
@@ -31,7 +33,10 @@ if TYPE_CHECKING:
     from nnunet_triton.numerics.plans import InferenceConfig
     from nnunet_triton.numerics.preprocess import CaseProperties
 
-__all__ = ["SlabExporter", "row_resampling"]
+__all__ = ["STEP_BYTES", "SlabExporter", "export_logits", "row_resampling", "rows_per_step"]
+
+STEP_BYTES = 32 * 2**20
+"""Memory one export step may take (the stitch model's whole-volume logits are cut into steps this size)."""
 
 
 def row_resampling(props: CaseProperties, config: InferenceConfig,
@@ -49,6 +54,42 @@ def row_resampling(props: CaseProperties, config: InferenceConfig,
     separate, axis = determine_do_sep_z_and_axis(settings.force_separate_z, current, original)
     return RowResampling(logits_shape, props.shape_after_cropping_and_before_resampling, axis=axis,
                          order=settings.order, do_separate_z=separate, order_z=settings.order_z)
+
+
+def rows_per_step(num_heads: int, plane_voxels: int, step_bytes: int = STEP_BYTES) -> int:
+    """Output rows one export step resamples so that it holds about ``step_bytes``: per output row the
+    resampled logits (float16), their probabilities (float32) and one channel's float64 corners."""
+    if step_bytes < 1:
+        raise InputValidationError(f"step_bytes must be >= 1, got {step_bytes}.")
+    per_row = max(1, int(plane_voxels)) * (6 * int(num_heads) + 4 * 8)
+    return max(1, int(step_bytes) // per_row)
+
+
+def export_logits(logits: Any, props: CaseProperties, config: InferenceConfig, *,
+                  return_probabilities: bool = False, workers: int = 1, step_bytes: int = STEP_BYTES) -> Any:
+    """:func:`~nnunet_triton.numerics.prediction_export.convert_logits_to_segmentation`, by output rows.
+
+    The whole logits are one slab of a :class:`SlabExporter`: the same bits, but the resampled logits exist
+    one step of ``step_bytes`` at a time per worker instead of ``K x volume`` float16 (float64 per channel)
+    at once, and ``workers`` threads export ranges side by side. A resampling that cannot be cut into rows
+    (spline orders) runs on the whole volume as before.
+    """
+    check_logits_fit(logits, props, config)
+    try:
+        row_resampling(props, config, tuple(int(s) for s in logits.shape[1:]))
+    except UnsupportedModelError:
+        return convert_logits_to_segmentation(logits, props, config,
+                                              return_probabilities=return_probabilities)
+    out_shape = props.shape_after_cropping_and_before_resampling
+    plane = 1
+    for size in out_shape[1:]:
+        plane *= int(size)
+    exporter = SlabExporter(props, config, tuple(int(s) for s in logits.shape[1:]), int(logits.shape[0]),
+                            rows_per_step=rows_per_step(int(logits.shape[0]), plane, step_bytes),
+                            return_probabilities=return_probabilities, workers=workers,
+                            xp=get_array_module(logits))
+    exporter.add(0, logits)
+    return exporter.finalize()
 
 
 class SlabExporter:
@@ -160,8 +201,9 @@ class SlabExporter:
                                else self._received)
 
     def _export(self, rows: tuple[int, int]) -> None:
-        lo, _ = self._plan.source_rows(rows)
-        resampled = self._plan.rows(self._buffer[:, lo - self._buffer_start:], lo, rows)
+        lo, hi = self._plan.source_rows(rows)  # only these rows: the block is converted to float64
+        first = self._buffer_start
+        resampled = self._plan.rows(self._buffer[:, lo - first:hi - first], lo, rows)
         self._seg[rows[0]:rows[1]] = segmentation_from_logits(resampled, self._labels).astype(self._seg.dtype)
         if self._probs is not None:
             self._probs[:, rows[0]:rows[1]] = apply_inference_nonlin(resampled, self._labels)

@@ -82,18 +82,29 @@ def zoom_rows(block: Any, first_row: int, in_len: int, new_shape: Sequence[int],
         raise ValueError(f"zoom_rows: output rows {rows} read input rows [{lo}, {hi}), the block holds "
                          f"[{first_row}, {first_row + block.shape[0]}).")
 
-    def along(d: int, a: np.ndarray) -> Any:
-        return xp.asarray(a.reshape([-1 if e == d else 1 for e in range(nd)]))
-
-    indices = [[along(d, i - (first_row if d == 0 else 0)) for i in tables[d][0]] for d in range(nd)]
-    weights = [[along(d, w) for w in tables[d][1]] for d in range(nd)]
+    indices = [[xp.asarray(i - (first_row if d == 0 else 0)) for i in tables[d][0]] for d in range(nd)]
+    weights = [[xp.asarray(w.reshape([-1 if e == d else 1 for e in range(nd)])) for w in tables[d][1]]
+               for d in range(nd)]
+    # The corners in SciPy's order (last axis fastest), each gathered by one take per axis; a corner shares
+    # the gathers of its first axes with the corner before it, so only the changed axes are gathered again.
+    prefix: list[Any] = [None] * nd
+    previous: tuple[int, ...] | None = None
     total = None
     for corner in itertools.product(range(order + 1), repeat=nd):
-        value = block[tuple(indices[d][c] for d, c in enumerate(corner))].astype(xp.float64)
+        first_changed = 0 if previous is None else next(d for d in range(nd) if corner[d] != previous[d])
+        for d in range(first_changed, nd):
+            source = block if d == 0 else prefix[d - 1]
+            prefix[d] = xp.take(source, indices[d][corner[d]], axis=d)
+        previous = corner
+        value = prefix[nd - 1].astype(xp.float64, copy=True)
         for d, c in enumerate(corner):
             if order > 0:
-                value = value * weights[d][c]
-        total = value + 0.0 if total is None else total + value  # C: t = 0.0; t += coeff
+                value *= weights[d][c]  # in place: the same bits as value * w
+        if total is None:
+            value += 0.0  # C: t = 0.0; t += coeff (turns -0.0 into 0.0)
+            total = value
+        else:
+            total += value
     return total
 
 

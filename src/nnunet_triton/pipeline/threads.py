@@ -19,6 +19,7 @@ from nnunet_triton.options import parse_int
 
 __all__ = [
     "FOLD_THREADS_ENV",
+    "EXPORT_THREADS_ENV",
     "BUDGET_ENV",
     "NNUNET_PROCESSES_ENV",
     "NNUNET_DEFAULT_PROCESSES",
@@ -28,10 +29,12 @@ __all__ = [
     "checked_threads",
     "nnunet_threads",
     "fold_threads_for_runner",
+    "export_threads",
     "budget_note",
 ]
 
 FOLD_THREADS_ENV = "NNUNET_TRITON_FOLD_THREADS"
+EXPORT_THREADS_ENV = "NNUNET_TRITON_EXPORT_THREADS"  # the stitch model's export threads (default: all CPUs)
 BUDGET_ENV = "NNUNET_TRITON_THREAD_BUDGET"  # the launcher's whole plan as JSON, for logs and the fold stubs
 NNUNET_PROCESSES_ENV = "nnUNet_def_n_proc"  # nnunetv2.configuration.default_num_processes
 NNUNET_DEFAULT_PROCESSES = 8
@@ -117,6 +120,20 @@ def fold_threads_for_runner(configured: int, *, env: Mapping[str, str] | None = 
         threads = positive_int(FOLD_THREADS_ENV, env[FOLD_THREADS_ENV])
         return threads if threads == own else checked_threads(FOLD_THREADS_ENV, str(threads), quota)
     return max(1, min(own, quota.cpus))
+
+
+def export_threads(env: Mapping[str, str] | None = None, quota: CpuQuota | None = None) -> int:
+    """Threads the stitch model exports row ranges with: ``NNUNET_TRITON_EXPORT_THREADS``, else every
+    available CPU (the export's bits do not depend on the count: each range writes its own rows).
+
+    Raises:
+        ThreadBudgetError: the variable is not a positive integer or asks for more threads than CPUs.
+    """
+    env = os.environ if env is None else env
+    quota = quota or available_cpus()
+    if EXPORT_THREADS_ENV in env:
+        return checked_threads(EXPORT_THREADS_ENV, env[EXPORT_THREADS_ENV], quota)
+    return quota.cpus
 
 
 def budget_note(env: Mapping[str, str] | None = None) -> str:

@@ -1,9 +1,12 @@
 """Step 4, ``stitch_model``: LOGITS + CASE_PROPERTIES -> SEGMENTATION (+ PROBABILITIES).
 
-Runs
-:func:`nnunet_triton.numerics.prediction_export.convert_logits_to_segmentation` (nnU-Net's
-``convert_predicted_logits_to_segmentation_with_correct_shape``): resample the fold-averaged logits back
-to the cropped original geometry, argmax (or region thresholds), uncrop, transpose back.
+Runs nnU-Net's ``convert_predicted_logits_to_segmentation_with_correct_shape``: resample the
+fold-averaged logits back to the cropped original geometry, argmax (or region thresholds), uncrop,
+transpose back. On the host (NumPy) it runs by ranges of output rows
+(:func:`nnunet_triton.numerics.slab_export.export_logits`, the same bits): the resampled logits exist one
+step at a time instead of ``K x volume`` at once, and ``NNUNET_TRITON_EXPORT_THREADS`` threads (default:
+every available CPU, ``pipeline.threads.export_threads``) export ranges side by side. On the GPU it runs
+on the whole volume (:func:`nnunet_triton.numerics.prediction_export.convert_logits_to_segmentation`).
 
 PROBABILITIES are computed only when the request parameter ``probabilities`` is true. A flag is needed
 because an ensemble always asks a composing model for every output in its ``output_map``
@@ -35,13 +38,15 @@ import numpy as np
 
 from nnunet_triton import io_names
 from nnunet_triton.errors import PlansError
-from nnunet_triton.numerics._xp import to_numpy
+from nnunet_triton.numerics._xp import is_cupy_array, to_numpy
 from nnunet_triton.numerics.limits import check_stitch_request
 from nnunet_triton.numerics.postprocessing import apply_postprocessing, load_deployed_postprocessing
 from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
 from nnunet_triton.numerics.preprocess import CaseProperties
+from nnunet_triton.numerics.slab_export import export_logits
 from nnunet_triton.options import ProbabilitiesOutput, RequestOptions
 from nnunet_triton.parameters import StitchParameters
+from nnunet_triton.pipeline.threads import export_threads
 from nnunet_triton.serving.metrics import RequestRecord
 from nnunet_triton.serving.steps.base import Step, triton_model
 from nnunet_triton.serving.tensors import declared_segmentation_dtype, input_array
@@ -66,6 +71,7 @@ class StitchStep(Step):
         self.probabilities_output = StitchParameters.from_parameters(self.parameters).probabilities_output
         self.postprocessing = load_deployed_postprocessing(self.model_dir)
         self.limits = StitchParameters.from_parameters(self.parameters)
+        self.export_threads = export_threads()
 
     def inputs(self, request: Any, record: RequestRecord) -> dict[str, Any]:
         logits = input_array(request, io_names.LOGITS, on_host=self.device.watch(record))
@@ -83,8 +89,13 @@ class StitchStep(Step):
         want_probabilities = self.probabilities_output is ProbabilitiesOutput.ALWAYS or (
             options.probabilities and self.probabilities_output is ProbabilitiesOutput.REQUEST
         )
-        result = convert_logits_to_segmentation(arrays[io_names.LOGITS], arrays[io_names.CASE_PROPERTIES],
-                                                self.config, return_probabilities=want_probabilities)
+        logits, props = arrays[io_names.LOGITS], arrays[io_names.CASE_PROPERTIES]
+        if not is_cupy_array(logits):
+            result = export_logits(logits, props, self.config, return_probabilities=want_probabilities,
+                                   workers=self.export_threads)
+        else:
+            result = convert_logits_to_segmentation(logits, props, self.config,
+                                                    return_probabilities=want_probabilities)
         segmentation, probabilities = result if want_probabilities else (result, None)
         segmentation = segmentation.astype(self.seg_dtype, copy=False)
         if self.postprocessing is not None and options.postprocessing:
