@@ -61,7 +61,7 @@ SETUP_STAMP := $(VENV)/.setup.stamp
 PERF_STAMP := $(VENV)/.perf_analyzer.stamp
 
 .PHONY: help setup lock lint test test-viewer test-unit serve stop status clean repository export fixtures deploy undeploy container-engine demo pacs-demo validate perf \
-	perf-defaults perf-two-models soak gpu-check gpu-bundle triton-backends perf-fold-runners
+	perf-defaults perf-two-models soak gpu-check gpu-bundle triton-backends perf-fold-runners perf-export
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' \
@@ -150,6 +150,9 @@ perf-fold-runners: $(SETUP_STAMP) triton-backends ## Python fold runner vs libto
 
 perf-two-models: $(SETUP_STAMP) $(PERF_STAMP) ## Two models (ct, multi) on one server: latency of each when both are loaded vs alone vs two servers on the same cores -> benchmarks/results, BENCHMARKS.md (~10 min; QUICK=1: ~3-4 min, no BENCHMARKS.md)
 	$(PY) -m tools.perf.two_models $(if $(QUICK),--quick) $(PERF_ARGS)
+
+perf-export: $(SETUP_STAMP) ## The export stage alone: nnU-Net's export vs ours whole and by rows (1 thread, every CPU) on CT 512x512xN, many-class and SynthCT fixtures: time, peak memory, labels -> benchmarks/results, BENCHMARKS.md (~10 min; PERF_ARGS="--cases manyclass:20")
+	$(PY) -m tools.perf.export_stage $(PERF_ARGS)
 
 gpu-check: ## On an NVIDIA GPU: parity, the endpoint vs nnUNetPredictor on cuda, timings and their goals -> build/gpu-check/ (from build/gpu-bundle/ when built: no SimpleITK needed)
 	PYTHONPATH="$(CURDIR)/src:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m tools.gpu_check \
