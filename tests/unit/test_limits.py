@@ -69,6 +69,23 @@ def test_check_request_memory_raises_naming_both_sizes_shapes_and_budget_when_pr
     assert info.value.triton_code == "INVALID_ARG"
 
 
+def test_labels_exported_by_rows_are_bounded_by_their_logits_and_probabilities_by_the_budget_when_asked():
+    # 105 heads (the many-class fixture) on a 512 x 512 x 100 CT at 1.5 mm: 2.9 GiB of logits but 10.3 GiB
+    # of probabilities; labels exported by rows hold no K x original-volume array
+    logits, probabilities = check_request_memory(105, (98, 273, 273), (100, 512, 512),
+                                                 DEFAULT_MAX_REQUEST_BYTES, original_geometry=False)
+    assert probabilities > DEFAULT_MAX_REQUEST_BYTES > logits
+    with pytest.raises(InputValidationError, match=r"10.25 GiB for its probabilities \(105 x "
+                       r"\(100, 512, 512\) float32, original geometry\), more than the server's budget of "
+                       r"8.00 GiB .*"
+                       r"'max_request_bytes'\); without probabilities the labels need no such array"):
+        check_request_memory(105, (98, 273, 273), (100, 512, 512), DEFAULT_MAX_REQUEST_BYTES)
+    with pytest.raises(InputValidationError, match=r"for its logits") as info:
+        check_request_memory(105, (300, 512, 512), (100, 512, 512), DEFAULT_MAX_REQUEST_BYTES,
+                             original_geometry=False)
+    assert "without probabilities" not in str(info.value)
+
+
 def test_check_request_memory_raises_when_only_the_preprocessed_logits_exceed_budget():
     with pytest.raises(InputValidationError, match=r"request needs 1.5 MiB for its logits"):
         check_request_memory(2, (64, 64, 48), (8, 8, 8), 2**20)

@@ -180,6 +180,38 @@ def test_the_stitch_step_exports_by_rows_with_its_export_threads_and_the_same_bi
         StitchStep(_args(tmp_path / "again", io_names.STITCH_MODEL, config, model_config))
 
 
+def test_a_cpu_server_refuses_probabilities_over_the_budget_but_not_the_labels_of_the_same_case(
+        tmp_path: Path, config) -> None:
+    from nnunet_triton.errors import InputValidationError
+
+    image, spacing = _case(config)
+    data, props = preprocess_case(image, spacing, config)
+    heads = config.labels.num_segmentation_heads
+    logits_bytes = heads * int(np.prod(data.shape[1:])) * 4
+    probabilities_bytes = heads * int(np.prod(image.shape[1:])) * 4
+    assert probabilities_bytes > logits_bytes
+    budget = {"max_request_bytes": {"string_value": str(logits_bytes)}}
+    pre = PreprocessStep(_args(tmp_path, io_names.PREPROCESS_MODEL, config, {"parameters": budget}))
+    arrays = {io_names.IMAGE: image, io_names.SPACING: spacing, io_names.PREVIOUS_SEGMENTATION: None}
+    labels_only, with_probabilities = (RequestOptions.from_parameters(p, config)
+                                       for p in ({}, {"probabilities": True}))
+    assert io_names.PREPROCESSED in pre.run(arrays, labels_only, RequestRecord())
+    with pytest.raises(InputValidationError, match=f"for its probabilities .* budget .*{logits_bytes} bytes"):
+        pre.run(arrays, with_probabilities, RequestRecord())
+    output = {"name": io_names.SEGMENTATION, "data_type": "TYPE_UINT8", "dims": [-1, -1, -1]}
+    model_config = {"parameters": budget, "output": [output]}
+    stitch = StitchStep(_args(tmp_path / "stitch", io_names.STITCH_MODEL, config, model_config))
+    logits = np.random.default_rng(6).normal(size=(heads, *data.shape[1:])).astype(np.float16)
+    request = FakeRequest(inputs=[FakeTensor.of(io_names.LOGITS, logits),
+                                  FakeTensor.of(io_names.CASE_PROPERTIES, props.to_array())], parameters="{}")
+    checked = stitch.inputs(request, RequestRecord())  # the labels' bounds only
+    expected = convert_logits_to_segmentation(logits, props, config).astype(np.uint8)
+    assert stitch.run(checked, labels_only, RequestRecord())[io_names.SEGMENTATION].tobytes() == \
+        expected.tobytes()
+    with pytest.raises(InputValidationError, match="without probabilities the labels need no such array"):
+        stitch.run(checked, with_probabilities, RequestRecord())
+
+
 @pytest.mark.parametrize("step", sorted(SOURCE_ADAPTERS))
 def test_the_source_trees_model_py_is_what_the_builder_writes_and_imports_its_step(step: str) -> None:
     assert (REPO_ROOT / SOURCE_ADAPTERS[step]).read_text() == adapter_source(step)

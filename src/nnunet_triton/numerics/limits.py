@@ -21,9 +21,10 @@ Where they are called (see ``docs/reliability.md``):
   reaches the port, and stitch's output shape comes from CASE_PROPERTIES alone (a 421-byte request could
   declare a 700^3 volume). Both read the same ``max_voxels``/``max_request_bytes`` parameters.
 * the memory budget: the same place checks :func:`check_request_memory`, the float32 logits (K x the
-  resampled shape: stitch_model converts the fp16 logits to float32 to resample them) and the float32
-  probabilities in the original geometry (K x the image's shape: resampled logits, softmax, the
-  PROBABILITIES output) against the model parameter ``max_request_bytes``
+  resampled shape: stitch_model converts the fp16 logits to float32 to resample them) and, when such an
+  array will exist, the float32 probabilities in the original geometry (K x the image's shape: resampled
+  logits, softmax, the PROBABILITIES output; a labels-only request exported by rows on the host holds none)
+  against the model parameter ``max_request_bytes``
   (``repository/build.py --max-request-bytes``, default :data:`DEFAULT_MAX_REQUEST_BYTES`; 0 = none).
   A model with many labels reaches it long before the voxel cap (117 labels x 512 x 512 x 600 voxels
   is 73 GB of probabilities).
@@ -86,10 +87,16 @@ def _size(nbytes: int) -> str:
 
 
 def check_request_memory(num_heads: int, preprocessed_shape: Sequence[int], original_shape: Sequence[int],
-                         max_bytes: int) -> tuple[int, int]:
+                         max_bytes: int, *, original_geometry: bool = True) -> tuple[int, int]:
     """Return the bytes of the request's float32 logits (``num_heads`` x ``preprocessed_shape``) and
-    probabilities (``num_heads`` x ``original_shape``); raise when either exceeds ``max_bytes`` (0 = no
-    budget). Pure arithmetic on shapes: call it before allocating.
+    probabilities (``num_heads`` x ``original_shape``); raise when the logits, or (``original_geometry``)
+    the probabilities, exceed ``max_bytes`` (0 = no budget). Pure arithmetic on shapes: call it before
+    allocating.
+
+    ``original_geometry`` says whether a ``num_heads`` x original-geometry array will exist: the
+    probabilities were asked for, or the export resamples the whole volume at once (the GPU's, or a spline
+    order). The host's export by rows (``slab_export.export_logits``) holds one step of rows at a time, so
+    a labels-only request there is bounded by its logits alone.
 
     Raises:
         InputValidationError: (INVALID_ARG) naming both sizes, their shapes and the budget.
@@ -98,12 +105,15 @@ def check_request_memory(num_heads: int, preprocessed_shape: Sequence[int], orig
     orig = tuple(int(s) for s in original_shape)
     logits = num_heads * math.prod(pre) * _FLOAT32_BYTES
     probabilities = num_heads * math.prod(orig) * _FLOAT32_BYTES
-    if max_bytes > 0 and max(logits, probabilities) > max_bytes:
+    largest = max(logits, probabilities) if original_geometry else logits
+    if max_bytes > 0 and largest > max_bytes:
+        hint = "" if logits > max_bytes or not original_geometry else \
+            "; without probabilities the labels need no such array on a CPU server: ask without them"
         raise InputValidationError(
             f"request needs {_size(logits)} for its logits ({num_heads} x {pre} float32, preprocessed "
             f"geometry) and {_size(probabilities)} for its probabilities ({num_heads} x {orig} float32, "
             f"original geometry), more than the server's budget of {_size(max_bytes)} ({max_bytes} bytes) "
-            f"per array (model parameter {MAX_REQUEST_BYTES_PARAMETER!r})."
+            f"per array (model parameter {MAX_REQUEST_BYTES_PARAMETER!r}){hint}."
         )
     return logits, probabilities
 
@@ -243,9 +253,10 @@ def check_preprocessed(name: str, shape: Sequence[int], *, channels: int, num_he
 
 def check_stitch_request(logits_shape: Sequence[int], *, shape_before_cropping: Sequence[int],
                          bbox: Sequence[Sequence[int]], shape_after_cropping: Sequence[int], num_heads: int,
-                         max_voxels: int, max_request_bytes: int) -> None:
+                         max_voxels: int, max_request_bytes: int, original_geometry: bool = True) -> None:
     """Bounds of a stitch request before anything is allocated: the LOGITS it got and the volume its
-    CASE_PROPERTIES declare (the output's shape comes from them alone, whatever LOGITS' size).
+    CASE_PROPERTIES declare (the output's shape comes from them alone, whatever LOGITS' size);
+    ``original_geometry`` as in :func:`check_request_memory`.
 
     Args:
         logits_shape: ``(num_heads, *resampled)``.
@@ -268,4 +279,5 @@ def check_stitch_request(logits_shape: Sequence[int], *, shape_before_cropping: 
         raise InputValidationError(f"CASE_PROPERTIES: the bbox {[tuple(b) for b in bbox]} must lie within "
                                    f"the shape before cropping {before} on every axis (0 <= lo <= hi <= "
                                    f"size).")
-    check_request_memory(num_heads, logits[1:], before, max_request_bytes)
+    check_request_memory(num_heads, logits[1:], before, max_request_bytes,
+                         original_geometry=original_geometry)

@@ -186,7 +186,7 @@ def resampled_geometry(config: InferenceConfig, shape_after_cropping: Sequence[i
 
 def preprocess_case(
     image: Any, spacing: Sequence[float], config: InferenceConfig, *, previous_segmentation: Any = None,
-    max_voxels: int = 0, max_request_bytes: int = 0,
+    max_voxels: int = 0, max_request_bytes: int = 0, original_geometry: bool = True,
 ) -> tuple[Any, CaseProperties]:
     """``DefaultPreprocessor.run_case_npy(data, seg, {'spacing': spacing}, ...)``: a case's network input.
 
@@ -204,8 +204,9 @@ def preprocess_case(
     the shape nnU-Net computes after
     cropping (``compute_new_shape(data.shape[1:], original_spacing, target_spacing)``) is checked with
     :func:`nnunet_triton.numerics.limits.check_voxel_limit` before normalization and resampling allocate it;
-    ``max_request_bytes`` (0 = none) caps the request's float32 logits and probabilities
-    (:func:`nnunet_triton.numerics.limits.check_request_memory`) at the same point.
+    ``max_request_bytes`` (0 = none) caps the request's float32 logits and, with ``original_geometry``
+    (a K x original-geometry array will exist: probabilities asked for, or a whole-volume export), its
+    probabilities (:func:`nnunet_triton.numerics.limits.check_request_memory`) at the same point.
     """
     cascade = config.previous_stage is not None
     if previous_segmentation is not None and not cascade:
@@ -233,7 +234,8 @@ def preprocess_case(
     new_spacing, new_shape = resampled_geometry(config, shape_after, original_spacing)
     foreground = config.labels.foreground_labels if cascade else ()
     check_voxel_limit("resampled image", (data.shape[0] + len(foreground), *new_shape), max_voxels)
-    check_request_memory(config.labels.num_segmentation_heads, new_shape, shape_before, max_request_bytes)
+    check_request_memory(config.labels.num_segmentation_heads, new_shape, shape_before, max_request_bytes,
+                         original_geometry=original_geometry)
     if seg is not None:
         seg, _ = transpose_case(seg, spacing, config.transpose_forward)
         seg = crop_previous_segmentation(seg, mask, bbox)

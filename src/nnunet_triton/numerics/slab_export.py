@@ -33,10 +33,19 @@ if TYPE_CHECKING:
     from nnunet_triton.numerics.plans import InferenceConfig
     from nnunet_triton.numerics.preprocess import CaseProperties
 
-__all__ = ["STEP_BYTES", "SlabExporter", "export_logits", "row_resampling", "rows_per_step"]
+__all__ = ["STEP_BYTES", "SlabExporter", "export_logits", "exports_by_rows", "row_resampling",
+           "rows_per_step"]
 
 STEP_BYTES = 32 * 2**20
 """Memory one export step may take (the stitch model's whole-volume logits are cut into steps this size)."""
+
+
+def exports_by_rows(config: InferenceConfig) -> bool:
+    """Whether :func:`export_logits` exports this configuration's cases by rows (no ``K x volume`` array):
+    its probability resampling is nnU-Net's default function with order 0 or 1 and ``order_z`` 0."""
+    settings = config.resampling_probabilities
+    return settings.function == "resample_data_or_seg_to_shape" and settings.order in (0, 1) \
+        and settings.order_z == 0
 
 
 def row_resampling(props: CaseProperties, config: InferenceConfig,

@@ -40,6 +40,7 @@ from nnunet_triton import io_names
 from nnunet_triton.numerics._xp import to_numpy
 from nnunet_triton.numerics.limits import check_voxel_limit
 from nnunet_triton.numerics.preprocess import preprocess_case
+from nnunet_triton.numerics.slab_export import exports_by_rows
 from nnunet_triton.options import RequestOptions
 from nnunet_triton.parameters import PreprocessParameters
 from nnunet_triton.serving.metrics import RequestRecord
@@ -69,9 +70,11 @@ class PreprocessStep(Step):
 
     def run(self, arrays: Mapping[str, Any], options: RequestOptions,
             record: RequestRecord) -> dict[str, Any]:
+        # a CPU server's stitch model exports by rows: K x the original volume exists only with probabilities
         data, props = preprocess_case(arrays[io_names.IMAGE], arrays[io_names.SPACING], self.config,
                                       previous_segmentation=arrays[io_names.PREVIOUS_SEGMENTATION],
-                                      **self.limits)
+                                      original_geometry=options.probabilities or self.device.gpu
+                                      or not exports_by_rows(self.config), **self.limits)
         return {io_names.PREPROCESSED: data, io_names.CASE_PROPERTIES: props.to_array()}
 
 

@@ -39,11 +39,11 @@ import numpy as np
 from nnunet_triton import io_names
 from nnunet_triton.errors import PlansError
 from nnunet_triton.numerics._xp import is_cupy_array, to_numpy
-from nnunet_triton.numerics.limits import check_stitch_request
+from nnunet_triton.numerics.limits import check_request_memory, check_stitch_request
 from nnunet_triton.numerics.postprocessing import apply_postprocessing, load_deployed_postprocessing
 from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
 from nnunet_triton.numerics.preprocess import CaseProperties
-from nnunet_triton.numerics.slab_export import export_logits
+from nnunet_triton.numerics.slab_export import export_logits, exports_by_rows
 from nnunet_triton.options import ProbabilitiesOutput, RequestOptions
 from nnunet_triton.parameters import StitchParameters
 from nnunet_triton.pipeline.threads import export_threads
@@ -81,7 +81,8 @@ class StitchStep(Step):
                              shape_after_cropping=props.shape_after_cropping_and_before_resampling,
                              num_heads=self.config.labels.num_segmentation_heads,
                              max_voxels=self.limits.max_voxels,
-                             max_request_bytes=self.limits.max_request_bytes)
+                             max_request_bytes=self.limits.max_request_bytes,
+                             original_geometry=self.device.gpu or not exports_by_rows(self.config))
         return {io_names.LOGITS: self.device.array(logits), io_names.CASE_PROPERTIES: props}
 
     def run(self, arrays: Mapping[str, Any], options: RequestOptions,
@@ -90,6 +91,9 @@ class StitchStep(Step):
             options.probabilities and self.probabilities_output is ProbabilitiesOutput.REQUEST
         )
         logits, props = arrays[io_names.LOGITS], arrays[io_names.CASE_PROPERTIES]
+        if want_probabilities:  # K x the original volume, float32: within the budget (inputs() left it out)
+            check_request_memory(self.config.labels.num_segmentation_heads, logits.shape[1:],
+                                 props.shape_before_cropping, self.limits.max_request_bytes)
         if not is_cupy_array(logits):
             result = export_logits(logits, props, self.config, return_probabilities=want_probabilities,
                                    workers=self.export_threads)
