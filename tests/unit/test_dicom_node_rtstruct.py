@@ -79,3 +79,47 @@ def test_routes_take_an_output_per_model_and_refuse_an_unknown_one():
     with pytest.raises(InputValidationError, match=r"models\['liver'\]\.output: one of \['seg', 'rtstruct', "
                                                    r"'both'\], got 'contours'"):
         Routes.from_json(json.dumps({"default": "liver", "models": {"liver": {"output": "contours"}}}))
+
+
+def test_a_node_serving_an_endpoint_with_segment_metadata_sends_a_coded_coloured_seg_and_rtstruct(tmp_path,
+                                                                                                   dest):
+    """The labels the node takes from the endpoint's description (``model_segment_labels``, as ``listen``
+    does) carry the metadata the endpoint publishes: the SEG and the RTSTRUCT it sends over DICOM are coded
+    in SNOMED CT and coloured, and pass dciodvfy (checked at teardown)."""
+    from pathlib import Path
+
+    from nnunet_triton import segment_metadata as sm
+    from nnunet_triton.client.dicom.seg import model_segment_labels
+    from nnunet_triton.client.endpoint import EndpointDescription
+
+    metadata = sm.read_segment_metadata(Path(__file__).resolve().parents[1] / "fixtures" / "seg_metadata"
+                                        / "organ_lesion.json")
+    published = {"labels": {"background": 0, "organ": 1, "lesion": 2},
+                 sm.PUBLISHED_KEY: metadata.to_published()}
+    description = EndpointDescription(url="x", model_name="nnunet", server_version="2.51.0", num_channels=1,
+                                      num_heads=3, segmentation_dtype="UINT8", composing_models=(),
+                                      fold_models=(), published=published)
+    series = support.write_ct_series(tmp_path / "ct", n_slices=3, valid_ds=True)
+    model = peers.Threshold(level=200.0)  # label 1 ("Organ") only; "Lesion" stays empty
+    node = peers.running(peers.node_config(tmp_path / "spool", dest, None, models={"nnunet": NodeModel(
+        model, labels=model_segment_labels(description), output=DicomOutput.BOTH)}))
+    try:
+        peers.send(node.config.port, series.files)
+        received = dest.wait(2)
+    finally:
+        node.stop()
+    seg = next(ds for ds in received if ds.SOPClassUID == SEG)
+    rt = next(ds for ds in received if ds.SOPClassUID == RTSTRUCT)
+    organ = seg.SegmentSequence[0]
+    assert organ.SegmentLabel == "Organ"
+    assert (organ.SegmentedPropertyTypeCodeSequence[0].CodingSchemeDesignator,
+            organ.SegmentedPropertyTypeCodeSequence[0].CodeValue) == ("SCT", "91772007")
+    assert list(organ.RecommendedDisplayCIELabValue) == list(metadata.coding(1).cielab)
+    assert [r.ROIName for r in rt.StructureSetROISequence] == ["Organ", "Lesion"]
+    codes = [o.RTROIIdentificationCodeSequence[0] for o in rt.RTROIObservationsSequence]
+    assert [(c.CodingSchemeDesignator, c.CodeValue) for c in codes] == [("SCT", "91772007"),
+                                                                         ("SCT", "52988006")]
+    colours = {c.ReferencedROINumber: list(c.ROIDisplayColor) for c in rt.ROIContourSequence}
+    assert colours[1] == list(metadata.coding(1).rgb)
+    assert "ContourSequence" in rt.ROIContourSequence[0] and "ContourSequence" not in rt.ROIContourSequence[1]
+    _kept(received, tmp_path / "received")
