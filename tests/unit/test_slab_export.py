@@ -16,7 +16,7 @@ from nnunet_triton.errors import InputValidationError, UnsupportedModelError
 from nnunet_triton.numerics.prediction_export import convert_logits_to_segmentation
 from nnunet_triton.numerics.preprocess import CaseProperties
 from nnunet_triton.numerics.resampling import compute_new_shape
-from nnunet_triton.numerics.slab_export import SlabExporter, export_logits, rows_per_step
+from nnunet_triton.numerics.slab_export import SlabExporter, export_logits, exports_by_rows, rows_per_step
 
 try:
     from . import parity_support as ps
@@ -150,6 +150,7 @@ def test_a_spline_order_export_falls_back_to_the_whole_volume_and_bad_logits_are
         config.resampling_probabilities, order=3))
     with pytest.raises(UnsupportedModelError):
         SlabExporter(props, spline, tuple(logits.shape[1:]), logits.shape[0])
+    assert exports_by_rows(config) and not exports_by_rows(spline) and not exports_by_rows(config, gpu=True)
     expected = convert_logits_to_segmentation(logits, props, spline)
     assert export_logits(logits, props, spline, step_bytes=1).tobytes() == expected.tobytes()
     with pytest.raises(InputValidationError, match="logits must have shape"):

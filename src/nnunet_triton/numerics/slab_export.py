@@ -13,6 +13,7 @@ and transposed back, as in the whole-volume export.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from nnunet_triton.errors import InputValidationError, UnsupportedModelError
@@ -27,7 +28,7 @@ from nnunet_triton.numerics.prediction_export import (
     segmentation_from_logits,
 )
 from nnunet_triton.numerics.resampling import determine_do_sep_z_and_axis
-from nnunet_triton.numerics.slab_resampling import RowResampling
+from nnunet_triton.numerics.slab_resampling import RowResampling, check_streamable
 
 if TYPE_CHECKING:
     from nnunet_triton.numerics.plans import InferenceConfig
@@ -40,12 +41,18 @@ STEP_BYTES = 32 * 2**20
 """Memory one export step may take (the stitch model's whole-volume logits are cut into steps this size)."""
 
 
-def exports_by_rows(config: InferenceConfig) -> bool:
+def exports_by_rows(config: InferenceConfig, *, gpu: bool = False) -> bool:
     """Whether :func:`export_logits` exports this configuration's cases by rows (no ``K x volume`` array):
-    its probability resampling is nnU-Net's default function with order 0 or 1 and ``order_z`` 0."""
+    on the host, with nnU-Net's default resampling function at an order :func:`check_streamable` accepts
+    (``order_z`` counted whether or not a case resamples z separately). The GPU exports whole volumes."""
     settings = config.resampling_probabilities
-    return settings.function == "resample_data_or_seg_to_shape" and settings.order in (0, 1) \
-        and settings.order_z == 0
+    if gpu or settings.function != "resample_data_or_seg_to_shape":
+        return False
+    try:
+        check_streamable(settings.order, settings.order_z)
+    except UnsupportedModelError:
+        return False
+    return True
 
 
 def row_resampling(props: CaseProperties, config: InferenceConfig,
@@ -84,19 +91,17 @@ def export_logits(logits: Any, props: CaseProperties, config: InferenceConfig, *
     (spline orders) runs on the whole volume as before.
     """
     check_logits_fit(logits, props, config)
-    try:
-        row_resampling(props, config, tuple(int(s) for s in logits.shape[1:]))
+    spatial = tuple(int(s) for s in logits.shape[1:])
+    heads = int(logits.shape[0])
+    plane = math.prod(int(s) for s in props.shape_after_cropping_and_before_resampling[1:])
+    try:  # the exporter refuses a resampling it cannot cut into rows before it allocates anything
+        exporter = SlabExporter(props, config, spatial, heads,
+                                rows_per_step=rows_per_step(heads, plane, step_bytes),
+                                return_probabilities=return_probabilities, workers=workers,
+                                xp=get_array_module(logits))
     except UnsupportedModelError:
         return convert_logits_to_segmentation(logits, props, config,
                                               return_probabilities=return_probabilities)
-    out_shape = props.shape_after_cropping_and_before_resampling
-    plane = 1
-    for size in out_shape[1:]:
-        plane *= int(size)
-    exporter = SlabExporter(props, config, tuple(int(s) for s in logits.shape[1:]), int(logits.shape[0]),
-                            rows_per_step=rows_per_step(int(logits.shape[0]), plane, step_bytes),
-                            return_probabilities=return_probabilities, workers=workers,
-                            xp=get_array_module(logits))
     exporter.add(0, logits)
     return exporter.finalize()
 

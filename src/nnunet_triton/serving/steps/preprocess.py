@@ -57,6 +57,8 @@ class PreprocessStep(Step):
         self.device.activate()
         params = PreprocessParameters.from_parameters(self.parameters)
         self.limits = {"max_voxels": params.max_voxels, "max_request_bytes": params.max_request_bytes}
+        # the stitch model exports by rows on a CPU server: K x the original volume only with probabilities
+        self.whole_volume_export = not exports_by_rows(self.config, gpu=self.device.gpu)
 
     def inputs(self, request: Any, record: RequestRecord) -> dict[str, Any]:
         image = image_array(request)  # IMAGE or IMAGE_<dtype>; preprocess_case casts to float32
@@ -70,11 +72,10 @@ class PreprocessStep(Step):
 
     def run(self, arrays: Mapping[str, Any], options: RequestOptions,
             record: RequestRecord) -> dict[str, Any]:
-        # a CPU server's stitch model exports by rows: K x the original volume exists only with probabilities
         data, props = preprocess_case(arrays[io_names.IMAGE], arrays[io_names.SPACING], self.config,
                                       previous_segmentation=arrays[io_names.PREVIOUS_SEGMENTATION],
-                                      original_geometry=options.probabilities or self.device.gpu
-                                      or not exports_by_rows(self.config), **self.limits)
+                                      original_geometry=options.probabilities or self.whole_volume_export,
+                                      **self.limits)
         return {io_names.PREPROCESSED: data, io_names.CASE_PROPERTIES: props.to_array()}
 
 

@@ -72,6 +72,8 @@ class StitchStep(Step):
         self.postprocessing = load_deployed_postprocessing(self.model_dir)
         self.limits = StitchParameters.from_parameters(self.parameters)
         self.export_threads = export_threads()
+        # a K x original-volume array for every request (GPU, spline orders), or only with probabilities
+        self.whole_volume_export = not exports_by_rows(self.config, gpu=self.device.gpu)
 
     def inputs(self, request: Any, record: RequestRecord) -> dict[str, Any]:
         logits = input_array(request, io_names.LOGITS, on_host=self.device.watch(record))
@@ -82,7 +84,7 @@ class StitchStep(Step):
                              num_heads=self.config.labels.num_segmentation_heads,
                              max_voxels=self.limits.max_voxels,
                              max_request_bytes=self.limits.max_request_bytes,
-                             original_geometry=self.device.gpu or not exports_by_rows(self.config))
+                             original_geometry=self.whole_volume_export)
         return {io_names.LOGITS: self.device.array(logits), io_names.CASE_PROPERTIES: props}
 
     def run(self, arrays: Mapping[str, Any], options: RequestOptions,
@@ -91,7 +93,7 @@ class StitchStep(Step):
             options.probabilities and self.probabilities_output is ProbabilitiesOutput.REQUEST
         )
         logits, props = arrays[io_names.LOGITS], arrays[io_names.CASE_PROPERTIES]
-        if want_probabilities:  # K x the original volume, float32: within the budget (inputs() left it out)
+        if want_probabilities and not self.whole_volume_export:  # inputs() left the probabilities out
             check_request_memory(self.config.labels.num_segmentation_heads, logits.shape[1:],
                                  props.shape_before_cropping, self.limits.max_request_bytes)
         if not is_cupy_array(logits):
