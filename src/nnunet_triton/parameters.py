@@ -28,6 +28,7 @@ from nnunet_triton.numerics.limits import (
     MAX_REQUEST_BYTES_PARAMETER,
     MAX_VOXELS_PARAMETER,
 )
+from nnunet_triton.numerics.releases import release_numerics
 from nnunet_triton.options import ProbabilitiesOutput, parse_bool, parse_int
 
 if TYPE_CHECKING:
@@ -257,5 +258,6 @@ def description_parameters(config: InferenceConfig) -> dict[str, str]:
         "mirror_axes": list(config.mirror_axes) if config.mirror_axes is not None else None,
         "axis_order": AXIS_ORDER,
         "nnunet_triton_version": __version__,
+        "numerics": release_numerics(config.numerics).to_dict(),
     }
     return {DESCRIPTION_PARAMETER: json.dumps(description, sort_keys=True)}

@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from nnunet_triton.errors import PlansError, UnsupportedModelError
-from nnunet_triton.numerics.model_folder import CHECKPOINT_NAME, load_checkpoint
+from nnunet_triton.numerics.model_folder import (
+    CHECKPOINT_NAME,
+    architecture_of_flat_plans,
+    load_checkpoint,
+    resolve_configuration,
+)
 
 __all__ = [
     "FoldNetwork",
@@ -105,7 +110,7 @@ def load_fold_network(
         if not (model_dir / name).is_file():
             raise PlansError(f"model folder {str(model_dir)!r} has no {name}.")
     dataset_json = json.loads((model_dir / "dataset.json").read_text())
-    plans_manager = PlansManager(json.loads((model_dir / "plans.json").read_text()))
+    plans = json.loads((model_dir / "plans.json").read_text())
     checkpoint = load_checkpoint(model_dir / f"fold_{fold}" / checkpoint_name, allow_pickle=allow_pickle)
     try:
         trainer_name = checkpoint["trainer_name"]
@@ -115,6 +120,7 @@ def load_fold_network(
         raise PlansError(
             f"checkpoint fold_{fold}/{checkpoint_name} lacks {exc.args[0]!r}; not an nnU-Net v2 checkpoint?"
         ) from None
+    plans_manager = PlansManager(_with_architecture(plans, configuration))
     configuration_manager = plans_manager.get_configuration(configuration)
     n_in = determine_num_input_channels(plans_manager, configuration_manager, dataset_json)
     n_out = plans_manager.get_label_manager(dataset_json).num_segmentation_heads
@@ -131,6 +137,18 @@ def load_fold_network(
         patch_size=tuple(int(p) for p in configuration_manager.patch_size),
         smallest_input=smallest_input(configuration_manager.patch_size, _strides(configuration_manager)),
     )
+
+
+def _with_architecture(plans: dict[str, Any], configuration: str) -> dict[str, Any]:
+    """``plans`` whose ``configuration`` is resolved and, in the flat pre-2.3 format, given the architecture
+    block those releases built (``numerics.model_folder.architecture_of_flat_plans``): nnU-Net 2.8.1's own
+    reconstruction names ``architectures.residual_unet.ResidualEncoderUNet``, a module the installed
+    dynamic_network_architectures does not have, where the old releases built ``architectures.unet``'s."""
+    if configuration not in plans.get("configurations", {}):
+        return plans
+    resolved = architecture_of_flat_plans(resolve_configuration(plans, configuration), configuration)
+    resolved.pop("inherits_from", None)
+    return {**plans, "configurations": {**plans["configurations"], configuration: resolved}}
 
 
 def _strides(configuration_manager: Any) -> Any:

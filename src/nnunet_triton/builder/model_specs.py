@@ -32,9 +32,11 @@ from nnunet_triton.builder.config_gen import (
     WarmupInput,
 )
 from nnunet_triton.dtypes import wire_dtype
+from nnunet_triton.errors import InputValidationError
 from nnunet_triton.numerics import prediction_export
 from nnunet_triton.numerics.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_VOXELS
 from nnunet_triton.numerics.plans import InferenceConfig
+from nnunet_triton.numerics.releases import DEFAULT_NUMERICS, release_numerics
 from nnunet_triton.options import ProbabilitiesOutput
 from nnunet_triton.parameters import (
     DEFAULT_MAX_INFLIGHT,
@@ -119,6 +121,9 @@ class BuildOptions:
             logits or probabilities may take (``numerics.limits.check_request_memory``); 0 = none.
         metrics: the Python pipeline models export the custom ``nnunet_*`` metrics (``serving.metrics``);
             False writes their ``metrics`` parameter as "false".
+        numerics: the nnU-Net release whose inference arithmetic the endpoint reproduces
+            (``numerics.releases``: ``2.8`` (default, nnU-Net 2.6 to 2.8.1), ``2.5``, ``2.4``, ``2.3``,
+            ``2.2.1``, ``2.2``, ``2.1``, ``2.0``); stored in every Python model's ``inference_config.json``.
         serving_torch: major.minor of the torch that loads the fold models where they are served
             (``builder.torch_compat``); default (None): the libtorch of tritonserver 26.09 (2.14) for the
             libtorch runner on gpu, else the serving environment's own torch (the Python runner, and the
@@ -142,9 +147,11 @@ class BuildOptions:
     gpus: tuple[int, ...] = ()
     metrics: bool = True
     serving_torch: str | None = None
+    numerics: str = DEFAULT_NUMERICS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", Target(self.target))
+        _check_numerics(self.numerics)
         if self.orchestrator_instances is None:
             object.__setattr__(self, "orchestrator_instances",
                                GPU_ORCHESTRATOR_INSTANCES if self.target is Target.GPU else 1)
@@ -240,6 +247,13 @@ class BuildOptions:
     def limit_fields(self) -> dict[str, int]:
         """The :class:`~nnunet_triton.parameters.LimitedParameters` fields these options set."""
         return {"max_voxels": self.max_voxels, "max_request_bytes": self.max_request_bytes}
+
+
+def _check_numerics(name: str) -> None:
+    try:
+        release_numerics(name)
+    except InputValidationError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def segmentation_dtype(config: InferenceConfig) -> str:

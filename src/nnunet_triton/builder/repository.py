@@ -43,7 +43,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ from nnunet_triton.numerics.postprocessing import (
     find_postprocessing_pkl,
     load_postprocessing_pkl,
 )
+from nnunet_triton.numerics.releases import release_numerics
 from nnunet_triton.repository import ModelRepository
 from nnunet_triton.repository.registry import Registry, locked, write_registry
 from nnunet_triton.segment_metadata import PUBLISHED_KEY, SegmentMetadata, label_values, read_segment_metadata
@@ -276,8 +277,10 @@ def build_repository(
     options = options or BuildOptions()
     endpoint = endpoint or VersionChoice()
     torch_compat.check_export_torch(torch_version(), options.loading_torch, runner=str(options.runner))
-    config = read_model_folder(model_dir, folds=folds, allow_cascade=True)
+    config = _with_numerics(read_model_folder(model_dir, folds=folds, allow_cascade=True), options)
     previous = _previous_stage(model_dir, config, previous_stage_model, folds)
+    if previous is not None:
+        previous = previous[0], _with_numerics(previous[1], options, warn=False)
     if configuration is not None and configuration != config.configuration:
         raise PlansError(
             f"--configuration {configuration!r} does not match the configuration {config.configuration!r} "
@@ -315,6 +318,15 @@ def build_repository(
         LOGGER.info("built %s version %d into %s in %.1f s (folds %s, target %s)", result.name,
                     result.version, out, result.seconds, list(config.folds), options.target)
     return result
+
+
+def _with_numerics(config: InferenceConfig, options: BuildOptions, *, warn: bool = True) -> InferenceConfig:
+    """``config`` reproducing the release arithmetic ``options.numerics`` asks for; a release whose
+    arithmetic is an upstream bug is served as asked, with the bug named in a warning."""
+    if warn:
+        for bug in release_numerics(options.numerics).warnings:
+            LOGGER.warning("--numerics %s reproduces an nnU-Net bug: %s", options.numerics, bug)
+    return replace(config, numerics=options.numerics)
 
 
 def _previous_stage(model_dir: Path, config: InferenceConfig, explicit: str | Path | None,
@@ -399,7 +411,8 @@ def build_ensemble_repository(
     options = options or BuildOptions()
     endpoint = endpoint or VersionChoice()
     torch_compat.check_export_torch(torch_version(), options.loading_torch, runner=str(options.runner))
-    configs = [read_model_folder(m, folds=folds) for m in model_dirs]
+    configs = [_with_numerics(read_model_folder(m, folds=folds), options, warn=index == 0)
+               for index, m in enumerate(model_dirs)]
     check_ensemble_members(configs, [str(m) for m in model_dirs])
     export_options = _export_options(options, export_device)
     pp_plan = None if postprocessing in (None, "none") else load_postprocessing_pkl(Path(postprocessing))

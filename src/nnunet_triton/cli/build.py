@@ -25,6 +25,7 @@ from nnunet_triton.errors import PlansError
 from nnunet_triton.exit_codes import ExitCode
 from nnunet_triton.io_names import ENDPOINT_MODEL
 from nnunet_triton.numerics.model_folder import parse_fold, read_model_folder
+from nnunet_triton.numerics.releases import DEFAULT_NUMERICS, numerics_names
 
 __all__ = ["DEFAULT_OUT", "add_parsers", "add_arguments", "add_endpoint_arguments", "endpoint_choice", "run",
            "main"]
@@ -104,6 +105,12 @@ def add_arguments(p: Any, *, model_required: bool = True, out: bool = True) -> N
                         "(default: 2.14, tritonserver 26.09's libtorch, for the libtorch runner on gpu; the "
                         "serving environment's torch otherwise: the embedded server's PyTorch backend is "
                         "built against it); a newer torch here refuses to export")
+    p.add_argument("--numerics", choices=numerics_names(), default=DEFAULT_NUMERICS,
+                   help="the nnU-Net release whose inference arithmetic to reproduce (default "
+                        f"{DEFAULT_NUMERICS}: nnU-Net 2.6 to 2.8.1; docs/numerics.md lists what each "
+                        "changes); "
+                        "releases with an upstream bug (2.0, 2.1, 2.2, 2.2.1) are served as asked, with a "
+                        "warning naming it")
     p.add_argument("--fold-instances", type=int, default=1)
     p.add_argument("--orchestrator-instances", type=int, default=None,
                    help="requests worked on at once (the expected concurrency; default 1 on cpu, 2 on gpu); "
@@ -174,7 +181,7 @@ def _build(args: argparse.Namespace) -> int:
         fold_instances=args.fold_instances,
         orchestrator_instances=args.orchestrator_instances, max_inflight=args.max_inflight,
         max_voxels=args.max_voxels, max_request_bytes=args.max_request_bytes, metrics=not args.no_metrics,
-        serving_torch=args.serving_torch,
+        serving_torch=args.serving_torch, numerics=args.numerics,
     )
     configurations = _configurations(args.model, args.configuration)
     endpoint = endpoint_choice(args)

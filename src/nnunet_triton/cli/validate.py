@@ -5,6 +5,8 @@
     nnunet-triton validate --against DIR -i CASES [--url ...]
     nnunet-triton validate --against DIR_OF_V1 --endpoint liver --endpoint-version 2 -i CASES   (a new version
         before it is promoted: its pinned endpoint liver__v2 against the answers recorded from version 1)
+    nnunet-triton validate --detect-release --model-dir RESULTS_FOLDER -i IMAGES_TR   (no server: which
+        nnU-Net release's numerics reproduce the folder's fold_<k>/validation/ predictions; docs/numerics.md)
 
 With ``--model-dir`` every case goes through nnU-Net's own ``nnUNetPredictor`` here (CPU) and through the
 endpoint, with the same folds (default: every deployed fold), step size and mirroring; ``--record DIR``
@@ -32,10 +34,12 @@ from nnunet_triton.cli.common import (
     connection_tls,
     endpoint_model,
     request_options,
+    say,
     url,
 )
 from nnunet_triton.errors import InputValidationError
 from nnunet_triton.exit_codes import ExitCode
+from nnunet_triton.numerics.releases import DEFAULT_NUMERICS
 from nnunet_triton.validate.compare import segmentation_labels
 from nnunet_triton.validate.references import IDENTITY_KEYS, RecordedReference, ReferenceWriter
 from nnunet_triton.validate.report import write_report
@@ -66,6 +70,10 @@ def add_parsers(sub: Any) -> None:
     add_request_option_arguments(p, probabilities="also compare the probabilities")
     p.add_argument("--min-dice", type=float, default=0.999, help="per label (default 0.999)")
     p.add_argument("--exact", action="store_true", help="every voxel must be equal (the CPU path)")
+    p.add_argument("--detect-release", action="store_true",
+                   help="with --model-dir: no server; re-predict the folder's fold_<k>/validation/ cases "
+                        "(their images in --input, e.g. imagesTr) under every nnU-Net release's numerics and "
+                        "name the releases that reproduce them exactly (docs/numerics.md); report: --report")
     p.add_argument("--allow-model-change", action="store_true",
                    help="with --against: the endpoint may serve another training of the same labels (a new "
                         "version, other plans or trainer); the differences are listed in the report")
@@ -94,6 +102,8 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
     from nnunet_triton.client.endpoint import describe_endpoint
     from nnunet_triton.client.jobs import collect_jobs
 
+    if getattr(args, "detect_release", False):
+        return _detect_release(args)
     if args.record is not None and args.model is None:
         raise InputValidationError("--record needs --model-dir: a reference set is recorded from a validated "
                                    "run.")
@@ -129,6 +139,11 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
                                        f"{args.model} (" + "; ".join(mismatch) + ").")
         reference = NnunetReference(args.model, options, postprocessing=published.get("postprocessing"))
         kind = "nnU-Net (nnUNetPredictor, CPU)"
+        if _numerics(published) != DEFAULT_NUMERICS:  # the installed nnU-Net is the reference
+            LOGGER.warning("the endpoint reproduces nnU-Net %s's numerics (build --numerics) but the "
+                           "reference is the installed nnU-Net %s: labels may differ where those releases "
+                           "differ (docs/numerics.md)", _numerics(published), metadata.version("nnunetv2"))
+            kind += f"; the endpoint reproduces nnU-Net {_numerics(published)}"
     versions = {**_versions(description), "reference_device": "cpu" if args.model else None}
     writer = ReferenceWriter(args.record, identity, options.to_dict(), versions) \
         if args.record is not None else None
@@ -137,6 +152,7 @@ def validate(args: argparse.Namespace, server_url: str) -> int:
                               options=options, thresholds=thresholds, reference_kind=kind,
                               deployment={**identity, "url": server_url, "endpoint": model, **versions,
                                           "fold_forward": published.get("fold_forward", "unknown"),
+                                          "numerics": _numerics(published),
                                           **({"model_changes": changes} if changes else {})},
                               total=len(jobs))
     with NnunetClient(server_url, protocol=args.protocol, timeout_s=args.timeout, endpoint=model,
@@ -165,3 +181,29 @@ def _finish_record(writer: ReferenceWriter | None, result: ValidationResult) -> 
     else:
         writer.discard()
         sys.stderr.write("reference set NOT recorded: not every case passed.\n")
+
+
+def _numerics(published: dict) -> str:
+    """The release arithmetic the endpoint reproduces (``build --numerics``; 2.8 before it was one)."""
+    return str((published.get("numerics") or {}).get("numerics", DEFAULT_NUMERICS))
+
+
+def _detect_release(args: argparse.Namespace) -> int:
+    """``--detect-release``: 0 when some release's numerics reproduce every validation case, else 1."""
+    from nnunet_triton.builder.fold_network import load_fold_network
+    from nnunet_triton.util.durable import write_json_atomic
+    from nnunet_triton.validate.release_detection import detect_release
+
+    if args.model is None:
+        raise InputValidationError("--detect-release needs --model-dir (the results folder whose "
+                                   "fold_<k>/validation/ predictions to reproduce).")
+    if not args.input.is_dir():
+        raise InputValidationError(f"--input {args.input}: --detect-release needs the folder holding the "
+                                   "validation cases' images (nnU-Net naming, e.g. imagesTr).")
+    detection = detect_release(args.model, args.input,
+                               load_network=lambda folder, fold: load_fold_network(folder, fold).network,
+                               progress=lambda line: LOGGER.info("%s", line))
+    args.report.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.report / "release_detection.json", detection.to_dict(), indent=2)
+    say(detection.summary(), sys.stdout)
+    return ExitCode.OK if detection.reproducing else ExitCode.CHECK_FAILED

@@ -30,6 +30,7 @@ __all__ = [
     "detect_folds",
     "parse_fold",
     "load_checkpoint",
+    "architecture_of_flat_plans",
 ]
 
 
@@ -108,6 +109,74 @@ def _normalization(plans: Mapping[str, Any], config: Mapping[str, Any], n_channe
     return tuple(out)
 
 
+_FLAT_NETWORKS = {  # UNet_class_name of the flat plans -> the class nnU-Net 2.3+ reconstructs
+    "PlainConvUNet": ("dynamic_network_architectures.architectures.unet.PlainConvUNet", "n_conv_per_stage"),
+    "ResidualEncoderUNet": ("dynamic_network_architectures.architectures.unet.ResidualEncoderUNet",
+                            "n_blocks_per_stage"),
+}
+_FLAT_KEYS = ("UNet_class_name", "UNet_base_num_features", "n_conv_per_stage_encoder",
+              "n_conv_per_stage_decoder", "num_pool_per_axis", "pool_op_kernel_sizes", "conv_kernel_sizes",
+              "unet_max_num_features")
+
+
+def architecture_of_flat_plans(config: Mapping[str, Any], configuration: str) -> dict[str, Any]:
+    """A resolved configuration in the plans format of nnU-Net 2.3 and later (an ``architecture`` block).
+
+    Plans written by nnU-Net 2.0 to 2.2.x describe the network with flat keys (``UNet_class_name``,
+    ``UNet_base_num_features``, ``n_conv_per_stage_encoder``, ...), which those releases'
+    ``get_network_from_plans`` turned into a ``PlainConvUNet`` or ``ResidualEncoderUNet`` with instance norm,
+    LeakyReLU and conv bias. nnU-Net 2.3 and later rebuild the same network from them
+    (``ConfigurationManager.__init__``, "Detected old nnU-Net plans format"); this is that rebuild, so old
+    model folders build and serve, except that the residual network is named where the old releases
+    imported it (``architectures.unet``; 2.8.1's rebuild names ``architectures.residual_unet``, which the
+    installed dynamic_network_architectures 0.4 lacks). A configuration with an ``architecture`` block is
+    returned as it is.
+
+    Raises:
+        UnsupportedModelError: flat plans naming another network class, or missing one of the flat keys.
+    """
+    config = dict(config)
+    if "architecture" in config:
+        return config
+    name = config.get("UNet_class_name")
+    if name not in _FLAT_NETWORKS:
+        raise UnsupportedModelError(
+            f"plans.json configuration {configuration!r} has neither an 'architecture' block nor a "
+            f"UNet_class_name nnU-Net can rebuild ({list(_FLAT_NETWORKS)}), got {name!r}.")
+    missing = [key for key in _FLAT_KEYS if key not in config]
+    if missing or "patch_size" not in config:
+        raise UnsupportedModelError(
+            f"plans.json configuration {configuration!r} is in the pre-2.3 flat format but lacks "
+            f"{missing or ['patch_size']}.")
+    class_name, blocks = _FLAT_NETWORKS[name]
+    dim = len(config["patch_size"])
+    stages = len(config["n_conv_per_stage_encoder"])
+    base, most = int(config["UNet_base_num_features"]), int(config["unet_max_num_features"])
+    config["architecture"] = {
+        "network_class_name": class_name,
+        "arch_kwargs": {
+            "n_stages": stages,
+            "features_per_stage": [min(base * 2**i, most) for i in range(stages)],
+            "conv_op": f"torch.nn.modules.conv.Conv{dim}d",
+            "kernel_sizes": copy.deepcopy(config["conv_kernel_sizes"]),
+            "strides": copy.deepcopy(config["pool_op_kernel_sizes"]),
+            blocks: copy.deepcopy(config["n_conv_per_stage_encoder"]),
+            "n_conv_per_stage_decoder": copy.deepcopy(config["n_conv_per_stage_decoder"]),
+            "conv_bias": True,
+            "norm_op": f"torch.nn.modules.instancenorm.InstanceNorm{dim}d",
+            "norm_op_kwargs": {"eps": 1e-05, "affine": True},
+            "dropout_op": None,
+            "dropout_op_kwargs": None,
+            "nonlin": "torch.nn.LeakyReLU",
+            "nonlin_kwargs": {"inplace": True},
+        },
+        "_kw_requires_import": ["conv_op", "norm_op", "dropout_op", "nonlin"],
+    }
+    for key in _FLAT_KEYS:
+        del config[key]
+    return config
+
+
 def _check_supported(plans: Mapping[str, Any], config: Mapping[str, Any], configuration: str) -> None:
     preprocessor = config.get("preprocessor_name", "DefaultPreprocessor")
     if preprocessor not in SUPPORTED_PREPROCESSORS:
@@ -121,11 +190,6 @@ def _check_supported(plans: Mapping[str, Any], config: Mapping[str, Any], config
         raise UnsupportedModelError(
             f"plans.json label_manager = {label_manager!r} is not supported; "
             f"supported: {list(SUPPORTED_LABEL_MANAGERS)}."
-        )
-    if "architecture" not in config:
-        raise UnsupportedModelError(
-            f"plans.json configuration {configuration!r} uses the pre-2.2 plans format (no 'architecture'); "
-            "re-run nnUNetv2_plan_experiment or convert the plans."
         )
 
 
@@ -145,7 +209,7 @@ def load_inference_config(
     ``allow_cascade``; then ``previous_stage`` is kept and the network takes
     ``num_input_channels + len(foreground labels)`` channels, as nnU-Net's ``determine_num_input_channels``.
     """
-    config = resolve_configuration(plans, configuration)
+    config = architecture_of_flat_plans(resolve_configuration(plans, configuration), configuration)
     _check_supported(plans, config, configuration)
     channel_names = dataset.get("channel_names") or dataset.get("modality")
     if not channel_names:

@@ -18,6 +18,7 @@ from typing import Any
 
 from nnunet_triton import io_names
 from nnunet_triton.errors import PlansError, UnsupportedModelError
+from nnunet_triton.numerics.releases import DEFAULT_NUMERICS, release_numerics
 
 __all__ = [
     "IntensityProperties",
@@ -215,6 +216,10 @@ class InferenceConfig:
     image_reader_writer: str
     file_ending: str
     previous_stage: str | None = None
+    numerics: str = DEFAULT_NUMERICS  # the nnU-Net release whose inference arithmetic to reproduce
+
+    def __post_init__(self) -> None:
+        release_numerics(self.numerics)  # an unknown name is refused here, naming the choices
 
     @property
     def num_input_channels(self) -> int:

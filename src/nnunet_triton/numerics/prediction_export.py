@@ -14,6 +14,10 @@ Port of ``convert_predicted_logits_to_segmentation_with_correct_shape``
 4. probabilities (optional): float32 softmax / sigmoid, background channel = 1 outside the bbox
    for label models, uncropped and transposed back.
 
+Older releases differ in three places (``numerics.releases``, chosen by ``config.numerics``): 2.0 and 2.1
+resample float32 logits, releases up to 2.5.x take the labels from the probabilities, and releases before
+2.5.1 pass the original spacing in the reader's axis order.
+
 nnU-Net computes the nonlinearity with torch's vectorised float32 ``exp``; here ``exp`` is taken in
 float64 and rounded to float32, so probabilities agree to within a few float32 ulps, not bitwise.
 The segmentation does not depend on that: the argmax runs on the float16 logits, as in nnU-Net's
@@ -31,6 +35,7 @@ from nnunet_triton.numerics._xp import get_array_module
 from nnunet_triton.numerics.cropping import insert_crop
 from nnunet_triton.numerics.plans import InferenceConfig, LabelSettings
 from nnunet_triton.numerics.preprocess import CaseProperties
+from nnunet_triton.numerics.releases import release_numerics
 from nnunet_triton.numerics.resampling import resample_with_settings
 
 __all__ = [
@@ -75,10 +80,20 @@ def apply_inference_nonlin(logits: Any, labels: LabelSettings) -> Any:
     return x
 
 
-def segmentation_from_logits(logits: Any, labels: LabelSettings) -> Any:
-    """``LabelManager.convert_logits_to_segmentation``: argmax (labels) or thresholded sigmoid (regions)."""
+def segmentation_from_logits(logits: Any, labels: LabelSettings, *, from_probabilities: bool = False,
+                             probabilities: Any = None) -> Any:
+    """``LabelManager.convert_logits_to_segmentation``: argmax (labels) or thresholded sigmoid (regions).
+
+    ``from_probabilities``: the argmax of the float32 softmax instead of the logits (nnU-Net up to 2.5.x,
+    ``numerics.releases``; ``probabilities`` when already computed): two logits the float32 softmax rounds
+    to one probability then go to the first label, as there.
+    """
     xp = get_array_module(logits)
     if not labels.has_regions:
+        if from_probabilities:
+            if probabilities is None:
+                probabilities = apply_inference_nonlin(logits, labels)
+            return xp.argmax(probabilities, axis=0)
         return xp.argmax(logits, axis=0)
     seg = xp.zeros(logits.shape[1:], dtype=xp.uint16)
     if logits.dtype == xp.float16:
@@ -91,12 +106,16 @@ def segmentation_from_logits(logits: Any, labels: LabelSettings) -> Any:
 
 
 def _current_spacing(props: CaseProperties, config: InferenceConfig) -> tuple[list[float], list[float]]:
-    """(spacing of the logits, original spacing), both in transposed order, as the nnU-Net export."""
-    spacing_transposed = [float(props.spacing[i]) for i in config.transpose_forward]
+    """(spacing of the logits, original spacing), as the nnU-Net export passes them to the resampling: in
+    the transposed order (2.5.1 and later), or the original spacing in the reader's order (before 2.5.1,
+    ``numerics.releases``; it decides the slice axis of a 2D configuration and separate z)."""
+    original = [float(s) for s in props.spacing]
+    if release_numerics(config.numerics).export_spacing_transposed:
+        original = [original[i] for i in config.transpose_forward]
     target_ndim = len(props.shape_after_cropping_and_before_resampling)
     if len(config.spacing) == target_ndim:
-        return [float(s) for s in config.spacing], spacing_transposed
-    return [spacing_transposed[0], *(float(s) for s in config.spacing)], spacing_transposed
+        return [float(s) for s in config.spacing], original
+    return [original[0], *(float(s) for s in config.spacing)], original
 
 
 def check_logits_fit(logits: Any, props: CaseProperties, config: InferenceConfig) -> None:
@@ -129,6 +148,9 @@ def convert_logits_to_segmentation(
     """
     check_logits_fit(logits, props, config)
     xp = get_array_module(logits)
+    numerics = release_numerics(config.numerics)
+    if numerics.export_float32:  # nnU-Net 2.0 / 2.1 resample float32 logits
+        logits = logits.astype(xp.float32)
     current_spacing, original_spacing = _current_spacing(props, config)
     logits = resample_with_settings(
         logits,
@@ -137,7 +159,8 @@ def convert_logits_to_segmentation(
         original_spacing,
         config.resampling_probabilities,
     )
-    segmentation = segmentation_from_logits(logits, config.labels)
+    segmentation = segmentation_from_logits(logits, config.labels,
+                                            from_probabilities=numerics.labels_from_probabilities)
     seg_full = xp.zeros(props.shape_before_cropping, dtype=segmentation_dtype(config.labels))
     insert_crop(seg_full, segmentation.astype(seg_full.dtype), props.bbox)
     del segmentation

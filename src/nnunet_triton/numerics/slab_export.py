@@ -27,6 +27,7 @@ from nnunet_triton.numerics.prediction_export import (
     segmentation_dtype,
     segmentation_from_logits,
 )
+from nnunet_triton.numerics.releases import release_numerics
 from nnunet_triton.numerics.resampling import determine_do_sep_z_and_axis
 from nnunet_triton.numerics.slab_resampling import RowResampling, check_streamable
 
@@ -144,6 +145,9 @@ class SlabExporter:
             raise InputValidationError(f"workers must be >= 1, got {workers}.")
         self._workers = int(workers)
         self._plan = row_resampling(props, config, self._in_shape)
+        numerics = release_numerics(config.numerics)
+        self._float32 = numerics.export_float32  # nnU-Net 2.0 / 2.1 resample float32 logits
+        self._from_probabilities = numerics.labels_from_probabilities
         self._out_shape = tuple(int(s) for s in props.shape_after_cropping_and_before_resampling)
         self._seg = xp.zeros(self._out_shape, dtype=segmentation_dtype(config.labels))
         self._probs = xp.zeros((self._heads, *self._out_shape), dtype=xp.float32) if return_probabilities \
@@ -217,10 +221,16 @@ class SlabExporter:
     def _export(self, rows: tuple[int, int]) -> None:
         lo, hi = self._plan.source_rows(rows)  # only these rows: the block is converted to float64
         first = self._buffer_start
-        resampled = self._plan.rows(self._buffer[:, lo - first:hi - first], lo, rows)
-        self._seg[rows[0]:rows[1]] = segmentation_from_logits(resampled, self._labels).astype(self._seg.dtype)
-        if self._probs is not None:
-            self._probs[:, rows[0]:rows[1]] = apply_inference_nonlin(resampled, self._labels)
+        block = self._buffer[:, lo - first:hi - first]
+        if self._float32:
+            block = block.astype(self._xp.float32)
+        resampled = self._plan.rows(block, lo, rows)
+        probabilities = apply_inference_nonlin(resampled, self._labels) if self._probs is not None else None
+        segmentation = segmentation_from_logits(resampled, self._labels, probabilities=probabilities,
+                                                from_probabilities=self._from_probabilities)
+        self._seg[rows[0]:rows[1]] = segmentation.astype(self._seg.dtype)
+        if probabilities is not None:
+            self._probs[:, rows[0]:rows[1]] = probabilities
 
     def _drop_rows_before(self, row: int) -> None:
         row = min(row, self._received)  # the next rows may read rows that have not arrived yet

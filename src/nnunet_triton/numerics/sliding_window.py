@@ -124,13 +124,14 @@ def _sum_then_divide(arrays: Sequence[Any], xp: ModuleType) -> Any:
     return _torch_op(result, len(arrays), operator.truediv, xp)
 
 
-def average_folds(fold_logits: Sequence[Any]) -> Any:
-    """Mean of per-fold float16 logits: ``+=`` in fold order, then ``/= n`` (float16, as nnU-Net on CPU)."""
+def average_folds(fold_logits: Sequence[Any], *, divide_each_fold: bool = False) -> Any:
+    """Mean of per-fold float16 logits: ``+=`` in fold order, then ``/= n`` (float16, as nnU-Net on CPU);
+    ``divide_each_fold``: nnU-Net 2.0's ``/= n`` after every fold (:class:`FoldAverage`)."""
     if not fold_logits:
         raise InputValidationError("average_folds needs at least one fold's logits, got none.")
     if is_torch_module(tensor_namespace(*fold_logits)):  # FoldAverage sums into its first fold's buffer
         fold_logits = [fold_logits[0].clone(), *fold_logits[1:]]
-    average = FoldAverage(len(fold_logits))
+    average = FoldAverage(len(fold_logits), divide_each_fold=divide_each_fold)
     for logits in fold_logits:
         average.add(logits)
     return average.finalize()
@@ -143,13 +144,15 @@ class FoldAverage:
     ``add`` takes the folds in averaging order; the first becomes the running float16 sum (a torch tensor
     is summed into in place: the caller hands it over), the others are added with torch's ``+=`` rule, and
     :meth:`finalize` divides by the number of folds (one fold is returned as it is, like nnU-Net). The bits
-    are those of :func:`average_folds` over the same list.
+    are those of :func:`average_folds` over the same list. ``divide_each_fold`` reproduces nnU-Net 2.0,
+    which divides the running sum by the number of folds after every fold (``numerics.releases``).
     """
 
-    def __init__(self, num_folds: int) -> None:
+    def __init__(self, num_folds: int, *, divide_each_fold: bool = False) -> None:
         if num_folds < 1:
             raise InputValidationError(f"FoldAverage needs at least one fold, got num_folds={num_folds}.")
         self.num_folds = int(num_folds)
+        self.divide_each_fold = bool(divide_each_fold)  # nnU-Net 2.0 (numerics.releases)
         self.added = 0
         self._sum: Any = None
 
@@ -171,18 +174,24 @@ class FoldAverage:
         else:
             self._sum = _torch_op(self._sum, logits, operator.add, xp)
         self.added += 1
+        if self.divide_each_fold and self.num_folds > 1:  # 2.0: prediction /= n inside the fold loop
+            self._sum = self._divided(self._sum)
 
     def finalize(self) -> Any:
         """The fold mean, float16 ``(K, *spatial)``, once every fold was added."""
         if self.added != self.num_folds:
             raise RuntimeError(f"FoldAverage.finalize after {self.added} of {self.num_folds} folds.")
         result, self._sum = self._sum, None
-        if self.num_folds == 1:
+        if self.num_folds == 1 or self.divide_each_fold:
             return result
-        if is_torch_module(tensor_namespace(result)):
-            result /= self.num_folds
-            return result
-        return _torch_op(result, self.num_folds, operator.truediv, tensor_namespace(result))
+        return self._divided(result)
+
+    def _divided(self, total: Any) -> Any:
+        """``total /= num_folds`` with torch's float16 rule (in place for a torch tensor)."""
+        if is_torch_module(tensor_namespace(total)):
+            total /= self.num_folds
+            return total
+        return _torch_op(total, self.num_folds, operator.truediv, tensor_namespace(total))
 
 
 class LogitAccumulator:
@@ -205,8 +214,10 @@ class LogitAccumulator:
         xp: ModuleType = np,
         gaussian: Any | None = None,
         like: Any = None,
+        inf_is_error: bool = True,
     ) -> None:
         self._xp = xp
+        self._inf_is_error = inf_is_error
         self._patch = tuple(int(p) for p in patch_size)
         shape = tuple(int(s) for s in padded_spatial_shape)
         if is_torch_module(xp):
@@ -273,7 +284,7 @@ class LogitAccumulator:
             with np.errstate(divide="ignore", invalid="ignore"):
                 for k in range(logits.shape[0]):  # per head: keeps the float32 temporaries small
                     logits[k] = _torch_op(logits[k], weights, operator.truediv, xp)
-        if bool(xp.isinf(logits).any()):
+        if self._inf_is_error and bool(xp.isinf(logits).any()):
             raise NumericalError(
                 "Encountered inf in the stitched float16 logits (nnU-Net aborts here too); the network "
                 "output times the Gaussian overflowed float16."
@@ -377,7 +388,7 @@ class VolumeMerger:
         self._accumulator = LogitAccumulator(
             window.num_heads, splitter.padded.shape[1:], window.patch_size, use_gaussian=window.use_gaussian,
             xp=splitter.xp, gaussian=window.gaussian_map() if window.use_gaussian else None,
-            like=splitter.padded)
+            like=splitter.padded, inf_is_error=window.inf_is_error)
 
     def add(self, tile: int, slicer: tuple[Any, ...], logits: Any) -> None:
         self._accumulator.add(logits, slicer)

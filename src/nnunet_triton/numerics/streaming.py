@@ -97,6 +97,7 @@ class SlabMerger:
                 else xp.asarray(gaussian)
         self._gaussian = gaussian
         self._patch = tuple(window.patch_size)
+        self._inf_is_error = window.inf_is_error
         self._base = 0  # padded row held in band row 0
         self._held = 0  # rows base .. base + held have received a tile
         self._done = False
@@ -163,7 +164,7 @@ class SlabMerger:
             with np.errstate(divide="ignore", invalid="ignore"):
                 for k in range(logits.shape[0]):
                     logits[k] = self._op(logits[k], weights, operator.truediv, xp)
-        if bool(xp.isinf(logits).any()):
+        if self._inf_is_error and bool(xp.isinf(logits).any()):
             raise NumericalError(
                 "Encountered inf in the stitched float16 logits (nnU-Net aborts here too); the network "
                 "output times the Gaussian overflowed float16."
@@ -208,10 +209,11 @@ class FoldSlabAverage:
     little, a fold run to the end before the next holds its whole result.
     """
 
-    def __init__(self, num_folds: int, sink: SlabSink) -> None:
+    def __init__(self, num_folds: int, sink: SlabSink, *, divide_each_fold: bool = False) -> None:
         if num_folds < 1:
             raise InputValidationError(f"FoldSlabAverage needs at least one fold, got {num_folds}.")
         self._n = int(num_folds)
+        self._divide_each_fold = bool(divide_each_fold)  # nnU-Net 2.0's fold fusion (numerics.releases)
         self._sink = sink
         self._pending: list[Any] = [None] * self._n  # rows [done, done + len) per fold
         self._done = 0
@@ -229,7 +231,7 @@ class FoldSlabAverage:
 
     def _take(self, fold: int, start: int, slab: Any) -> None:
         from nnunet_triton.numerics._xp import tensor_namespace
-        from nnunet_triton.numerics.sliding_window import _sum_then_divide
+        from nnunet_triton.numerics.sliding_window import average_folds
 
         xp = tensor_namespace(slab)
         held = self._pending[fold]
@@ -249,4 +251,4 @@ class FoldSlabAverage:
         parts = [p[:, :ready] for p in self._pending]
         self._pending = [None if int(p.shape[1]) == ready else p[:, ready:] for p in self._pending]
         start_row, self._done = self._done, self._done + ready
-        self._sink(start_row, _sum_then_divide(parts, xp))
+        self._sink(start_row, average_folds(parts, divide_each_fold=self._divide_each_fold))

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from nnunet_triton.errors import InputValidationError
 from nnunet_triton.numerics.gaussian import DEFAULT_SIGMA_SCALE, compute_gaussian
+from nnunet_triton.numerics.releases import GaussianRule, release_numerics
 from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE, check_tile_step_size
 
 if TYPE_CHECKING:
@@ -116,6 +117,10 @@ class SlidingWindowSettings:
             setting: not part of equality or the repr.
         merger: the :data:`MergerFactory` of each fold's :class:`Merger`; ``None``: nnU-Net's whole-volume
             accumulation (``sliding_window.VolumeMerger``).
+        gaussian_rule: how the release being reproduced scales and casts the map
+            (``numerics.releases.GaussianRule``; default: nnU-Net 2.4 and later).
+        inf_is_error: an ``inf`` in the stitched float16 logits fails the fold (nnU-Net 2.3 and later);
+            ``False`` passes it on, as older releases do.
 
     Raises:
         InputValidationError: a field breaking its rule; the message names the field, the rule and the value.
@@ -131,6 +136,8 @@ class SlidingWindowSettings:
     max_inflight: int = 1
     gaussian: Any = field(default=None, compare=False, repr=False)
     merger: MergerFactory | None = None
+    gaussian_rule: GaussianRule = GaussianRule.PEAK10_DIVIDE
+    inf_is_error: bool = True
 
     def __post_init__(self) -> None:
         patch = _patch_size(self.patch_size)
@@ -158,6 +165,13 @@ class SlidingWindowSettings:
                               f"{getattr(self.gaussian, 'dtype', type(self.gaussian).__name__)} {shape}")
         if self.merger is not None and not callable(self.merger):
             raise _refuse("merger", "None or a callable (splitter, settings) -> Merger", self.merger)
+        try:
+            object.__setattr__(self, "gaussian_rule", GaussianRule(self.gaussian_rule))
+        except ValueError:
+            raise _refuse("gaussian_rule", f"one of {[r.value for r in GaussianRule]}",
+                          self.gaussian_rule) from None
+        if not isinstance(self.inf_is_error, bool):
+            raise _refuse("inf_is_error", "a bool", self.inf_is_error)
 
     @property
     def variants_per_tile(self) -> int:
@@ -168,15 +182,18 @@ class SlidingWindowSettings:
         """The float16 importance map: :attr:`gaussian` if given, else computed (NumPy) from the settings."""
         if self.gaussian is not None:
             return self.gaussian
-        return compute_gaussian(self.patch_size, sigma_scale=self.sigma_scale)
+        return compute_gaussian(self.patch_size, sigma_scale=self.sigma_scale, rule=self.gaussian_rule)
 
     @classmethod
     def for_request(cls, config: InferenceConfig, options: RequestOptions, *, batch_size: int = 1,
                     max_inflight: int = 1, gaussian: Any = None,
                     merger: MergerFactory | None = None) -> SlidingWindowSettings:
-        """The settings of one ``nnunet`` request: the deployed model's patch, heads and mirror axes (when
-        ``options.mirroring``), the request's tile step, and the caller's batching and cached map."""
+        """The settings of one ``nnunet`` request: the deployed model's patch, heads, mirror axes (when
+        ``options.mirroring``) and release numerics (``config.numerics``: the Gaussian's rule and the
+        ``inf`` check), the request's tile step, and the caller's batching and cached map."""
+        numerics = release_numerics(config.numerics)
         return cls(patch_size=tuple(config.patch_size), num_heads=config.labels.num_segmentation_heads,
                    mirror_axes=config.mirror_axes if options.mirroring else None,
                    tile_step_size=options.tile_step_size, batch_size=batch_size, max_inflight=max_inflight,
-                   gaussian=gaussian, merger=merger)
+                   gaussian=gaussian, merger=merger, gaussian_rule=numerics.gaussian,
+                   inf_is_error=numerics.inf_is_error)

@@ -144,6 +144,7 @@ async def predict_folds_async(
     window: SlidingWindowSettings,
     *,
     max_concurrent_folds: int | None = None,
+    divide_each_fold: bool = False,
 ) -> Any:
     """Run :func:`predict_fold_async` for the folds concurrently and average them in the given fold order.
 
@@ -160,6 +161,7 @@ async def predict_folds_async(
             running at once over ALL folds (one shared semaphore; also each fold's read-ahead window).
         max_concurrent_folds: folds alive at once (``None``: all; 1: nnUNetPredictor's one at a time): the
             request's memory plan (``numerics.limits.plan_fold_memory``), not a window setting.
+        divide_each_fold: nnU-Net 2.0's fold fusion (``numerics.releases``; :class:`FoldAverage`).
 
     Returns:
         float16 ``(K, *spatial)``: the fold mean (fp16 sum in fold order, then / n), as ``average_folds``;
@@ -173,7 +175,7 @@ async def predict_folds_async(
         raise ValueError(f"max_concurrent_folds must be >= 1 or None, got {max_concurrent_folds}.")
     splitter = TileSplitter(data, window)
     semaphore = asyncio.Semaphore(window.max_inflight)
-    average = FoldAverage(len(fold_infer))
+    average = FoldAverage(len(fold_infer), divide_each_fold=divide_each_fold)
     streamed = 0  # folds whose merger handed its result on itself (finalize returned None)
 
     def add(result: Any) -> None:

@@ -51,6 +51,7 @@ from nnunet_triton import io_names
 from nnunet_triton.errors import PlansError, RequestCancelledError
 from nnunet_triton.numerics.gaussian import compute_gaussian
 from nnunet_triton.numerics.limits import check_preprocessed, padded_voxels, plan_fold_memory
+from nnunet_triton.numerics.releases import release_numerics
 from nnunet_triton.options import RequestOptions
 from nnunet_triton.parameters import PARAM_FOLD_MODELS, OrchestratorParameters
 from nnunet_triton.pipeline.orchestration import predict_folds_async, window_settings
@@ -83,7 +84,8 @@ class OrchestratorStep(AsyncStep):
             )
         self.fold_models = dict(zip(self.config.folds, names, strict=True))
         self.limits = params  # also the window's tile_batch_size and max_inflight
-        self.gaussian = self.device.tensor(compute_gaussian(self.config.patch_size))
+        self.gaussian = self.device.tensor(compute_gaussian(
+            self.config.patch_size, rule=release_numerics(self.config.numerics).gaussian))
         self.instances = self.device.instances(json.loads(self.args.get("model_config") or "{}"))
 
     def inputs(self, request: Any, record: RequestRecord) -> dict[str, Any]:
@@ -110,6 +112,7 @@ class OrchestratorStep(AsyncStep):
             [self._fold_infer(self.fold_models[fold], request, record) for fold in options.folds],
             window,
             max_concurrent_folds=plan.max_concurrent_folds,
+            divide_each_fold=release_numerics(config.numerics).divide_each_fold,
         )
         per_tile = len(options.folds) * window.variants_per_tile  # inputs per tile
         record.add(folds=len(options.folds), tiles=record.counts.get("forwards", 0) // per_tile)
