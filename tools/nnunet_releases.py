@@ -7,9 +7,10 @@ sdist of each release in :data:`RELEASES`, checks its sha256, and unpacks only i
 venv's torch, NumPy, SciPy and nnU-Net's other dependencies (``tools.release_oracle`` runs it). The suite
 needs no network after ``make setup``.
 
-The cache is keyed by release and checksum: a release already unpacked is kept, a download whose checksum
-differs is refused and deleted, and an unpack goes to a temporary folder that is renamed into place last,
-so an interrupted run leaves no half-unpacked release.
+The cache is keyed by release and checksum: a release already unpacked is kept, a download is
+hash-pinned (pip refuses an archive whose sha256 differs before it runs anything from it, and it is checked
+again here), and an unpack goes to a temporary folder that is renamed into place last, under a lock, so an
+interrupted or concurrent run leaves no half-unpacked release.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -62,8 +62,12 @@ def _sha256(path: Path) -> str:
 
 
 def _download(release: str, into: Path) -> Path:
+    # hash-pinned: pip checks the archive's sha256 before it reads anything from it (an sdist's metadata is
+    # prepared by running its build backend)
+    requirement = into / "requirement.txt"
+    requirement.write_text(f"nnunetv2=={release} --hash=sha256:{RELEASES[release]}\n")
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                    "--dest", str(into), f"nnunetv2=={release}"], check=True)
+                    "--require-hashes", "--dest", str(into), "-r", str(requirement)], check=True)
     found = sorted(into.glob(f"nnunetv2-{release}.tar.gz"))
     if not found:
         raise RuntimeError(f"pip download nnunetv2=={release} wrote no nnunetv2-{release}.tar.gz in {into}.")
@@ -71,12 +75,22 @@ def _download(release: str, into: Path) -> Path:
 
 
 def ensure_release(release: str, cache: Path | None = None) -> Path:
-    """Unpack ``release``'s ``nnunetv2`` into the cache unless it is there; return :func:`release_path`."""
+    """Unpack ``release``'s ``nnunetv2`` into the cache unless it is there; return :func:`release_path`.
+
+    Concurrent runs take turns (a lock file in the cache), so none removes a tree another is reading."""
+    import fcntl
+
     target = release_path(release, cache)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure_locked(release, target)
+
+
+def _ensure_locked(release: str, target: Path) -> Path:
     marker = target / ".sha256"
     if marker.is_file() and marker.read_text().strip() == RELEASES[release]:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{release}-") as tmp:
         sdist = _download(release, Path(tmp))
         actual = _sha256(sdist)
@@ -92,8 +106,8 @@ def ensure_release(release: str, cache: Path | None = None) -> Path:
                 raise RuntimeError(f"nnunetv2-{release}.tar.gz holds no {prefix}.")
             archive.extractall(staged, members=members, filter="data")
         (staged / f"nnunetv2-{release}" / ".sha256").write_text(RELEASES[release] + "\n")
-        if target.exists():
-            shutil.rmtree(target)
+        if target.exists():  # a stale or partial tree: moved aside first, so the rename below is atomic
+            target.rename(Path(tmp) / "stale")
         (staged / f"nnunetv2-{release}").rename(target)
     return target
 

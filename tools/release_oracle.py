@@ -8,11 +8,12 @@ torch and libraries; :func:`run_release` does it::
         --images case_0000.nii.gz [--images other_0000.nii.gz ...]
 
 It writes ``OUT_DIR/<case>.nii.gz`` as the release writes them (2.0 and 2.1 through their
-``predict_from_raw_data`` function, later ones through ``nnUNetPredictor.predict_from_files``), with
-nnU-Net's defaults (Gaussian, mirroring, step 0.5), on one torch thread unless told otherwise. Releases
-before 2.3 read the flat plans format (``tools.fixtures.old_plans`` writes a model folder in it). A run that
-imports another ``nnunetv2`` than the one asked for stops with an error instead of answering for the wrong
-release.
+``predict_from_raw_data`` function, later ones through ``nnUNetPredictor.predict_from_files``) and
+``OUT_DIR/used_gaussian.npy``, the importance map the predictor computed for itself (recorded around its
+own ``compute_gaussian`` call, with the arguments it passes), with nnU-Net's defaults (Gaussian, mirroring,
+step 0.5), on one torch thread unless told otherwise. Releases before 2.3 read the flat plans format
+(``tools.fixtures.old_plans`` writes a model folder in it). A run that imports another ``nnunetv2`` than
+the one asked for stops with an error instead of answering for the wrong release.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["run_release"]
 
@@ -76,6 +78,17 @@ def _predict(release: str, model_dir: str, out_dir: str, folds: tuple[int | str,
         raise SystemExit(f"nnunetv2 came from {nnunetv2.__file__}, not from nnU-Net {release} at {expected}.")
     from nnunet_triton.options import DEFAULT_TILE_STEP_SIZE
 
+    used: list[Any] = []  # the importance map the predictor itself computes (its own arguments)
+    compute = predict_module.compute_gaussian
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        result = compute(*args, **kwargs)
+        used.append(result)
+        return result
+
+    if hasattr(compute, "cache_clear"):  # 2.2 and later cache it (functools.lru_cache) and clear the cache
+        recording.cache_clear = compute.cache_clear  # type: ignore[attr-defined]
+    predict_module.compute_gaussian = recording
     common = dict(tile_step_size=DEFAULT_TILE_STEP_SIZE, use_gaussian=True, use_mirroring=True, verbose=False)
     if hasattr(predict_module, "nnUNetPredictor"):
         predictor_class = predict_module.nnUNetPredictor
@@ -97,6 +110,12 @@ def _predict(release: str, model_dir: str, out_dir: str, folds: tuple[int | str,
                                              perform_everything_on_gpu=False, save_probabilities=False,
                                              overwrite=True, num_processes_preprocessing=1,
                                              num_processes_segmentation_export=1, device=torch.device("cpu"))
+    if used:
+        import numpy as np
+
+        first = used[0]
+        np.save(os.path.join(out_dir, "used_gaussian.npy"),
+                first.cpu().half().numpy() if isinstance(first, torch.Tensor) else np.asarray(first))
 
 
 def _gaussians(release: str, patches: list[tuple[int, ...]], out: str) -> None:

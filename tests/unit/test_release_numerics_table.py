@@ -142,3 +142,22 @@ def test_flat_plans_naming_an_unknown_network_or_missing_a_key_are_refused_namin
     del flat["conv_kernel_sizes"]
     with pytest.raises(UnsupportedModelError, match="conv_kernel_sizes"):
         architecture_of_flat_plans(flat, "3d_fullres")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_labels_from_probabilities_follow_nnunets_softmax_ties_not_the_logits(dtype: str) -> None:
+    from nnunet_triton.numerics.plans import LabelSettings
+    from nnunet_triton.numerics.prediction_export import apply_inference_nonlin, segmentation_from_logits
+
+    rng = np.random.default_rng(46)
+    top = rng.normal(0, 1e-3 if dtype == "float16" else 0.3, (1, 200_000)).astype(dtype)
+    logits = np.concatenate([top, np.nextafter(top, top.dtype.type(np.inf)), top - 2])  # one ulp apart
+    labels = LabelSettings.from_dataset({"labels": {"background": 0, "a": 1, "b": 2}})
+    theirs = torch.softmax(torch.from_numpy(logits).float(), 0).argmax(0).numpy()
+    from_logits = segmentation_from_logits(logits, labels)
+    assert np.count_nonzero(from_logits != theirs) > 1000  # the rounded ties do move nnU-Net's labels
+    mine = segmentation_from_logits(logits, labels, from_probabilities=True)
+    # torch's softmax rounds some elements with another exp (by their place in the array): a few ties differ
+    assert np.count_nonzero(mine != theirs) <= len(mine) // 1000
+    probabilities = apply_inference_nonlin(logits, labels)
+    assert np.array_equal(mine, probabilities.argmax(0))

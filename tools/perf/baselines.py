@@ -360,9 +360,12 @@ class BaselineWorker:
             raise RuntimeError(f"baseline worker {self.kind} exited (code {self._process.poll()}).")
         return json.loads(line)
 
-    def run(self, job: Job, *, timeout_s: float) -> tuple[BaselineResult, ResourceUsage]:
-        """Run one job; returns its result and the worker's sampled resource use during it."""
-        sampler = ProcessTreeSampler(self._process.pid).start()
+    def run(self, job: Job, *, timeout_s: float,
+            interval_s: float | None = None) -> tuple[BaselineResult, ResourceUsage]:
+        """Run one job; returns its result and the worker's resource use during it, sampled every
+        ``interval_s`` (default: the sampler's)."""
+        sampler = ProcessTreeSampler(self._process.pid, **({} if interval_s is None else
+                                                            {"interval_s": interval_s})).start()
         try:
             self._process.stdin.write(job.to_json() + "\n")
             self._process.stdin.flush()

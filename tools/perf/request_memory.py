@@ -1,4 +1,4 @@
-"""Memory of one request: peak RSS of the endpoint vs nnUNetPredictor on a large volume, side by side.
+"""Memory of one request: peak PSS of the endpoint vs nnUNetPredictor on a large volume, side by side.
 
 One run, one machine: the endpoint (``embedded.start`` on a repository built with ``BuildOptions()``, what
 ``make serve`` runs) and nnU-Net's ``nnUNetPredictor.predict_single_npy_array`` in a worker subprocess
@@ -6,9 +6,11 @@ One run, one machine: the endpoint (``embedded.start`` on a repository built wit
 SynthCT fixture and then, round by round, each given the same large volume (a held-out case resampled to
 ``--shape`` at the case's own spacing: a larger field of view, so the resampled grid, the tiles and the
 fold accumulators grow with it), all folds, mirroring off. Each side's process tree (tritonserver +
-stubs; the worker) is sampled every 0.1 s by ``tools.perf.resources``: idle RSS just before the request,
-peak RSS during it, and their difference, what one request adds. The load average says how busy the
-machine was.
+stubs; the worker) is sampled every 0.1 s by ``tools.perf.resources``: the sum of PSS over the tree
+(``/proc/<pid>/smaps_rollup``: a shared page counts once, however many processes map it) just before the
+request, its peak during it, and their difference, what one request adds. The sum of RSS is reported next
+to it for comparison with earlier tables (it counts shared memory once per process mapping it). The load
+average says how busy the machine was.
 
 Usage::
 
@@ -49,16 +51,20 @@ def enlarge(case: Case, shape: tuple[int, int, int]) -> Case:
     return Case(name=f"{case.name}-{'x'.join(map(str, shape))}", image=image, spacing=case.spacing)
 
 
-def _idle_mib(pid: int) -> float:
+def _idle(pid: int) -> Any:
     sampler = ProcessTreeSampler(pid, interval_s=SAMPLE_S).start()
     time.sleep(1.0)  # a few samples of the settled process tree
-    return sampler.stop().peak_rss_mib
+    return sampler.stop()
 
 
-def _row(system: str, idle: float, peak: float, wall: float, load: tuple[float, ...]) -> dict[str, Any]:
-    return {"system": system, "idle_rss_mib": round(idle, 1), "peak_rss_mib": round(peak, 1),
-            "peak_minus_idle_mib": round(peak - idle, 1), "wall_s": round(wall, 1),
-            "loadavg_1min": round(load[0], 2)}
+def _row(system: str, idle: Any, usage: Any) -> dict[str, Any]:
+    return {"system": system, "idle_pss_mib": round(idle.peak_pss_mib, 1),
+            "peak_pss_mib": round(usage.peak_pss_mib, 1),
+            "peak_minus_idle_pss_mib": round(usage.peak_pss_mib - idle.peak_pss_mib, 1),
+            "idle_rss_mib": round(idle.peak_rss_mib, 1), "peak_rss_mib": round(usage.peak_rss_mib, 1),
+            "peak_minus_idle_rss_mib": round(usage.peak_rss_mib - idle.peak_rss_mib, 1),
+            "idle_pss_by_process_mib": {k: round(v, 1) for k, v in idle.peak_pss_by_process_mib.items()},
+            "wall_s": round(usage.wall_s, 1), "loadavg_1min": round(usage.loadavg_end[0], 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,15 +102,14 @@ def main(argv: list[str] | None = None) -> int:
             NnunetClient(handle.grpc_url, "grpc", timeout_s=3600.0) as client:
         client.segment(warm.image, warm.spacing, mirroring=False)
         for _ in range(args.rounds):
-            idle = _idle_mib(handle.pid)
+            idle = _idle(handle.pid)
             sampler = ProcessTreeSampler(handle.pid, interval_s=SAMPLE_S).start()
             client.segment(big.image, big.spacing, mirroring=False)
-            usage = sampler.stop()
-            rows.append(_row("endpoint", idle, usage.peak_rss_mib, usage.wall_s, usage.loadavg_end))
-            idle = _idle_mib(worker._process.pid)
+            rows.append(_row("endpoint", idle, sampler.stop()))
+            idle = _idle(worker._process.pid)
             _, usage = worker.run(Job(case=big_path, folds=tuple(folds), mirroring=False, reps=1),
-                                  timeout_s=3600.0)
-            rows.append(_row("nnUNetPredictor", idle, usage.peak_rss_mib, usage.wall_s, usage.loadavg_end))
+                                  timeout_s=3600.0, interval_s=SAMPLE_S)
+            rows.append(_row("nnUNetPredictor", idle, usage))
             LOGGER.info("round: %s", rows[-2:])
     meta["loadavg_end"] = list(os.getloadavg())
     args.out.parent.mkdir(parents=True, exist_ok=True)

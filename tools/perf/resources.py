@@ -1,11 +1,16 @@
-"""CPU time and peak RSS of a process tree during a measurement (psutil, sampled in a thread).
+"""CPU time and peak memory of a process tree during a measurement (psutil, sampled in a thread).
 
 The tree is tritonserver plus its Python-backend stubs (one per model instance; the stub's command
 line ends with ``<instance name> DEFAULT``, which labels it), or a baseline subprocess. CPU seconds
-are the increase of user + system time of every process seen; peak RSS is the largest sum of the
-processes' resident sets over the samples (shared pages, e.g. torch's libraries, count once per
-process, as ``ps`` would). The 1-minute load average before and after says how busy the machine
-was with other work.
+are the increase of user + system time of every process seen. Memory is sampled two ways:
+
+- peak PSS, the memory measure: the largest sum over the samples of each process's proportional set size
+  (``Pss`` of ``/proc/<pid>/smaps_rollup``), which charges a shared page (torch's libraries, a
+  shared-memory tensor region) to each of the N processes mapping it by 1/N, so it counts once in the sum;
+- peak RSS, kept for comparison with earlier tables: the largest sum of resident sets, which counts a
+  shared page once per process that maps it (as ``ps`` would), overstating a multi-process tree.
+
+The 1-minute load average before and after says how busy the machine was with other work.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from types import TracebackType
 
 import psutil
 
-__all__ = ["ResourceUsage", "ProcessTreeSampler", "process_label"]
+__all__ = ["ResourceUsage", "ProcessTreeSampler", "process_label", "pss_bytes"]
 
 DEFAULT_INTERVAL_S = 0.5
 
@@ -32,6 +37,8 @@ class ResourceUsage:
     cpu_s: float
     peak_rss_mib: float
     peak_rss_by_process_mib: dict[str, float] = field(default_factory=dict)
+    peak_pss_mib: float = 0.0
+    peak_pss_by_process_mib: dict[str, float] = field(default_factory=dict)
     samples: int = 0
     loadavg_start: tuple[float, float, float] = (0.0, 0.0, 0.0)
     loadavg_end: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -46,9 +53,23 @@ class ResourceUsage:
             "wall_s": round(self.wall_s, 3), "cpu_s": round(self.cpu_s, 3),
             "cpu_percent": round(self.cpu_percent, 1), "peak_rss_mib": round(self.peak_rss_mib, 1),
             "peak_rss_by_process_mib": {k: round(v, 1) for k, v in self.peak_rss_by_process_mib.items()},
+            "peak_pss_mib": round(self.peak_pss_mib, 1),
+            "peak_pss_by_process_mib": {k: round(v, 1) for k, v in self.peak_pss_by_process_mib.items()},
             "samples": self.samples, "loadavg_start": list(self.loadavg_start),
             "loadavg_end": list(self.loadavg_end),
         }
+
+
+def pss_bytes(pid: int) -> int | None:
+    """The process's proportional set size (``Pss:`` of ``/proc/<pid>/smaps_rollup``), None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def process_label(process: psutil.Process) -> str:
@@ -83,6 +104,8 @@ class ProcessTreeSampler:
         self._labels: dict[int, str] = {}
         self._peak_rss = 0
         self._peak_by_label: dict[str, int] = {}
+        self._peak_pss = 0
+        self._peak_pss_by_label: dict[str, int] = {}
         self._samples = 0
         self._start = 0.0
         self._loadavg_start = (0.0, 0.0, 0.0)
@@ -96,7 +119,7 @@ class ProcessTreeSampler:
 
     def sample(self) -> None:
         """Take one sample now (also called by the thread)."""
-        total_rss = 0
+        total_rss = total_pss = 0
         for process in self._processes():
             try:
                 with process.oneshot():
@@ -115,7 +138,12 @@ class ProcessTreeSampler:
             total_rss += rss
             label = self._labels[pid]
             self._peak_by_label[label] = max(self._peak_by_label.get(label, 0), rss)
+            pss = pss_bytes(pid)
+            if pss is not None:
+                total_pss += pss
+                self._peak_pss_by_label[label] = max(self._peak_pss_by_label.get(label, 0), pss)
         self._peak_rss = max(self._peak_rss, total_rss)
+        self._peak_pss = max(self._peak_pss, total_pss)
         self._samples += 1
 
     def _loop(self) -> None:
@@ -139,6 +167,8 @@ class ProcessTreeSampler:
         self.usage = ResourceUsage(
             wall_s=wall, cpu_s=cpu, peak_rss_mib=self._peak_rss * mib,
             peak_rss_by_process_mib={k: v * mib for k, v in sorted(self._peak_by_label.items())},
+            peak_pss_mib=self._peak_pss * mib,
+            peak_pss_by_process_mib={k: v * mib for k, v in sorted(self._peak_pss_by_label.items())},
             samples=self._samples, loadavg_start=self._loadavg_start, loadavg_end=os.getloadavg(),
         )
         return self.usage

@@ -8,7 +8,8 @@ Port of ``convert_predicted_logits_to_segmentation_with_correct_shape``
    ``resampling_fn_probabilities`` (float64 math, stored back as float16; pass-through if the
    shape is unchanged); a 2D configuration keeps the slice axis' spacing;
 2. labels: ``argmax`` over the float16 channels, first index wins ties; regions:
-   ``sigmoid(float32) > 0.5`` written in ``regions_class_order`` (later regions overwrite);
+   ``sigmoid(float32) > 0.5`` written in ``regions_class_order`` (later regions overwrite); when the
+   probabilities are asked for, the argmax (or threshold) of the probabilities, as nnU-Net does then;
 3. uncrop into zeros of ``shape_before_cropping`` (uint8 if fewer than 255 foreground labels,
    else uint16), then ``transpose_backward``;
 4. probabilities (optional): float32 softmax / sigmoid, background channel = 1 outside the bbox
@@ -18,10 +19,14 @@ Older releases differ in three places (``numerics.releases``, chosen by ``config
 resample float32 logits, releases up to 2.5.x take the labels from the probabilities, and releases before
 2.5.1 pass the original spacing in the reader's axis order.
 
-nnU-Net computes the nonlinearity with torch's vectorised float32 ``exp``; here ``exp`` is taken in
-float64 and rounded to float32, so probabilities agree to within a few float32 ulps, not bitwise.
-The segmentation does not depend on that: the argmax runs on the float16 logits, as in nnU-Net's
-default (no probabilities) path.
+nnU-Net computes the nonlinearity with torch's CPU ``softmax``, whose vectorised ``exp`` is an
+approximation for most elements and ``std::exp`` for the rest, chosen by the element's place in the
+array: the same logits give other bits in another layout or with another torch thread count (1 element of
+100,003 differs between 1 and 2 threads, torch 2.14). Here ``exp`` is taken in float64 and rounded to
+float32, the same for every element wherever it is, so the whole-volume and the by-rows export agree bit
+for bit, and the probabilities are within a few float32 ulps of torch's. Labels taken from the
+probabilities (releases up to 2.5.x, and every release when probabilities are asked for) can therefore
+differ from nnU-Net's only where two classes' probabilities are within such an ulp of each other.
 """
 
 from __future__ import annotations
@@ -85,8 +90,8 @@ def segmentation_from_logits(logits: Any, labels: LabelSettings, *, from_probabi
     """``LabelManager.convert_logits_to_segmentation``: argmax (labels) or thresholded sigmoid (regions).
 
     ``from_probabilities``: the argmax of the float32 softmax instead of the logits (nnU-Net up to 2.5.x,
-    ``numerics.releases``; ``probabilities`` when already computed): two logits the float32 softmax rounds
-    to one probability then go to the first label, as there.
+    and whenever it computes probabilities; ``probabilities`` when already computed): two logits the float32
+    softmax rounds to one probability then go to the first label, as there.
     """
     xp = get_array_module(logits)
     if not labels.has_regions:
@@ -96,7 +101,9 @@ def segmentation_from_logits(logits: Any, labels: LabelSettings, *, from_probabi
             return xp.argmax(probabilities, axis=0)
         return xp.argmax(logits, axis=0)
     seg = xp.zeros(logits.shape[1:], dtype=xp.uint16)
-    if logits.dtype == xp.float16:
+    if probabilities is not None:
+        inside = probabilities > 0.5
+    elif logits.dtype == xp.float16:
         inside = logits.astype(xp.float32) > xp.float32(_FP16_SIGMOID_THRESHOLD)
     else:
         inside = apply_inference_nonlin(logits, labels) > 0.5
@@ -159,16 +166,18 @@ def convert_logits_to_segmentation(
         original_spacing,
         config.resampling_probabilities,
     )
-    segmentation = segmentation_from_logits(logits, config.labels,
-                                            from_probabilities=numerics.labels_from_probabilities)
+    # nnU-Net takes the labels from the probabilities when it computes them (and always up to 2.5.x)
+    probabilities = apply_inference_nonlin(logits, config.labels) if return_probabilities else None
+    segmentation = segmentation_from_logits(logits, config.labels, probabilities=probabilities,
+                                            from_probabilities=numerics.labels_from_probabilities
+                                            or return_probabilities)
+    del logits
     seg_full = xp.zeros(props.shape_before_cropping, dtype=segmentation_dtype(config.labels))
     insert_crop(seg_full, segmentation.astype(seg_full.dtype), props.bbox)
     del segmentation
     seg_full = xp.ascontiguousarray(seg_full.transpose(config.transpose_backward))
-    if not return_probabilities:
+    if probabilities is None:
         return seg_full
-    probabilities = apply_inference_nonlin(logits, config.labels)
-    del logits
     probs_full = xp.zeros((probabilities.shape[0], *props.shape_before_cropping), dtype=xp.float32)
     if not config.labels.has_regions:
         probs_full[0] = 1

@@ -26,10 +26,11 @@ numerics    Gaussian map                  fold fusion  export in   labels from  
   weigh more; 2.1 moved it after the loop. ``sliding_window.FoldAverage(divide_each_fold=...)``.
 - **Export in**: 2.0 and 2.1 cast the fold-averaged float16 logits to float32 before resampling them to
   the original geometry (``export_prediction_from_softmax``); from 2.2 they are resampled as float16.
-- **Labels from**: up to 2.5.1 the export applies the softmax/sigmoid and takes the argmax of the float32
-  probabilities (``convert_probabilities_to_segmentation``); 2.8.1 takes the argmax of the logits when no
-  probabilities are asked for. On float16 logits the two give the same labels (the float32 softmax keeps
-  distinct float16 logits apart), so only the float32 export of 2.0/2.1 computes the probabilities first.
+- **Labels from**: up to 2.5.x the export applies the softmax/sigmoid and takes the argmax of the float32
+  probabilities (``convert_probabilities_to_segmentation``); from 2.6.0 the argmax of the logits when no
+  probabilities are asked for (and of the probabilities when they are). Two logits a float32 softmax rounds
+  to one probability go to the first label there: on float16 logits this happens only when both are within
+  about 1e-4 of each other and of zero, on the float32 logits of 2.0/2.1 at any one-ulp tie.
 - **inf**: from 2.3 the stitched float16 logits are checked for ``inf`` and the prediction aborts; before,
   an overflow passes to the export. No release checks for NaN.
 - **Export spacing**: before 2.5.1 the export passes ``properties['spacing']`` in the reader's axis order

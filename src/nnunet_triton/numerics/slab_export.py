@@ -227,7 +227,8 @@ class SlabExporter:
         resampled = self._plan.rows(block, lo, rows)
         probabilities = apply_inference_nonlin(resampled, self._labels) if self._probs is not None else None
         segmentation = segmentation_from_logits(resampled, self._labels, probabilities=probabilities,
-                                                from_probabilities=self._from_probabilities)
+                                                from_probabilities=self._from_probabilities
+                                                or probabilities is not None)
         self._seg[rows[0]:rows[1]] = segmentation.astype(self._seg.dtype)
         if probabilities is not None:
             self._probs[:, rows[0]:rows[1]] = probabilities

@@ -5,10 +5,10 @@ written by the inference code of the release that trained the fold (its trainer'
 ``perform_actual_validation``: that fold's network, step 0.5, Gaussian, mirroring). :func:`detect_release`
 re-predicts those cases with that fold alone under each release's numerics (``numerics.releases``, run by
 ``validate.local.LocalPredictor``) and counts the voxels that differ: the releases answering every case
-exactly are the candidates. What the plans imply narrows it (:func:`plans_constraints`): plans without an
-``architecture`` block were written by nnU-Net 2.2.x or older, ResEnc plans by 2.4 or newer. Without
-validation predictions (or without the images they were made from) only that range is reported, and that
-the release cannot be decided.
+exactly are the candidates. What the plans imply narrows it (:func:`plans_constraints`): plans with an
+``architecture`` block were written by nnU-Net 2.3 or newer, ResEnc ones by 2.4 or newer (flat plans, from
+2.2.x or older, are read by every release and bound nothing). Without validation predictions (or without
+the images they were made from) only that range is reported, and that the release cannot be decided.
 
 The re-prediction runs on this machine's CPU; validation predictions made on a GPU (the usual case when
 training) carry that GPU's arithmetic, so no release may reproduce them exactly: then the differences are
@@ -32,22 +32,27 @@ from nnunet_triton.numerics.releases import RELEASES, numerics_names
 __all__ = ["ReleaseDetection", "detect_release", "plans_constraints"]
 
 _OLD_PLANS = ("2.0", "2.1", "2.2", "2.2.1")  # read the flat plans only (no 'architecture' block)
+_SITK_ENDINGS = (".nii.gz", ".nii", ".nrrd", ".mha")
 
 
 def plans_constraints(model_dir: str | Path) -> tuple[tuple[str, ...], list[str]]:
-    """The ``--numerics`` names the folder's plans allow, and why (one sentence per rule)."""
+    """The ``--numerics`` names the folder's plans allow, and why (one sentence per rule).
+
+    Plans with an ``architecture`` block were written by nnU-Net 2.3 or newer, which only newer releases
+    read; ResEnc plans with one (``nnUNetPlannerResEnc*``) by 2.4 or newer. Flat plans were written by 2.2.x
+    or older but every later release reads them too, so they bound nothing: the release that trained and
+    validated the folder may be any.
+    """
     plans = json.loads((Path(model_dir) / "plans.json").read_text())
     configurations = plans.get("configurations", {})
     names = list(numerics_names())
-    reasons = []
     if any("architecture" not in c for c in configurations.values() if "inherits_from" not in c):
-        names = [n for n in names if n in _OLD_PLANS]
-        reasons.append("the plans have no 'architecture' block: written by nnU-Net 2.2.x or older")
-    else:
-        names = [n for n in names if n not in _OLD_PLANS]
-        reasons.append("the plans have an 'architecture' block: written by nnU-Net 2.3 or newer")
+        return tuple(names), ["the plans have no 'architecture' block: planned by nnU-Net 2.2.x or older, "
+                              "and every later release reads such plans, so any release may have trained it"]
+    names = [n for n in names if n not in _OLD_PLANS]
+    reasons = ["the plans have an 'architecture' block: written by nnU-Net 2.3 or newer"]
     if "resenc" in str(plans.get("plans_name", "")).lower():
-        names = [n for n in names if n not in ("2.3",) + _OLD_PLANS]
+        names = [n for n in names if n != "2.3"]
         reasons.append(f"plans {plans.get('plans_name')!r} come from a ResEnc planner: nnU-Net 2.4 or newer")
     return tuple(names), reasons
 
@@ -140,8 +145,9 @@ def detect_release(model_dir: str | Path, images: str | Path | None, *,
     from nnunet_triton.validate.local import LocalPredictor
 
     model_dir = Path(model_dir)
-    if not (model_dir / "plans.json").is_file():
-        raise InputValidationError(f"--model-dir {model_dir}: no plans.json (not an nnU-Net results folder).")
+    for name in ("plans.json", "dataset.json"):
+        if not (model_dir / name).is_file():
+            raise InputValidationError(f"--model-dir {model_dir}: no {name} (not an nnU-Net results folder).")
     possible, reasons = plans_constraints(model_dir)
     if numerics is not None:
         possible = tuple(n for n in possible if n in numerics)
@@ -149,6 +155,9 @@ def detect_release(model_dir: str | Path, images: str | Path | None, *,
     if images is None:
         return detection
     ending = json.loads((model_dir / "dataset.json").read_text()).get("file_ending", ".nii.gz")
+    if ending not in _SITK_ENDINGS:
+        raise InputValidationError(f"--detect-release reads validation outputs with SimpleITK "
+                                   f"({', '.join(_SITK_ENDINGS)}); dataset.json's file_ending is {ending!r}.")
     cases = _validation_cases(model_dir, Path(images), ending)
     predictors: dict[int | str, Any] = {}
     for fold, case, prediction, files in cases:
