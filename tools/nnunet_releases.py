@@ -16,13 +16,14 @@ interrupted or concurrent run leaves no half-unpacked release.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from nnunet_triton.util.hashing import sha256_file
 
 __all__ = ["DEFAULT_CACHE", "RELEASES", "ensure_release", "release_path"]
 
@@ -51,14 +52,6 @@ def release_path(release: str, cache: Path | None = None) -> Path:
     if release not in RELEASES:
         raise ValueError(f"release must be one of {list(RELEASES)}, got {release!r}.")
     return (cache or cache_dir()) / release
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _download(release: str, into: Path) -> Path:
@@ -93,7 +86,7 @@ def _ensure_locked(release: str, target: Path) -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{release}-") as tmp:
         sdist = _download(release, Path(tmp))
-        actual = _sha256(sdist)
+        actual = sha256_file(sdist)
         if actual != RELEASES[release]:
             raise RuntimeError(f"nnunetv2-{release}.tar.gz has sha256 {actual}, expected "
                                f"{RELEASES[release]}; refusing it.")
