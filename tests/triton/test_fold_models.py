@@ -9,6 +9,7 @@ merged by the dynamic batcher into fewer executions.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +101,18 @@ def _stats(client: httpclient.InferenceServerClient, model: str, headers: dict[s
     return int(stats["inference_count"]), int(stats["execution_count"])
 
 
+def _stats_counting(client: httpclient.InferenceServerClient, model: str, headers: dict[str, str],
+                    inferences: int, timeout_s: float = 30.0) -> tuple[int, int]:
+    """The statistics once they count ``inferences``: Triton records an execution after the backend's
+    ``execute`` returns, which can be after the client already holds the responses."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counted = _stats(client, model, headers)
+        if counted[0] >= inferences or time.monotonic() > deadline:
+            return counted
+        time.sleep(0.02)
+
+
 def test_server_loads_fold_models_when_metadata_file_sits_at_repository_root(client, repository) -> None:
     assert (repository / "repository_metadata.json").is_file()
     assert all(client.is_model_ready(io_names.fold_model_name(f)) for f in FOLDS)
@@ -124,7 +137,8 @@ def test_concurrent_requests_run_in_fewer_executions_and_equal_nnunet_bitwise(se
     inferences_before, executions_before = _stats(client, model, server.control_headers)
     pending = [client.async_infer(model, _request(tiles[i:i + 1])) for i in range(TILE_BATCH)]
     outputs = np.concatenate([p.get_result().as_numpy(io_names.FOLD_OUTPUT) for p in pending])
-    inferences_after, executions_after = _stats(client, model, server.control_headers)
+    inferences_after, executions_after = _stats_counting(client, model, server.control_headers,
+                                                         inferences_before + TILE_BATCH)
     assert inferences_after - inferences_before == TILE_BATCH
     assert executions_after - executions_before < TILE_BATCH
     np.testing.assert_array_equal(outputs, _nnunet_tiles(networks[0], tiles))

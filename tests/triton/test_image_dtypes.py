@@ -8,6 +8,8 @@ int16 one identical to nnUNetPredictor. preprocess_model refuses a request carry
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from pipeline_support import SYNTHCT, cases, probe_case, reference, shared_server
@@ -71,8 +73,14 @@ def _routed(server, send) -> dict[str, int]:
     """Which endpoints answered the requests ``send()`` made (their success counts' increase)."""
     before = _executions(server.http_url, server.control_headers)
     send()
-    after = _executions(server.http_url, server.control_headers)
-    return {name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)}
+    deadline = time.monotonic() + 30.0
+    while True:  # Triton counts a request once it is released, which can follow the response
+        after = _executions(server.http_url, server.control_headers)
+        routed = {name: after[name] - before.get(name, 0) for name in after
+                  if after[name] != before.get(name, 0)}
+        if routed or time.monotonic() > deadline:
+            return routed
+        time.sleep(0.02)
 
 
 def test_native_dtype_off_sends_float32_to_the_fp32_endpoint(server):

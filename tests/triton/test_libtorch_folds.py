@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -153,8 +154,13 @@ def test_libtorch_batched_mode_merges_concurrent_requests_within_the_bound(batch
         expected = [np.concatenate([network(torch.from_numpy(t[None])).numpy() for t in tiles])
                     for tiles in requests]
     diff = max(float(np.abs(a - e).max()) for a, e in zip(answers, expected, strict=True))
-    after = _batch_sizes(batched_server)
-    sizes = {size: n - before.get(size, 0) for size, n in after.items() if n > before.get(size, 0)}
+    deadline = time.monotonic() + 30.0
+    while True:  # the backend reports an execution's statistics after it sent the responses
+        after = _batch_sizes(batched_server)
+        sizes = {size: n - before.get(size, 0) for size, n in after.items() if n > before.get(size, 0)}
+        if sum(size * n for size, n in sizes.items()) >= 2 * TILE_BATCH or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     report = REPO_ROOT / "build" / "reports" / "libtorch_batched.json"
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(json.dumps({"fold_logits_max_abs_diff": diff, "batch_sizes": sizes}, indent=2))
